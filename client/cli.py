@@ -1,0 +1,94 @@
+"""``mmfeat``: operator commands (stats, health) and the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from mmfeat.protos.errors import MmfeatError
+
+from .client import Client
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def render_stats(s: dict[str, Any]) -> str:
+    """The stats reply as a table for people."""
+    c = s["counters"]
+    lines = [
+        f"mmfeatd on {s['node']}  pid {s['pid']}  epoch {s['epoch']}  up {s['uptime_s']:.0f} s"
+        f"  clients {s['clients']}{'  DRAINING' if s['draining'] else ''}",
+        "",
+        f"{'pool':>4} {'kind':<5} {'dev':>3} {'handle':<8} {'MiB':>9} {'used':>9} {'free':>9} {'largest':>9} {'reserved':>8} {'published':>9}",
+    ]
+    for p in s["pools"]:
+        lines.append(
+            f"{p['pool']:>4} {p['kind']:<5} {p['device']:>3} {p['handle']:<8} {_mib(p['capacity']):>9} {_mib(p['used']):>9}"
+            f" {_mib(p['free']):>9} {_mib(p['largest_free']):>9} {p['leases']['RESERVED']:>8} {p['leases']['PUBLISHED']:>9}"
+        )
+    lines.append("")
+    counters = [(k, v) for k, v in c.items() if k != "fallbacks"]
+    for i in range(0, len(counters), 4):
+        lines.append("  ".join(f"{k}={v}" for k, v in counters[i : i + 4]))
+    fb = c.get("fallbacks") or {}
+    lines.append("fallbacks reported by clients: " + (", ".join(f"{k}={v}" for k, v in sorted(fb.items())) or "none"))
+    return "\n".join(lines)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    with Client(args.runtime_dir, timeout=args.timeout) as c:
+        if not args.watch:
+            s = c.stats()
+            print(json.dumps(s, indent=2, sort_keys=True) if args.json else render_stats(s))
+            return 0
+        try:
+            while True:
+                table = render_stats(c.stats())
+                # Home the cursor and clear to the end: the table redraws in place without flicker.
+                sys.stdout.write("\x1b[H\x1b[J" + table + f"\n\n(every {args.interval:g} s; Ctrl-C to stop)\n")
+                sys.stdout.flush()
+                time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    with Client(args.runtime_dir, timeout=args.timeout) as c:
+        reply = c.ping()
+    state = "draining" if reply.get("draining") else "ok"
+    print(f"mmfeatd {state}: node {reply['node']} epoch {reply['epoch']}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmfeat", description="mmfeat client tools")
+    p.add_argument("--runtime-dir", type=Path, default=None, help="daemon runtime dir (default: $MMFEAT_RUNTIME_DIR, ...)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("stats", help="pool usage, leases and counters")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--watch", action="store_true", help="redraw the table in place")
+    s.add_argument("--interval", type=float, default=1.0)
+    s.set_defaults(func=_stats)
+    h = sub.add_parser("health", help="exit 0 when the daemon answers")
+    h.set_defaults(func=_health)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MmfeatError as exc:
+        print(f"mmfeat {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

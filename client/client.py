@@ -1,0 +1,325 @@
+"""``mmfeat.client.Client``: put tensors into the node's pool, get them out zero-copy, acknowledge.
+
+One Client per process is the intended use (it is safe to share between threads); pool mappings are
+cached per process anyway, so short-lived Clients cost a hello and an fd handshake, not a remap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from mmfeat.protos.descriptor import Descriptor, DescriptorError, TensorSpec
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.messages import FallbackReason
+from mmfeat.protos.paths import control_endpoint, default_runtime_dir, fd_socket_path
+
+from . import mapping as mapping_cache
+from . import tensors as tz
+from .channel import ControlChannel
+from .fd_receiver import open_fd_channel
+
+log = logging.getLogger("mmfeat.client")
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MMFEAT_TIMEOUT", "5"))
+# Below this a pool round trip costs more than carrying the bytes in the message itself.
+# Measured with `mmfeat bench` (docs/benchmarks.md).
+DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(64 * 1024)))
+_FALLBACK_ERRORS = {ErrorCode.POOL_FULL: FallbackReason.POOL_FULL, ErrorCode.TOO_LARGE: FallbackReason.TOO_LARGE, ErrorCode.DRAINING: FallbackReason.DRAINING}
+_REPORT_EVERY_S = 1.0
+
+DescLike = Union[Descriptor, bytes]
+
+
+@dataclass
+class _Session:
+    token: bytes
+    epoch: int
+    node: str
+    fd_sock: socket.socket
+    pools: dict[int, dict[str, Any]]  # pool id -> pool info from hello
+    mappings: dict[int, Any]  # pool id -> mapping (HostMapping or CUDA mapping)
+
+    def alive(self) -> bool:
+        # The daemon never writes after the handshake, so readable means EOF: it exited or restarted.
+        readable, _, _ = select.select([self.fd_sock], [], [], 0)
+        return not readable
+
+    def close(self) -> None:
+        self.fd_sock.close()
+
+
+class Client:
+    def __init__(
+        self,
+        runtime_dir: Union[str, Path, None] = None,
+        endpoint: Optional[str] = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+        fallback: str = "inline",
+        name: str = "",
+    ) -> None:
+        if fallback not in ("inline", "error"):
+            raise ValueError("fallback must be 'inline' or 'error'")
+        self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
+        self.endpoint = endpoint or control_endpoint(self.runtime_dir)
+        self.timeout = timeout
+        self.inline_threshold = inline_threshold
+        self.fallback = fallback
+        self.name = name or f"pid{os.getpid()}"
+        self.fallbacks: Counter[str] = Counter()
+        self._unreported: Counter[str] = Counter()
+        self._last_report = 0.0
+        self._warned: set[str] = set()
+        self._channel = ControlChannel(self.endpoint, timeout)
+        self._session: Optional[_Session] = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the sockets. Pool mappings stay cached for the process; tensors already returned stay valid."""
+        self._report_fallbacks(force=True)
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        self._channel.close()
+
+    def _connect(self) -> _Session:
+        if self._session is not None:
+            if self._session.alive():
+                return self._session
+            self._session.close()
+            self._session = None
+        hello = self._channel.call("hello", name=self.name[:128], pid=os.getpid())
+        fd_sock, fds = open_fd_channel(fd_socket_path(self.runtime_dir), hello["session"], self.timeout)
+        pools = {p["pool"]: p for p in hello["pools"]}
+        mappings: dict[int, Any] = {}
+        try:
+            for pool_id, info in pools.items():
+                fd = fds.pop(pool_id, None)
+                mappings[pool_id] = self._map(info, fd)
+        except BaseException:
+            fd_sock.close()
+            raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        self._session = _Session(hello["session"], hello["epoch"], hello["node"], fd_sock, pools, mappings)
+        return self._session
+
+    def _map(self, info: dict[str, Any], fd: Optional[int]) -> Any:
+        if info["kind"] == "host":
+            if fd is None:
+                raise MmfeatError(ErrorCode.INTERNAL, f"daemon sent no fd for host pool {info['pool']}")
+            return mapping_cache.map_host_pool(self.endpoint, info["pool"], info["epoch"], fd, info["size"])
+        from .cuda_import import map_cuda_pool
+
+        return map_cuda_pool(self.endpoint, info, fd)
+
+    # --- producer ------------------------------------------------------------------------------
+
+    def put(self, tensor: torch.Tensor, consumers: int = 1) -> Descriptor:
+        """Place one tensor in the pool for ``consumers`` consumers; returns its descriptor."""
+        return self._put([tensor], consumers, many=False)
+
+    def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1) -> Descriptor:
+        """Place several tensors in one lease (one round trip, one publish, one ack per consumer)."""
+        if not tensors:
+            raise ValueError("put_many needs at least one tensor")
+        return self._put(list(tensors), consumers, many=True)
+
+    def _put(self, tensors: list[torch.Tensor], consumers: int, many: bool) -> Descriptor:
+        if not 1 <= consumers <= 4096:
+            raise ValueError("consumers must be between 1 and 4096")
+        specs, nbytes = tz.layout(tensors)
+        if nbytes < self.inline_threshold or nbytes == 0:
+            return self._inline(tensors, specs, nbytes, many, FallbackReason.BELOW_THRESHOLD, "")
+        device = next((t.device.index for t in tensors if t.is_cuda), None)
+        try:
+            session = self._connect()
+            reply = self._reserve(session, nbytes, consumers, device)
+        except DaemonUnavailableError as exc:
+            return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
+        except MmfeatError as exc:
+            reason = _FALLBACK_ERRORS.get(exc.code)
+            if reason is None:
+                raise
+            return self._fallback_or_raise(tensors, specs, nbytes, many, reason, exc)
+        lease = reply["lease"]
+        pool = session.pools[lease["pool"]]
+        desc = Descriptor(
+            kind=pool["kind"],
+            tensors=tuple(specs),
+            nbytes=nbytes,
+            many=many,
+            node=session.node,
+            endpoint=self.endpoint,
+            device=pool["device"],
+            pool=lease["pool"],
+            epoch=lease["epoch"],
+            lease=lease["lease"],
+            gen=lease["gen"],
+            token=lease["token"],
+            offset=lease["offset"],
+        )
+        try:
+            mapping = session.mappings[desc.pool]
+            dst = mapping.tensor[desc.offset : desc.offset + nbytes]
+            tz.write_packed(dst, tensors, specs)
+            if dst.is_cuda:
+                # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the
+                # copy must be complete before the descriptor exists (see research/cuda_vmm.md).
+                torch.cuda.current_stream(dst.device).synchronize()
+            self._channel.call("publish", lease=desc.lease_ref())
+        except BaseException:
+            self._release_quietly(desc)
+            raise
+        self._report_fallbacks()
+        return desc
+
+    def _reserve(self, session: _Session, nbytes: int, consumers: int, device: Optional[int]) -> dict[str, Any]:
+        fields: dict[str, Any] = {"session": session.token, "nbytes": nbytes, "consumers": consumers}
+        if device is not None and any(p["device"] == device for p in session.pools.values()):
+            fields["device"] = device
+        try:
+            return self._channel.call("reserve", **fields)
+        except MmfeatError as exc:
+            if exc.code is not ErrorCode.NOT_FOUND or "session" not in exc.message:
+                raise
+        # The daemon restarted between our hello and this reserve: one fresh session, one retry.
+        self._session = None
+        session = self._connect()
+        fields["session"] = session.token
+        return self._channel.call("reserve", **fields)
+
+    def _release_quietly(self, desc: Descriptor) -> None:
+        try:
+            self._channel.call("release", lease=desc.lease_ref())
+        except MmfeatError:
+            pass  # it expires after reserve_ttl anyway
+
+    def _fallback_or_raise(
+        self, tensors: list[torch.Tensor], specs: list[TensorSpec], nbytes: int, many: bool, reason: FallbackReason, exc: Exception
+    ) -> Descriptor:
+        if self.fallback == "error":
+            raise exc
+        return self._inline(tensors, specs, nbytes, many, reason, str(exc))
+
+    def _inline(
+        self, tensors: list[torch.Tensor], specs: list[TensorSpec], nbytes: int, many: bool, reason: FallbackReason, detail: str
+    ) -> Descriptor:
+        self.fallbacks[reason.value] += 1
+        self._unreported[reason.value] += 1
+        if reason.value not in self._warned:
+            self._warned.add(reason.value)
+            if reason is FallbackReason.BELOW_THRESHOLD:
+                log.info("features under %d B travel inline (inline_threshold); counted in stats", self.inline_threshold)
+            else:
+                log.warning("mmfeat pool unavailable (%s: %s); sending features inline. Warned once; counted in stats", reason.value, detail)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        tz.write_packed(buf, [t.cpu() for t in tensors], specs)
+        self._report_fallbacks()
+        return Descriptor(kind="inline", tensors=tuple(specs), nbytes=nbytes, many=many, inline=buf.numpy().tobytes())
+
+    def _report_fallbacks(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._unreported or (not force and now - self._last_report < _REPORT_EVERY_S):
+            return
+        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
+            return  # keep counting; report once the daemon is back
+        for reason, n in self._unreported.items():
+            if force:  # closing: a cast would die with the socket
+                try:
+                    self._channel.call("fallback", timeout=min(self.timeout, 0.5), reason=reason, count=n)
+                except MmfeatError:
+                    pass
+            else:
+                self._channel.cast("fallback", reason=reason, count=n)
+        self._unreported.clear()
+        self._last_report = now
+
+    # --- consumer ------------------------------------------------------------------------------
+
+    def get(self, desc: DescLike, copy: bool = False, verify: bool = True) -> Union[torch.Tensor, list[torch.Tensor]]:
+        """The tensor (or list, for put_many) a descriptor names.
+
+        Zero-copy by default: a view into the shared pool, valid until this consumer acks. ``copy=True``
+        returns private tensors. ``verify`` asks the daemon that the lease is still live (one round trip)
+        so a descriptor that outlived its lease raises STALE or NOT_FOUND instead of reading reused memory.
+        """
+        desc = _as_descriptor(desc)
+        if desc.is_inline:
+            assert desc.inline is not None
+            # One copy, so the tensors own writable memory; an empty feature has no buffer to wrap.
+            base = torch.frombuffer(bytearray(desc.inline), dtype=torch.uint8) if desc.nbytes else torch.empty(0, dtype=torch.uint8)
+            out = [tz.view(base, spec) for spec in desc.tensors]
+            return out if desc.many else out[0]
+        session = self._connect()
+        if desc.node != session.node:
+            raise MmfeatError(ErrorCode.FORBIDDEN, f"descriptor is from node {desc.node!r}; this client's daemon is {session.node!r}")
+        if desc.epoch != session.epoch:
+            raise MmfeatError(
+                ErrorCode.STALE, f"descriptor is from daemon epoch {desc.epoch}, the daemon is now epoch {session.epoch}: it restarted; re-send the feature"
+            )
+        pool = session.pools.get(desc.pool)
+        if pool is None or desc.offset + desc.nbytes > pool["size"]:
+            raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
+        if verify:
+            self._channel.call("lookup", lease=desc.lease_ref())
+        base = session.mappings[desc.pool].tensor[desc.offset : desc.offset + desc.nbytes]
+        out = [tz.view(base, spec) for spec in desc.tensors]
+        if copy:
+            out = [t.clone() for t in out]
+        return out if desc.many else out[0]
+
+    def ack(self, desc: DescLike, count: int = 1) -> dict[str, Any]:
+        """Tell the daemon ``count`` consumers are done with this feature. Views from get() must not be
+        read afterwards: the memory may be reused at once."""
+        desc = _as_descriptor(desc)
+        if desc.is_inline:
+            return {"remaining": 0, "freed": True, "over_acked": 0}
+        reply = self._channel.call("ack", lease=desc.lease_ref(), count=count)
+        if reply["over_acked"]:
+            log.warning("lease %d was acked %d time(s) more than its consumer count", desc.lease, reply["over_acked"])
+        return {k: reply[k] for k in ("remaining", "freed", "over_acked")}
+
+    def release(self, desc: DescLike) -> None:
+        """Producer only: cancel a feature that was never dispatched to its consumers."""
+        desc = _as_descriptor(desc)
+        if not desc.is_inline:
+            self._channel.call("release", lease=desc.lease_ref())
+
+    # --- operators -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        reply = self._channel.call("stats")
+        return {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
+
+    def ping(self) -> dict[str, Any]:
+        return self._channel.call("ping")
+
+
+def _as_descriptor(desc: DescLike) -> Descriptor:
+    if isinstance(desc, Descriptor):
+        return desc
+    if isinstance(desc, (bytes, bytearray, memoryview)):
+        try:
+            return Descriptor.from_bytes(bytes(desc))
+        except DescriptorError as exc:
+            raise MmfeatError(ErrorCode.BAD_REQUEST, str(exc)) from None
+    raise TypeError(f"expected a Descriptor or its bytes, got {type(desc).__name__}")

@@ -1,0 +1,70 @@
+"""Between torch tensors and descriptor tensor specs: dtype names, packing layout, views."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from mmfeat.protos.descriptor import TensorSpec
+from mmfeat.protos.dtypes import DTYPE_SIZES
+
+# Every packed tensor starts on this boundary, as leases do, so any dtype view is aligned.
+PACK_ALIGNMENT = 256
+
+_TO_TORCH: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
+_FROM_TORCH: dict[torch.dtype, str] = {dt: name for name, dt in _TO_TORCH.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _FROM_TORCH[dtype]
+    except KeyError:
+        raise TypeError(f"mmfeat cannot carry dtype {dtype}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TO_TORCH[name]
+    except KeyError:
+        raise TypeError(f"this torch has no dtype {name!r}") from None
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], int]:
+    """Specs for ``tensors`` packed contiguously one after another, and the total size in bytes."""
+    specs, offset = [], 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+        offset = -(-offset // PACK_ALIGNMENT) * PACK_ALIGNMENT
+        shape = tuple(t.shape)
+        strides, step = [], 1
+        for d in reversed(shape):  # the contiguous strides put() will write
+            strides.append(step)
+            step *= max(d, 1)
+        specs.append(TensorSpec(dtype_name(t.dtype), shape, tuple(reversed(strides)), offset))
+        offset += t.numel() * t.element_size()
+    return specs, offset
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of ``t`` made contiguous (one copy only when it was not already)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def write_packed(dst: torch.Tensor, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> None:
+    """Copy each tensor's bytes into ``dst`` (a uint8 tensor over the lease) at its spec's offset."""
+    for t, spec in zip(tensors, specs):
+        n = t.numel() * t.element_size()
+        if n:
+            dst[spec.offset : spec.offset + n].copy_(as_bytes(t))
+
+
+def view(base: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The tensor ``spec`` names inside ``base`` (a uint8 tensor over the lease), without copying."""
+    dtype = torch_dtype(spec.dtype)
+    extent = spec.extent
+    if extent == 0:
+        return torch.empty(spec.shape, dtype=dtype, device=base.device)
+    flat = base[spec.offset : spec.offset + extent].view(dtype)
+    return flat.as_strided(spec.shape, spec.strides)

@@ -1,0 +1,25 @@
+"""Choose and create the pools for the configured backend."""
+
+from __future__ import annotations
+
+import logging
+
+from .config import Settings
+from .pools import Pool, PoolCreateError
+from .pools.host import HostPool
+
+log = logging.getLogger("mmfeatd")
+
+
+def create_pools(settings: Settings) -> list[Pool]:
+    """The pools for ``settings.backend``; raises PoolCreateError saying what is missing."""
+    size = settings.pool_mb << 20
+    backend = settings.backend
+    if backend == "cuda_vmm":
+        raise PoolCreateError("backend cuda_vmm is not built yet; use host")
+    pool = HostPool(0, size)
+    log.info(
+        "host pool: %d MiB of populated memfd memory shared as a POSIX FD; a full pool falls back to inline transport",
+        settings.pool_mb,
+    )
+    return [pool]

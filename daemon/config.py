@@ -1,0 +1,161 @@
+"""mmfeatd settings: defaults, then the TOML file, then MMFEAT_* environment variables, then flags.
+
+Each effective value remembers where it came from, for ``mmfeatd --print-config``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mmfeat.protos.paths import default_runtime_dir
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "MMFEAT_"
+
+# name -> one line of help; the order here is the order of --print-config and deploy/mmfeatd.toml.
+HELP: dict[str, str] = {
+    "runtime_dir": "directory holding mmfeatd.sock and mmfeatd.fds.sock",
+    "backend": "auto (cuda_vmm where a CUDA device is usable, else host), host, or cuda_vmm",
+    "pool_mb": "pool size in MiB (per device for cuda_vmm)",
+    "devices": "CUDA device ordinals that get a pool (cuda_vmm only)",
+    "nnodes": "nodes in the NVLink domain; > 1 asks for FABRIC handles where the fabric probe passes",
+    "reserve_ttl": "seconds a RESERVED lease may stay unpublished before it is freed",
+    "ack_ttl": "seconds a PUBLISHED lease may wait for its acks before it is freed",
+    "max_leases": "live leases at most, over all pools",
+    "allowed_uids": "uids that may receive pool handles; empty means the daemon's own uid and root",
+    "allowed_gids": "gids whose members may receive pool handles",
+    "socket_mode": "file mode of both socket files (octal in TOML as a string, e.g. \"0660\")",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "metrics_port": "port of the Prometheus endpoint; 0 turns it off",
+    "metrics_host": "address the Prometheus endpoint binds to",
+    "drain_timeout": "seconds SIGTERM waits for published leases to be acknowledged",
+    "node_id": "name of this node in descriptors; default: the host name",
+}
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    runtime_dir: Path = Field(default_factory=default_runtime_dir)
+    backend: Literal["auto", "host", "cuda_vmm"] = "auto"
+    pool_mb: int = Field(1024, ge=1, le=1 << 22)
+    devices: list[int] = Field(default_factory=lambda: [0])
+    nnodes: int = Field(1, ge=1, le=1024)
+    reserve_ttl: float = Field(30.0, gt=0, le=86400)
+    ack_ttl: float = Field(300.0, gt=0, le=7 * 86400)
+    max_leases: int = Field(65536, ge=1, le=1 << 24)
+    allowed_uids: list[int] = Field(default_factory=list)
+    allowed_gids: list[int] = Field(default_factory=list)
+    socket_mode: int = Field(0o660, ge=0, le=0o777)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    drain_timeout: float = Field(10.0, ge=0, le=3600)
+    node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: list[int]) -> list[int]:
+        if not v or any(d < 0 for d in v) or len(set(v)) != len(v):
+            raise ValueError("devices must be a non-empty list of distinct ordinals >= 0")
+        return v
+
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _octal(cls, v: Any) -> Any:
+        return int(v, 8) if isinstance(v, str) else v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    def uid_allowed(self, uid: int, gids: set[int]) -> bool:
+        uids = set(self.allowed_uids) or {os.getuid(), 0}
+        return uid in uids or bool(gids & set(self.allowed_gids))
+
+
+class ConfigError(Exception):
+    """A setting that cannot be used; the message names it and where it came from."""
+
+
+# Fields the daemon may change on SIGHUP without a restart.
+RELOADABLE = ("log_level", "reserve_ttl", "ack_ttl", "allowed_uids", "allowed_gids")
+
+
+def _from_env(name: str, raw: str) -> Any:
+    annotation = Settings.model_fields[name].annotation
+    if annotation == list[int]:
+        return [int(x) for x in raw.replace(" ", "").split(",") if x]
+    return raw
+
+
+def load_settings(
+    config_file: Optional[Path] = None,
+    flags: Optional[Mapping[str, Any]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> tuple[Settings, dict[str, str]]:
+    """Merge the four layers; return the settings and, per setting, where its value came from."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {name: "default" for name in HELP}
+    if config_file is not None:
+        try:
+            data = tomllib.loads(Path(config_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc}") from None
+        section = data.get("mmfeatd", data)
+        for name, value in section.items():
+            if name not in HELP:
+                raise ConfigError(f"unknown setting {name!r} in {config_file}; known: {', '.join(HELP)}")
+            values[name] = value
+            sources[name] = f"file {config_file}"
+    for name in HELP:
+        var = ENV_PREFIX + name.upper()
+        if var in environ:
+            try:
+                values[name] = _from_env(name, environ[var])
+            except ValueError:
+                raise ConfigError(f"invalid setting {name} from environment {var}={environ[var]!r}") from None
+            sources[name] = f"environment {var}"
+    for name, value in (flags or {}).items():
+        if value is not None:
+            values[name] = value
+            sources[name] = "flag"
+    try:
+        settings = Settings(**values)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            name = str(err["loc"][0]) if err["loc"] else "?"
+            lines.append(f"invalid setting {name} (from {sources.get(name, 'default')}): {err['msg']}")
+        raise ConfigError("; ".join(lines)) from None
+    return settings, sources
+
+
+def render_config(settings: Settings, sources: Mapping[str, str]) -> str:
+    """The effective settings as TOML, each with its help and where it came from."""
+    out = ["[mmfeatd]"]
+    for name, help_text in HELP.items():
+        value = getattr(settings, name)
+        if name == "socket_mode":
+            rendered = f'"{value:04o}"'
+        elif isinstance(value, (Path, str)):
+            rendered = f'"{value}"'
+        elif isinstance(value, list):
+            rendered = "[" + ", ".join(str(v) for v in value) + "]"
+        else:
+            rendered = str(value)
+        out.append(f"# {help_text}")
+        out.append(f"{name} = {rendered}  # from {sources[name]}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,113 @@
+"""The daemon's state: pools, their allocators, the ledger, sessions, counters. No sockets here."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Optional
+
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+
+from .allocator import Allocator
+from .config import Settings
+from .counters import Counters
+from .ledger import FreeObserver, Ledger
+from .pools import Pool
+from .sessions import PeerCred, SessionTable
+
+
+class DaemonCore:
+    def __init__(self, settings: Settings, pools: list[Pool], observer: Optional[FreeObserver] = None) -> None:
+        self.settings = settings
+        self.pools = {p.pool_id: p for p in pools}
+        # Changes every start, so descriptors from a previous run are refused as STALE.
+        self.epoch = secrets.randbits(62)
+        self.started = time.monotonic()
+        self.counters = Counters()
+        self.sessions = SessionTable()
+        self.draining = False
+        self.endpoint = ""
+        self.ledger = Ledger(
+            {p.pool_id: Allocator(p.size) for p in pools},
+            self.epoch,
+            self.counters,
+            settings.reserve_ttl,
+            settings.ack_ttl,
+            settings.max_leases,
+            observer,
+        )
+
+    def pool_for(self, device: Optional[int]) -> int:
+        if device is None:
+            return next(iter(self.pools))
+        for pool in self.pools.values():
+            if pool.device == device:
+                return pool.pool_id
+        devices = sorted(p.device for p in self.pools.values())
+        raise MmfeatError(ErrorCode.NOT_FOUND, f"no pool on device {device}; this daemon has pools on {devices}")
+
+    def authorize_fds(self, token: bytes, peer: PeerCred) -> tuple[list[int], list[int]]:
+        """Called by the fd channel: check the peer and its session, attach it, return the fds to send."""
+        from .fd_channel import peer_groups
+
+        groups = peer_groups(peer.pid) | {peer.gid}
+        if not self.settings.uid_allowed(peer.uid, groups):
+            raise MmfeatError(
+                ErrorCode.FORBIDDEN,
+                f"uid {peer.uid} may not use this daemon; add it to allowed_uids or its group to allowed_gids",
+            )
+        session = self.sessions.get(token)
+        if session is None:
+            raise MmfeatError(ErrorCode.NOT_FOUND, "unknown session: send hello on the control socket first")
+        if session.attached:
+            raise MmfeatError(ErrorCode.BAD_STATE, "this session already has an fd channel")
+        session.peer = peer
+        ids, fds = [], []
+        for pool in self.pools.values():
+            fd = pool.export_fd()
+            if fd is not None:
+                ids.append(pool.pool_id)
+                fds.append(fd)
+        return ids, fds
+
+    def end_session(self, token: bytes) -> int:
+        """The session's fd channel closed: its process is gone or done. Reclaim what it left RESERVED."""
+        self.sessions.close(token)
+        return self.ledger.reclaim_session(token, time.monotonic())
+
+    def tick(self, now: float) -> None:
+        self.ledger.expire(now)
+        for token in self.sessions.unattached_older_than(now - 30.0):
+            self.sessions.close(token)
+
+    def stats(self) -> dict:
+        pools = []
+        for pool in self.pools.values():
+            alloc = self.ledger.allocators[pool.pool_id]
+            pools.append(
+                {
+                    "pool": pool.pool_id,
+                    "kind": pool.kind,
+                    "device": pool.device,
+                    "handle": pool.handle,
+                    "capacity": alloc.capacity,
+                    "used": alloc.used,
+                    "free": alloc.free,
+                    "largest_free": alloc.largest_free,
+                    "leases": self.ledger.count_by_state(pool.pool_id),
+                    "bytes": self.ledger.bytes_by_state(pool.pool_id),
+                }
+            )
+        return {
+            "node": self.settings.node_id,
+            "pid": os.getpid(),
+            "epoch": self.epoch,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "draining": self.draining,
+            "clients": self.sessions.attached_count(),
+            "sessions": len(self.sessions),
+            "leases": self.ledger.count_by_state(),
+            "pools": pools,
+            "counters": self.counters.as_dict(),
+        }

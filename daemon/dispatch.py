@@ -1,0 +1,66 @@
+"""Turn one request frame into one reply frame. Never raises: every failure becomes a typed error reply."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from mmfeat.protos.codec import DecodeError, decode, encode
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.messages import REQUEST_MODELS
+from mmfeat.protos.version import PROTOCOL_VERSION
+
+from .core import DaemonCore
+from .handlers import HANDLERS
+
+log = logging.getLogger("mmfeatd.dispatch")
+
+_ENVELOPE = ("v", "op", "id")
+
+
+def _error(req_id: Any, code: ErrorCode, message: str) -> bytes:
+    return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "error": {"code": code.value, "message": message}})
+
+
+def _request_id(msg: dict) -> Optional[Any]:
+    rid = msg.get("id")
+    # Echo the id only when it is a type the client can match on; anything else is replaced by None.
+    return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
+
+
+def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None) -> bytes:
+    now = time.monotonic() if now is None else now
+    try:
+        msg = decode(frame)
+    except DecodeError as exc:
+        core.counters.bad_requests += 1
+        code = ErrorCode.TOO_LARGE if "exceeds" in str(exc) else ErrorCode.BAD_REQUEST
+        return _error(None, code, str(exc))
+    req_id = _request_id(msg)
+    if msg.get("v") != PROTOCOL_VERSION:
+        core.counters.bad_requests += 1
+        return _error(req_id, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}; upgrade the client or daemon")
+    op = msg.get("op")
+    model = REQUEST_MODELS.get(op) if isinstance(op, str) else None
+    if model is None:
+        core.counters.bad_requests += 1
+        return _error(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
+    try:
+        req = model.model_validate({k: v for k, v in msg.items() if k not in _ENVELOPE})
+    except ValidationError as exc:
+        core.counters.bad_requests += 1
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "request"
+        return _error(req_id, ErrorCode.BAD_REQUEST, f"{op}: field {where}: {first['msg']} ({exc.error_count()} error(s))")
+    try:
+        body = HANDLERS[op](core, req, now)
+    except MmfeatError as exc:
+        return _error(req_id, exc.code, exc.message)
+    except Exception:
+        log.exception("handler for %s failed", op)
+        return _error(req_id, ErrorCode.INTERNAL, f"{op} failed inside the daemon; see its log")
+    body.update(v=PROTOCOL_VERSION, id=req_id, ok=True)
+    return encode(body)

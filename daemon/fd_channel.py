@@ -1,0 +1,149 @@
+"""The fd channel: an AF_UNIX SOCK_SEQPACKET socket that hands pool fds to clients with SCM_RIGHTS.
+
+ZeroMQ cannot carry fds, and pidfd_getfd needs ptrace rights, so handles go here. A client connects,
+sends ``{v, session}`` (msgpack), and gets ``{v, ok, pools}`` with one fd per POSIX-fd pool attached.
+The connection then stays open for the life of the client: its EOF is the signal that the process died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import msgpack
+
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.version import PROTOCOL_VERSION
+
+from .sessions import PeerCred
+
+log = logging.getLogger("mmfeatd.fds")
+
+_MAX_HELLO = 1024
+_HANDSHAKE_TIMEOUT_S = 10.0
+
+# authorize(session_token, peer) -> (pool ids, fds to send); raises MmfeatError to refuse.
+Authorize = Callable[[bytes, PeerCred], tuple[list[int], list[int]]]
+OnClose = Callable[[bytes], None]
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    peer: PeerCred
+    opened: float
+    session: Optional[bytes] = None
+
+
+def peer_groups(pid: int) -> set[int]:
+    """Primary and supplementary gids of a live process (SO_PEERCRED gives only the primary one)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+class FdChannel:
+    def __init__(self, path: Path, mode: int, authorize: Authorize, on_close: OnClose) -> None:
+        self.path = path
+        self._authorize = authorize
+        self._on_close = on_close
+        self._conns: dict[int, _Conn] = {}
+        if path.exists() or path.is_symlink():
+            path.unlink()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.setblocking(False)
+        self.listener.bind(str(path))
+        os.chmod(path, mode)
+        self.listener.listen(128)
+
+    def connections(self) -> list[socket.socket]:
+        return [c.sock for c in self._conns.values()]
+
+    def accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        self._conns[sock.fileno()] = _Conn(sock, PeerCred(pid, uid, gid), time.monotonic())
+
+    def on_readable(self, fileno: int) -> None:
+        conn = self._conns.get(fileno)
+        if conn is None:
+            return
+        try:
+            data = conn.sock.recv(_MAX_HELLO)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data or conn.session is not None:
+            # EOF, or bytes after the handshake (which the protocol does not allow): either way the
+            # client is done with us.
+            self._drop(fileno)
+            return
+        self._handshake(fileno, conn, data)
+
+    def _handshake(self, fileno: int, conn: _Conn, data: bytes) -> None:
+        try:
+            try:
+                msg = msgpack.unpackb(data, raw=False, max_ext_len=0)
+            except Exception:
+                raise MmfeatError(ErrorCode.BAD_REQUEST, "fd channel hello is not msgpack") from None
+            if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION:
+                raise MmfeatError(ErrorCode.UNSUPPORTED_VERSION, f"fd channel speaks version {PROTOCOL_VERSION}")
+            token = msg.get("session")
+            if not isinstance(token, bytes):
+                raise MmfeatError(ErrorCode.BAD_REQUEST, "fd channel hello needs 'session' (bytes from the hello reply)")
+            pool_ids, fds = self._authorize(token, conn.peer)
+        except MmfeatError as exc:
+            log.info("refused fd channel from pid %d uid %d: %s", conn.peer.pid, conn.peer.uid, exc)
+            self._send(conn, {"v": PROTOCOL_VERSION, "ok": False, "error": exc.to_wire()}, [])
+            self._drop(fileno, notify=False)
+            return
+        conn.session = token
+        if not self._send(conn, {"v": PROTOCOL_VERSION, "ok": True, "pools": pool_ids}, fds):
+            self._drop(fileno)
+
+    def _send(self, conn: _Conn, reply: dict, fds: list[int]) -> bool:
+        try:
+            socket.send_fds(conn.sock, [msgpack.packb(reply, use_bin_type=True)], fds)
+            return True
+        except OSError as exc:
+            log.info("fd channel send to pid %d failed: %s", conn.peer.pid, exc)
+            return False
+
+    def close_stale_handshakes(self) -> None:
+        cutoff = time.monotonic() - _HANDSHAKE_TIMEOUT_S
+        for fileno, conn in list(self._conns.items()):
+            if conn.session is None and conn.opened < cutoff:
+                self._drop(fileno, notify=False)
+
+    def _drop(self, fileno: int, notify: bool = True) -> None:
+        conn = self._conns.pop(fileno, None)
+        if conn is None:
+            return
+        conn.sock.close()
+        if notify and conn.session is not None:
+            self._on_close(conn.session)
+
+    def close(self) -> None:
+        for fileno in list(self._conns):
+            self._drop(fileno, notify=False)
+        self.listener.close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,121 @@
+"""One handler per op, in one explicit table. Each takes the validated request and returns the reply body.
+
+A handler raises MmfeatError for a refusal; daemon/dispatch.py turns it into a typed error reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from mmfeat.protos import messages as m
+from mmfeat.protos.codec import MAX_REQUEST_BYTES
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+
+from .core import DaemonCore
+
+Reply = dict[str, Any]
+
+
+def _lease_reply(core: DaemonCore, lease: Any) -> Reply:
+    return {
+        "lease": {
+            "pool": lease.pool_id,
+            "epoch": core.epoch,
+            "lease": lease.lease_id,
+            "gen": lease.gen,
+            "token": lease.token,
+            "offset": lease.offset,
+            "nbytes": lease.nbytes,
+        },
+        "state": lease.state.value,
+        "consumers": lease.consumers,
+        "remaining": lease.remaining,
+    }
+
+
+def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> Reply:
+    """Open a session; the client then presents ``session`` on the fd channel to receive pool fds."""
+    session = core.sessions.open(req.name, req.pid, now)
+    return {
+        "session": session.token,
+        "epoch": core.epoch,
+        "node": core.settings.node_id,
+        "endpoint": core.endpoint,
+        "pools": [p.info(core.epoch) for p in core.pools.values()],
+        "reserve_ttl": core.ledger.reserve_ttl,
+        "ack_ttl": core.ledger.ack_ttl,
+        "max_request_bytes": MAX_REQUEST_BYTES,
+    }
+
+
+def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> Reply:
+    """Allocate a slice for ``nbytes`` that ``consumers`` consumers will acknowledge."""
+    if core.draining:
+        raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; send this feature inline")
+    session = core.sessions.get(req.session)
+    if session is None:
+        raise MmfeatError(ErrorCode.NOT_FOUND, "unknown session (expired, or from before a daemon restart): reconnect")
+    if not session.attached:
+        raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before reserving, so a crash frees your leases")
+    pool_id = core.pool_for(req.device)
+    lease = core.ledger.reserve(req.session, pool_id, req.nbytes, req.consumers, now)
+    return _lease_reply(core, lease)
+
+
+def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> Reply:
+    """The producer finished writing: the lease becomes readable and its ack deadline starts."""
+    return _lease_reply(core, core.ledger.publish(req.lease, now))
+
+
+def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Reply:
+    """``count`` consumers are done; acks beyond what the lease expects are counted, not applied."""
+    result = core.ledger.ack(req.lease, req.count, now)
+    return {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked}
+
+
+def release(core: DaemonCore, req: m.ReleaseRequest, now: float) -> Reply:
+    """The producer cancels a lease it never dispatched; it is freed at once."""
+    core.ledger.release(req.lease, now)
+    return {"freed": True}
+
+
+def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> Reply:
+    """Is this lease live, with this generation and token? Consumers verify before reading."""
+    return _lease_reply(core, core.ledger.lookup(req.lease))
+
+
+def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> Reply:
+    """A client sent ``count`` features inline for ``reason``; counted for operators."""
+    fb = core.counters.fallbacks
+    fb[req.reason.value] = fb.get(req.reason.value, 0) + req.count
+    return {}
+
+
+def ping(core: DaemonCore, req: m.EmptyRequest, now: float) -> Reply:
+    return {"epoch": core.epoch, "node": core.settings.node_id, "draining": core.draining}
+
+
+def stats(core: DaemonCore, req: m.EmptyRequest, now: float) -> Reply:
+    return core.stats()
+
+
+def pool_info(core: DaemonCore, req: m.EmptyRequest, now: float) -> Reply:
+    return {"epoch": core.epoch, "pools": [p.info(core.epoch) for p in core.pools.values()]}
+
+
+Handler = Callable[[DaemonCore, Any, float], Reply]
+
+HANDLERS: dict[str, Handler] = {
+    "hello": hello,
+    "reserve": reserve,
+    "publish": publish,
+    "ack": ack,
+    "release": release,
+    "lookup": lookup,
+    "fallback": fallback,
+    "ping": ping,
+    "stats": stats,
+    "pool_info": pool_info,
+}
+
+assert HANDLERS.keys() == m.REQUEST_MODELS.keys(), "every op needs a model and a handler"

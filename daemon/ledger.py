@@ -1,0 +1,292 @@
+"""Leases: who holds which slice of which pool, in what state, until when.
+
+A lease goes RESERVED -> PUBLISHED -> freed. It is freed when its last expected ack arrives, when the
+producer releases it, when its deadline passes, or (RESERVED only) when its producer's session ends.
+Lease ids index a slot table; a slot's generation is bumped every time it is reused, so a descriptor
+that outlived its lease is told STALE instead of touching someone else's feature.
+"""
+
+from __future__ import annotations
+
+import heapq
+import hmac
+import secrets
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Optional
+
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
+
+from .allocator import Allocator
+from .counters import Counters
+
+
+class LeaseState(str, Enum):
+    RESERVED = "RESERVED"
+    PUBLISHED = "PUBLISHED"
+
+
+class EndReason(str, Enum):
+    ACKED = "all acks received"
+    RELEASED = "released by its producer"
+    EXPIRED_RESERVED = "expired unpublished after reserve_ttl"
+    EXPIRED_PUBLISHED = "expired waiting for acks after ack_ttl"
+    RECLAIMED = "reclaimed: its producer disconnected before publishing"
+    SHUTDOWN = "cut at daemon shutdown"
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    gen: int
+    pool_id: int
+    offset: int
+    nbytes: int
+    token: bytes
+    consumers: int
+    remaining: int
+    state: LeaseState
+    session: bytes
+    deadline: float
+    reserved_at: float
+    published_at: float = 0.0
+
+
+@dataclass
+class _Slot:
+    gen: int = 0
+    lease: Optional[Lease] = None
+    ended: Optional[EndReason] = None
+
+
+@dataclass(frozen=True)
+class AckResult:
+    remaining: int
+    freed: bool
+    over_acked: int
+
+
+# Called as observer(lease, reason, now) whenever a lease is freed; metrics hang off it.
+FreeObserver = Callable[[Lease, EndReason, float], None]
+
+
+class Ledger:
+    def __init__(
+        self,
+        allocators: dict[int, Allocator],
+        epoch: int,
+        counters: Counters,
+        reserve_ttl: float,
+        ack_ttl: float,
+        max_leases: int,
+        observer: Optional[FreeObserver] = None,
+    ) -> None:
+        self.allocators = allocators
+        self.epoch = epoch
+        self.counters = counters
+        self.reserve_ttl = reserve_ttl
+        self.ack_ttl = ack_ttl
+        self.max_leases = max_leases
+        self._observer = observer
+        self._slots: list[_Slot] = []
+        self._free_slots: list[int] = []
+        self._deadlines: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen); lazily invalidated
+        self._reserved_by_session: dict[bytes, set[int]] = {}
+        self.live = 0
+
+    # --- the lifecycle -------------------------------------------------------------------------
+
+    def reserve(self, session: bytes, pool_id: int, nbytes: int, consumers: int, now: float) -> Lease:
+        alloc = self.allocators[pool_id]
+        if nbytes > alloc.capacity:
+            self.counters.too_large += 1
+            raise MmfeatError(
+                ErrorCode.TOO_LARGE,
+                f"{nbytes} B is larger than pool {pool_id} ({alloc.capacity} B); send it inline or raise pool_mb",
+            )
+        if self.live >= self.max_leases:
+            self.counters.pool_full += 1
+            raise MmfeatError(ErrorCode.POOL_FULL, f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
+        offset = alloc.alloc(nbytes)
+        if offset is None:
+            self.counters.pool_full += 1
+            raise MmfeatError(
+                ErrorCode.POOL_FULL,
+                f"pool {pool_id} has no free range of {nbytes} B (free {alloc.free} B, largest {alloc.largest_free} B); "
+                "fall back to inline or wait for acks",
+            )
+        lease_id = self._take_slot()
+        slot = self._slots[lease_id]
+        lease = Lease(
+            lease_id=lease_id,
+            gen=slot.gen,
+            pool_id=pool_id,
+            offset=offset,
+            nbytes=nbytes,
+            token=secrets.token_bytes(TOKEN_BYTES),
+            consumers=consumers,
+            remaining=consumers,
+            state=LeaseState.RESERVED,
+            session=session,
+            deadline=now + self.reserve_ttl,
+            reserved_at=now,
+        )
+        slot.lease, slot.ended = lease, None
+        self.live += 1
+        self._reserved_by_session.setdefault(session, set()).add(lease_id)
+        heapq.heappush(self._deadlines, (lease.deadline, lease_id, lease.gen))
+        self.counters.reserves += 1
+        return lease
+
+    def publish(self, ref: LeaseRef, now: float) -> Lease:
+        lease = self.resolve(ref)
+        if lease.state is not LeaseState.RESERVED:
+            raise MmfeatError(ErrorCode.BAD_STATE, f"lease {lease.lease_id} is already {lease.state.value}; publish once")
+        lease.state = LeaseState.PUBLISHED
+        lease.published_at = now
+        lease.deadline = now + self.ack_ttl
+        self._forget_reserved(lease)
+        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id, lease.gen))
+        self.counters.publishes += 1
+        return lease
+
+    def ack(self, ref: LeaseRef, count: int, now: float) -> AckResult:
+        lease = self.resolve(ref)
+        if lease.state is not LeaseState.PUBLISHED:
+            raise MmfeatError(
+                ErrorCode.BAD_STATE, f"lease {lease.lease_id} is {lease.state.value}; consumers ack only published leases"
+            )
+        taken = min(count, lease.remaining)
+        over = count - taken
+        lease.remaining -= taken
+        self.counters.acks += taken
+        self.counters.over_acks += over
+        if lease.remaining == 0:
+            self._free(lease, EndReason.ACKED, now)
+        return AckResult(remaining=lease.remaining, freed=lease.remaining == 0, over_acked=over)
+
+    def release(self, ref: LeaseRef, now: float) -> None:
+        lease = self.resolve(ref)
+        self.counters.releases += 1
+        self._free(lease, EndReason.RELEASED, now)
+
+    def lookup(self, ref: LeaseRef) -> Lease:
+        return self.resolve(ref)
+
+    # --- housekeeping --------------------------------------------------------------------------
+
+    def expire(self, now: float) -> int:
+        """Free every lease whose deadline has passed; the number freed."""
+        n = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, lease_id, gen = heapq.heappop(self._deadlines)
+            lease = self._slots[lease_id].lease
+            if lease is None or lease.gen != gen or lease.deadline != deadline:
+                continue  # freed or republished since this entry was pushed
+            reason = EndReason.EXPIRED_RESERVED if lease.state is LeaseState.RESERVED else EndReason.EXPIRED_PUBLISHED
+            self.counters.expired += 1
+            self._free(lease, reason, now)
+            n += 1
+        return n
+
+    def reclaim_session(self, session: bytes, now: float) -> int:
+        """Free the RESERVED leases of a session whose process is gone; published ones stay for consumers."""
+        ids = self._reserved_by_session.pop(session, set())
+        for lease_id in ids:
+            lease = self._slots[lease_id].lease
+            if lease is not None:
+                self.counters.reclaimed_on_disconnect += 1
+                self._free(lease, EndReason.RECLAIMED, now)
+        return len(ids)
+
+    def cut_all(self, now: float) -> int:
+        """Free everything still live (shutdown); the number cut."""
+        n = 0
+        for slot in self._slots:
+            if slot.lease is not None:
+                self.counters.cut_on_shutdown += 1
+                self._free(slot.lease, EndReason.SHUTDOWN, now)
+                n += 1
+        return n
+
+    def count_by_state(self, pool_id: Optional[int] = None) -> dict[str, int]:
+        counts = {s.value: 0 for s in LeaseState}
+        for slot in self._slots:
+            lease = slot.lease
+            if lease is not None and (pool_id is None or lease.pool_id == pool_id):
+                counts[lease.state.value] += 1
+        return counts
+
+    def bytes_by_state(self, pool_id: int) -> dict[str, int]:
+        out = {s.value: 0 for s in LeaseState}
+        for slot in self._slots:
+            lease = slot.lease
+            if lease is not None and lease.pool_id == pool_id:
+                out[lease.state.value] += self.allocators[pool_id].size_of(lease.offset)
+        return out
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def resolve(self, ref: LeaseRef) -> Lease:
+        """The live lease ``ref`` names, or the typed error that says why there is none."""
+        if ref.epoch != self.epoch:
+            self.counters.stale += 1
+            raise MmfeatError(
+                ErrorCode.STALE,
+                f"descriptor is from daemon epoch {ref.epoch}, this daemon is epoch {self.epoch}: "
+                "the daemon restarted and the feature is gone; re-send it",
+            )
+        if ref.lease >= len(self._slots) or ref.pool not in self.allocators:
+            self.counters.not_found += 1
+            raise MmfeatError(ErrorCode.NOT_FOUND, f"no lease {ref.lease} in pool {ref.pool}")
+        slot = self._slots[ref.lease]
+        if ref.gen != slot.gen:
+            self.counters.stale += 1
+            raise MmfeatError(
+                ErrorCode.STALE,
+                f"lease {ref.lease} generation {ref.gen} was freed and its slot reused (now generation {slot.gen})",
+            )
+        lease = slot.lease
+        if lease is None:
+            self.counters.not_found += 1
+            why = slot.ended.value if slot.ended else "never reserved"
+            raise MmfeatError(ErrorCode.NOT_FOUND, f"lease {ref.lease} generation {ref.gen} is gone: {why}")
+        if not hmac.compare_digest(ref.token, lease.token):
+            self.counters.forbidden += 1
+            raise MmfeatError(ErrorCode.FORBIDDEN, f"wrong token for lease {ref.lease}")
+        if (ref.pool, ref.offset, ref.nbytes) != (lease.pool_id, lease.offset, lease.nbytes):
+            self.counters.forbidden += 1
+            raise MmfeatError(
+                ErrorCode.FORBIDDEN,
+                f"pool, offset or size do not match lease {ref.lease}: the descriptor is forged or corrupted",
+            )
+        return lease
+
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            lease_id = self._free_slots.pop()
+            self._slots[lease_id].gen += 1
+            return lease_id
+        self._slots.append(_Slot())
+        return len(self._slots) - 1
+
+    def _forget_reserved(self, lease: Lease) -> None:
+        ids = self._reserved_by_session.get(lease.session)
+        if ids is not None:
+            ids.discard(lease.lease_id)
+            if not ids:
+                del self._reserved_by_session[lease.session]
+
+    def _free(self, lease: Lease, reason: EndReason, now: float) -> None:
+        slot = self._slots[lease.lease_id]
+        assert slot.lease is lease
+        if lease.state is LeaseState.RESERVED:
+            self._forget_reserved(lease)
+        self.allocators[lease.pool_id].release(lease.offset)
+        slot.lease, slot.ended = None, reason
+        self._free_slots.append(lease.lease_id)
+        self.live -= 1
+        self.counters.frees += 1
+        if self._observer is not None:
+            self._observer(lease, reason, now)

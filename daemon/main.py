@@ -1,0 +1,105 @@
+"""``mmfeatd``: parse settings, create pools, bind sockets, serve until told to stop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import zmq
+
+from mmfeat.protos.codec import decode, encode
+from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint
+from mmfeat.protos.version import PROTOCOL_VERSION
+
+from .backends import create_pools
+from .config import ConfigError, load_settings, render_config
+from .core import DaemonCore
+from .logs import setup_logging
+from .pools import PoolCreateError
+from .server import Server
+
+log = logging.getLogger("mmfeatd")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmfeatd", description="mmfeat per-node feature pool daemon")
+    p.add_argument("--config", type=Path, help="TOML settings file (section [mmfeatd])")
+    p.add_argument("--runtime-dir", dest="runtime_dir", type=Path)
+    p.add_argument("--pool-mb", dest="pool_mb", type=int)
+    p.add_argument("--backend", choices=["auto", "host", "cuda_vmm"])
+    p.add_argument("--devices", type=lambda s: [int(x) for x in s.split(",") if x], help="e.g. 0,1")
+    p.add_argument("--nnodes", type=int)
+    p.add_argument("--reserve-ttl", dest="reserve_ttl", type=float)
+    p.add_argument("--ack-ttl", dest="ack_ttl", type=float)
+    p.add_argument("--max-leases", dest="max_leases", type=int)
+    p.add_argument("--log-level", dest="log_level")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int)
+    p.add_argument("--drain-timeout", dest="drain_timeout", type=float)
+    p.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
+    return p
+
+
+def _daemon_answers(runtime_dir: Path) -> bool:
+    """Is a live mmfeatd already serving this runtime dir?"""
+    if not (runtime_dir / CONTROL_SOCKET).exists():
+        return False
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        sock.connect(control_endpoint(runtime_dir))
+        sock.send(encode({"v": PROTOCOL_VERSION, "op": "ping", "id": 0}))
+        if sock.poll(500):
+            return bool(decode(sock.recv()).get("ok"))
+        return False
+    finally:
+        sock.close()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
+    try:
+        settings, sources = load_settings(args.config, flags)
+    except ConfigError as exc:
+        print(f"mmfeatd: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(render_config(settings, sources))
+        return 0
+    setup_logging(settings.log_level)
+    runtime = settings.runtime_dir
+    try:
+        runtime.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"mmfeatd: cannot create runtime_dir {runtime}: {exc.strerror}", file=sys.stderr)
+        return 2
+    if _daemon_answers(runtime):
+        print(f"mmfeatd: another mmfeatd is already serving {runtime}", file=sys.stderr)
+        return 1
+    try:
+        pools = create_pools(settings)
+    except PoolCreateError as exc:
+        print(f"mmfeatd: {exc}", file=sys.stderr)
+        return 1
+    core = DaemonCore(settings, pools)
+    server = Server(core)
+    try:
+        server.bind()
+        log.info("serving %s (epoch %d, pid %d)", core.endpoint, core.epoch, os.getpid())
+        status = server.serve()
+        log.info("stopping: %d lease(s) still live are cut", core.ledger.live)
+        core.ledger.cut_all(0.0)
+        return status
+    finally:
+        server.close()
+        for pool in pools:
+            pool.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""What every pool backend provides to the daemon."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+
+class PoolCreateError(RuntimeError):
+    """The backend cannot create its pool here; the message says what is missing."""
+
+
+class Pool(ABC):
+    """One exportable memory region. The daemon hands out slices of it and never touches its bytes."""
+
+    pool_id: int
+    kind: str  # "host" or "cuda"
+    device: int  # CUDA ordinal, -1 for host memory
+    size: int
+    handle: str  # "posix_fd" or "fabric"
+
+    @abstractmethod
+    def export_fd(self) -> Optional[int]:
+        """The fd to pass with SCM_RIGHTS (the daemon keeps owning it), or None for a FABRIC pool."""
+
+    def fabric_handle(self) -> Optional[bytes]:
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the memory and every fd; idempotent."""
+
+    def info(self, epoch: int) -> dict[str, Any]:
+        return {
+            "pool": self.pool_id,
+            "epoch": epoch,
+            "kind": self.kind,
+            "device": self.device,
+            "size": self.size,
+            "handle": self.handle,
+            "fabric": self.fabric_handle(),
+        }

@@ -1,0 +1,38 @@
+"""The wire contract between mmfeatd and its clients: messages, error codes, descriptor, socket paths.
+
+SPEC.md in this folder is the written protocol.
+"""
+
+from .codec import MAX_REQUEST_BYTES, DecodeError, decode, encode
+from .descriptor import Descriptor, DescriptorError, TensorSpec
+from .dtypes import DTYPE_SIZES
+from .errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from .messages import REQUEST_MODELS, FallbackReason, LeaseRef
+from .paths import control_endpoint, default_runtime_dir, fd_socket_path
+from .version import PROTOCOL_VERSION
+
+HANDLE_KINDS = ("posix_fd", "fabric")
+POOL_KINDS = ("host", "cuda")
+
+__all__ = [
+    "DTYPE_SIZES",
+    "HANDLE_KINDS",
+    "MAX_REQUEST_BYTES",
+    "POOL_KINDS",
+    "PROTOCOL_VERSION",
+    "REQUEST_MODELS",
+    "DaemonUnavailableError",
+    "DecodeError",
+    "Descriptor",
+    "DescriptorError",
+    "ErrorCode",
+    "FallbackReason",
+    "LeaseRef",
+    "MmfeatError",
+    "TensorSpec",
+    "control_endpoint",
+    "decode",
+    "default_runtime_dir",
+    "encode",
+    "fd_socket_path",
+]

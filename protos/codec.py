@@ -1,0 +1,40 @@
+"""msgpack framing for the control socket. No pickle, no ext types, bounded sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+# A request is a few hundred bytes; a stats reply a few KiB. Anything bigger is a mistake or an attack.
+MAX_REQUEST_BYTES = 64 * 1024
+_MAX_ITEMS = 4096
+
+
+class DecodeError(ValueError):
+    """The bytes are not one msgpack map within the limits."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    if len(data) > MAX_REQUEST_BYTES:
+        raise DecodeError(f"frame of {len(data)} bytes exceeds the {MAX_REQUEST_BYTES}-byte limit")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=_MAX_ITEMS,
+            max_map_len=_MAX_ITEMS,
+            max_bin_len=MAX_REQUEST_BYTES,
+            max_str_len=MAX_REQUEST_BYTES,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise DecodeError(f"not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise DecodeError(f"expected a msgpack map, got {type(obj).__name__}")
+    return obj

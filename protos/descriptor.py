@@ -1,0 +1,173 @@
+"""The descriptor: the small record that names a feature and travels in the server's own messages.
+
+``to_bytes()`` gives a msgpack array (about 150-250 bytes for one tensor); ``from_bytes()`` validates
+everything a consumer will later trust: known dtype, non-negative shape and strides, every tensor inside
+the lease. SPEC.md, "Descriptor", gives the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgpack
+
+from .dtypes import DTYPE_SIZES
+from .messages import TOKEN_BYTES
+
+FORMAT = 1
+KINDS = ("host", "cuda", "inline")
+_MAX_DIMS = 16
+_MAX_TENSORS = 1024
+_MAX_DESCRIPTOR_BYTES = 1 << 31
+
+
+class DescriptorError(ValueError):
+    """Bytes that are not a valid descriptor."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor inside a lease: ``offset`` is in bytes from the lease start, strides in elements."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def extent(self) -> int:
+        """Bytes from ``offset`` to one past the last element the tensor can touch."""
+        if any(d == 0 for d in self.shape):
+            return 0
+        last = sum((d - 1) * s for d, s in zip(self.shape, self.strides))
+        return (last + 1) * self.itemsize
+
+    def to_wire(self) -> list[Any]:
+        return [self.dtype, list(self.shape), list(self.strides), self.offset]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "TensorSpec":
+        if not (isinstance(raw, list) and len(raw) == 4):
+            raise DescriptorError("tensor spec must be [dtype, shape, strides, offset]")
+        dtype, shape, strides, offset = raw
+        if dtype not in DTYPE_SIZES:
+            raise DescriptorError(f"unknown dtype {dtype!r}")
+        if not (isinstance(shape, list) and isinstance(strides, list)) or len(shape) != len(strides):
+            raise DescriptorError("shape and strides must be lists of the same length")
+        if len(shape) > _MAX_DIMS:
+            raise DescriptorError(f"more than {_MAX_DIMS} dimensions")
+        for v in (*shape, *strides, offset):
+            if type(v) is not int or v < 0 or v > (1 << 62):
+                raise DescriptorError("shape, strides and offset must be non-negative integers")
+        if offset % DTYPE_SIZES[dtype]:
+            raise DescriptorError(f"tensor offset {offset} is not aligned to its {dtype} elements")
+        return cls(dtype, tuple(shape), tuple(strides), offset)
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """Names one feature: a lease in a pool (``kind`` host or cuda) or the bytes themselves (inline)."""
+
+    kind: str
+    tensors: tuple[TensorSpec, ...]
+    nbytes: int
+    many: bool = False
+    node: str = ""
+    endpoint: str = ""
+    device: int = -1
+    pool: int = 0
+    epoch: int = 0
+    lease: int = 0
+    gen: int = 0
+    token: bytes = b""
+    offset: int = 0
+    inline: Optional[bytes] = field(default=None, repr=False)
+
+    @property
+    def is_inline(self) -> bool:
+        return self.kind == "inline"
+
+    def lease_ref(self) -> dict[str, Any]:
+        """The ``lease`` map that publish, ack, release and lookup requests carry."""
+        return {
+            "pool": self.pool,
+            "epoch": self.epoch,
+            "lease": self.lease,
+            "gen": self.gen,
+            "token": self.token,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            [
+                FORMAT,
+                self.kind,
+                self.node,
+                self.endpoint,
+                self.device,
+                self.pool,
+                self.epoch,
+                self.lease,
+                self.gen,
+                self.token,
+                self.offset,
+                self.nbytes,
+                self.many,
+                [t.to_wire() for t in self.tensors],
+                self.inline,
+            ],
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Descriptor":
+        try:
+            raw = msgpack.unpackb(
+                data, raw=False, max_bin_len=_MAX_DESCRIPTOR_BYTES, max_array_len=_MAX_TENSORS * 4, max_ext_len=0
+            )
+        except Exception as exc:
+            raise DescriptorError(f"not a descriptor: {type(exc).__name__}: {exc}") from None
+        if not isinstance(raw, list) or len(raw) != 15:
+            raise DescriptorError("not a descriptor: expected a 15-element msgpack array")
+        if raw[0] != FORMAT:
+            raise DescriptorError(f"descriptor format {raw[0]!r} is not {FORMAT}; upgrade mmfeat")
+        (_, kind, node, endpoint, device, pool, epoch, lease, gen, token, offset, nbytes, many, tensors, inline) = raw
+        if kind not in KINDS:
+            raise DescriptorError(f"unknown descriptor kind {kind!r}")
+        if not isinstance(node, str) or not isinstance(endpoint, str) or type(many) is not bool:
+            raise DescriptorError("node and endpoint must be strings, many a bool")
+        for name, v in (("pool", pool), ("epoch", epoch), ("lease", lease), ("gen", gen), ("offset", offset), ("nbytes", nbytes)):
+            if type(v) is not int or v < 0:
+                raise DescriptorError(f"{name} must be a non-negative integer")
+        if type(device) is not int or device < -1:
+            raise DescriptorError("device must be an integer >= -1")
+        if not isinstance(tensors, list) or not tensors or len(tensors) > _MAX_TENSORS:
+            raise DescriptorError(f"a descriptor holds 1 to {_MAX_TENSORS} tensors")
+        specs = tuple(TensorSpec.from_wire(t) for t in tensors)
+        if not many and len(specs) != 1:
+            raise DescriptorError("a single-tensor descriptor must hold exactly one tensor")
+        if kind == "inline":
+            if not isinstance(inline, bytes) or len(inline) != nbytes:
+                raise DescriptorError("an inline descriptor must carry exactly nbytes of data")
+        else:
+            if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+                raise DescriptorError(f"a pool descriptor carries a {TOKEN_BYTES}-byte token")
+            if inline is not None:
+                raise DescriptorError("a pool descriptor carries no inline data")
+        for spec in specs:
+            if spec.offset + spec.extent > nbytes:
+                raise DescriptorError(
+                    f"tensor at offset {spec.offset} with extent {spec.extent} B overruns the {nbytes}-byte lease"
+                )
+        return cls(kind, specs, nbytes, many, node, endpoint, device, pool, epoch, lease, gen, token, offset, inline)
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Pickle through the validated wire form, so a pickled descriptor is never more trusted than bytes.
+        return (Descriptor.from_bytes, (self.to_bytes(),))

@@ -1,0 +1,42 @@
+"""Error codes on the wire and the exception that carries them in Python."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Every code a reply may carry in ``error.code``. SPEC.md documents each one."""
+
+    BAD_REQUEST = "BAD_REQUEST"
+    UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"
+    UNKNOWN_OP = "UNKNOWN_OP"
+    POOL_FULL = "POOL_FULL"
+    TOO_LARGE = "TOO_LARGE"
+    NOT_FOUND = "NOT_FOUND"
+    STALE = "STALE"
+    FORBIDDEN = "FORBIDDEN"
+    BAD_STATE = "BAD_STATE"
+    DRAINING = "DRAINING"
+    INTERNAL = "INTERNAL"
+
+
+class MmfeatError(Exception):
+    """A failure with a wire error code. Raised by the daemon's handlers and by the client."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+    def to_wire(self) -> dict[str, str]:
+        return {"code": self.code.value, "message": self.message}
+
+
+class DaemonUnavailableError(MmfeatError):
+    """The daemon did not answer in time or its socket is missing. Not a wire code: client side only."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+        self.code = None  # type: ignore[assignment]
+        self.message = message

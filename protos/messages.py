@@ -1,0 +1,100 @@
+"""Request models, one per op. The daemon validates every request against these before acting.
+
+Validation is strict (no coercion: ``"5"`` is not ``5``) and unknown fields are ignored, so a newer
+client may add fields an older daemon does not know (SPEC.md, "Compatibility").
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TOKEN_BYTES = 16
+MAX_CONSUMERS = 4096
+MAX_NBYTES = 1 << 48  # far above any pool; rejects absurd sizes before arithmetic on them
+
+Token = Annotated[bytes, Field(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES)]
+Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
+Size = Annotated[int, Field(gt=0, le=MAX_NBYTES)]
+Consumers = Annotated[int, Field(ge=1, le=MAX_CONSUMERS)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class LeaseRef(_Message):
+    """Names one lease; every field must match the daemon's record or the request is refused."""
+
+    pool: Count
+    epoch: Count
+    lease: Count
+    gen: Count
+    token: Token
+    offset: Count
+    nbytes: Size
+
+
+class HelloRequest(_Message):
+    name: Annotated[str, Field(max_length=128)] = ""
+    pid: Count = 0
+
+
+class ReserveRequest(_Message):
+    session: Token
+    nbytes: Size
+    consumers: Consumers = 1
+    device: Optional[Annotated[int, Field(ge=-1, le=1023)]] = None
+
+
+class PublishRequest(_Message):
+    lease: LeaseRef
+
+
+class AckRequest(_Message):
+    lease: LeaseRef
+    count: Consumers = 1
+
+
+class ReleaseRequest(_Message):
+    lease: LeaseRef
+
+
+class LookupRequest(_Message):
+    lease: LeaseRef
+
+
+class FallbackReason(str, Enum):
+    POOL_FULL = "pool_full"
+    BELOW_THRESHOLD = "below_threshold"
+    UNREACHABLE = "unreachable"
+    TOO_LARGE = "too_large"
+    DRAINING = "draining"
+
+
+class FallbackRequest(_Message):
+    # Strict mode accepts only enum instances; on the wire the reason is its string value.
+    reason: Annotated[FallbackReason, Field(strict=False)]
+    count: Annotated[int, Field(ge=1, le=1 << 32)] = 1
+
+
+class EmptyRequest(_Message):
+    """For ops that take no fields: ping, stats, pool_info."""
+
+
+# op name -> request model. The daemon's handler table (daemon/handlers.py) has the same keys;
+# tests/test_spec.py checks that SPEC.md documents each of them.
+REQUEST_MODELS: dict[str, type[_Message]] = {
+    "hello": HelloRequest,
+    "reserve": ReserveRequest,
+    "publish": PublishRequest,
+    "ack": AckRequest,
+    "release": ReleaseRequest,
+    "lookup": LookupRequest,
+    "fallback": FallbackRequest,
+    "ping": EmptyRequest,
+    "stats": EmptyRequest,
+    "pool_info": EmptyRequest,
+}

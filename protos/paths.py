@@ -1,0 +1,32 @@
+"""Where the daemon's sockets live: part of the contract, since every client must find them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CONTROL_SOCKET = "mmfeatd.sock"
+FD_SOCKET = "mmfeatd.fds.sock"
+RUNTIME_DIR_ENV = "MMFEAT_RUNTIME_DIR"
+
+
+def default_runtime_dir() -> Path:
+    """``$MMFEAT_RUNTIME_DIR``, else systemd's ``$RUNTIME_DIRECTORY``, else ``$XDG_RUNTIME_DIR/mmfeat``,
+    else ``/tmp/mmfeat-<uid>``."""
+    for var in (RUNTIME_DIR_ENV, "RUNTIME_DIRECTORY"):
+        value = os.environ.get(var)
+        if value:
+            # systemd may list several directories separated by ':'; ours is the first.
+            return Path(value.split(":")[0])
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "mmfeat"
+    return Path(f"/tmp/mmfeat-{os.getuid()}")
+
+
+def control_endpoint(runtime_dir: Path) -> str:
+    return f"ipc://{runtime_dir / CONTROL_SOCKET}"
+
+
+def fd_socket_path(runtime_dir: Path) -> Path:
+    return runtime_dir / FD_SOCKET

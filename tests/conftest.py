@@ -1,0 +1,129 @@
+"""Fixtures: a real mmfeatd subprocess on a private runtime dir, stopped and checked after each test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from mmfeat.client import Client
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def assert_fds_settle(pid: int, baseline: int, timeout: float = 5.0) -> None:
+    """ZeroMQ closes a departed peer's socket on its I/O thread, a moment later: wait for that, then
+    require no growth over ``baseline``."""
+    deadline = time.monotonic() + timeout
+    while fd_count(pid) > baseline:
+        if time.monotonic() > deadline:
+            fds = sorted(os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd"))
+            raise AssertionError(f"pid {pid} holds {len(fds)} fds, {baseline} before: {fds}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Daemon:
+    runtime_dir: Path
+    proc: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def client(self, **kw) -> Client:
+        kw.setdefault("timeout", 5.0)
+        return Client(self.runtime_dir, **kw)
+
+    def stats(self) -> dict:
+        with self.client() as c:
+            return c.stats()
+
+    def pool(self) -> dict:
+        return self.stats()["pools"][0]
+
+    def wait_for(self, predicate, timeout: float = 10.0, what: str = "condition") -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if predicate(s):
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; last stats: {s}")
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def start_daemon(runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True) -> Daemon:
+    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host", *args]
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    d = Daemon(runtime_dir, proc, list(args))
+    if wait:
+        deadline = time.monotonic() + 20
+        while True:
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                raise RuntimeError(f"mmfeatd exited {proc.returncode}: {err}")
+            if (runtime_dir / "mmfeatd.sock").exists() and (runtime_dir / "mmfeatd.fds.sock").exists():
+                try:
+                    with Client(runtime_dir, timeout=1.0) as c:
+                        c.ping()
+                    break
+                except Exception:
+                    pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("mmfeatd did not come up within 20 s")
+            time.sleep(0.05)
+    return d
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[Path]:
+    # Short path: AF_UNIX socket paths are limited to 107 bytes.
+    d = Path(tempfile.mkdtemp(prefix="mmf-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory(runtime_dir: Path) -> Iterator:
+    started: list[Daemon] = []
+
+    def make(*args: str, env: dict | None = None) -> Daemon:
+        d = start_daemon(runtime_dir, *args, env=env)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        if d.proc.poll() is None:
+            rc = d.stop()
+            out, err = d.proc.communicate()
+            assert rc == 0, f"mmfeatd exited {rc} on SIGTERM: {err}"
+            assert not (d.runtime_dir / "mmfeatd.sock").exists(), "control socket left behind"
+            assert not (d.runtime_dir / "mmfeatd.fds.sock").exists(), "fd socket left behind"
+        else:
+            d.proc.communicate()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> Daemon:
+    return daemon_factory("--pool-mb", "128")

@@ -1,0 +1,99 @@
+"""Acknowledgement edge cases: each gets its documented reply, nothing is freed twice, others untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmfeat.protos import Descriptor, ErrorCode, MmfeatError
+
+
+def _put(c, consumers: int, n: int = 4096) -> Descriptor:
+    return c.put(torch.arange(n, dtype=torch.float32), consumers=consumers)
+
+
+def _code(fn) -> ErrorCode:
+    with pytest.raises(MmfeatError) as info:
+        fn()
+    return info.value.code
+
+
+def test_group_ack_and_over_ack(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c:
+        bystander = _put(c, consumers=2)
+        d = _put(c, consumers=4)
+        assert c.ack(d, count=2) == {"remaining": 2, "freed": False, "over_acked": 0}
+        # An encoder owner acking for a group larger than what is left: clamped, counted, freed once.
+        assert c.ack(d, count=5) == {"remaining": 0, "freed": True, "over_acked": 3}
+        s = daemon.stats()
+        assert s["counters"]["over_acks"] == 3 and s["counters"]["frees"] == 1
+        assert s["pools"][0]["leases"]["PUBLISHED"] == 1  # the bystander
+        assert torch.equal(c.get(bystander), torch.arange(4096, dtype=torch.float32))
+        assert c.ack(bystander, count=2)["freed"]
+    assert daemon.pool()["used"] == 0
+
+
+def test_double_ack_is_not_found_and_frees_nothing_twice(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c:
+        d = _put(c, consumers=1)
+        other = _put(c, consumers=1)
+        assert c.ack(d)["freed"]
+        assert _code(lambda: c.ack(d)) is ErrorCode.NOT_FOUND
+        s = daemon.stats()
+        assert s["counters"]["frees"] == 1 and s["pools"][0]["leases"]["PUBLISHED"] == 1
+        # Reuse d's slot: the old descriptor is now STALE, and cannot touch the new lease.
+        reused = _put(c, consumers=1)
+        assert (reused.lease, reused.gen) == (d.lease, d.gen + 1)
+        assert _code(lambda: c.ack(d)) is ErrorCode.STALE
+        assert _code(lambda: c.get(d)) is ErrorCode.STALE
+        assert c.ack(reused)["freed"] and c.ack(other)["freed"]
+    assert daemon.pool()["used"] == 0
+
+
+def test_wrong_token_and_forged_fields_are_forbidden(daemon) -> None:
+    from dataclasses import replace
+
+    with daemon.client(inline_threshold=0) as c:
+        d = _put(c, consumers=1)
+        for forged in (
+            replace(d, token=bytes(16)),
+            replace(d, offset=d.offset + 256),
+            replace(d, nbytes=d.nbytes * 2),
+        ):
+            assert _code(lambda: c.ack(forged)) is ErrorCode.FORBIDDEN
+            assert _code(lambda: c.release(forged)) is ErrorCode.FORBIDDEN
+        assert _code(lambda: c.ack(replace(d, lease=10_000))) is ErrorCode.NOT_FOUND
+        assert _code(lambda: c.ack(replace(d, pool=7))) is ErrorCode.NOT_FOUND
+        assert _code(lambda: c.ack(replace(d, epoch=d.epoch + 1))) is ErrorCode.STALE
+        assert daemon.stats()["counters"]["forbidden"] == 6
+        assert c.ack(d)["freed"]  # the real one still works
+    assert daemon.pool()["used"] == 0
+
+
+def test_release_and_publish_states(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c:
+        d = _put(c, consumers=3)
+        assert _code(lambda: c._channel.call("publish", lease=d.lease_ref())) is ErrorCode.BAD_STATE
+        c.release(d)
+        assert _code(lambda: c.ack(d)) is ErrorCode.NOT_FOUND
+        session = c._connect()
+        r = c._channel.call("reserve", session=session.token, nbytes=1000, consumers=1)
+        ref = r["lease"]
+        # Consumers cannot ack what the producer has not published.
+        assert _code(lambda: c._channel.call("ack", lease=ref, count=1)) is ErrorCode.BAD_STATE
+        c._channel.call("release", lease=ref)
+    s = daemon.stats()
+    assert s["pools"][0]["used"] == 0 and s["counters"]["releases"] == 2
+
+
+def test_ack_of_expired_lease_says_so(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "16", "--ack-ttl", "0.3")
+    with d.client(inline_threshold=0) as c:
+        desc = _put(c, consumers=2)
+        s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="ack_ttl expiry")
+        assert s["pools"][0]["used"] == 0
+        with pytest.raises(MmfeatError) as info:
+            c.ack(desc)
+        assert info.value.code is ErrorCode.NOT_FOUND and "ack_ttl" in info.value.message
+        with pytest.raises(MmfeatError):
+            c.get(desc)  # verify refuses to hand out a view of freed memory

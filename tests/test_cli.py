@@ -1,0 +1,50 @@
+"""The mmfeatd and mmfeat command lines, as an operator runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _run(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_invalid_settings_exit_nonzero_naming_the_setting(runtime_dir) -> None:
+    r = _run("-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--pool-mb", "0")
+    assert r.returncode == 2 and "pool_mb" in r.stderr
+    r = _run("-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), env={"MMFEAT_ACK_TTL": "soon"})
+    assert r.returncode == 2 and "ack_ttl" in r.stderr and "MMFEAT_ACK_TTL" in r.stderr
+    r = _run("-m", "mmfeat.daemon", "--config", str(runtime_dir / "missing.toml"))
+    assert r.returncode == 2 and "missing.toml" in r.stderr
+
+
+def test_pool_too_big_for_the_machine_fails_at_start(runtime_dir) -> None:
+    r = _run("-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host", "--pool-mb", str(4 << 20))
+    assert r.returncode == 1 and "pool_mb" in r.stderr
+    assert not (runtime_dir / "mmfeatd.sock").exists()
+
+
+def test_stats_table_json_and_health(daemon) -> None:
+    rd = ["--runtime-dir", str(daemon.runtime_dir)]
+    r = _run("-m", "mmfeat.client", *rd, "stats", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["pools"][0]["kind"] == "host" and s["pools"][0]["capacity"] == 128 << 20
+    r = _run("-m", "mmfeat.client", *rd, "stats")
+    assert r.returncode == 0 and "posix_fd" in r.stdout and "reserves=0" in r.stdout
+    r = _run("-m", "mmfeat.client", *rd, "health")
+    assert r.returncode == 0 and r.stdout.startswith("mmfeatd ok")
+
+
+def test_health_fails_without_daemon(runtime_dir) -> None:
+    r = _run("-m", "mmfeat.client", "--runtime-dir", str(runtime_dir), "--timeout", "0.5", "health")
+    assert r.returncode == 1 and "no mmfeatd socket" in r.stderr
+
+
+def test_second_daemon_on_same_runtime_dir_refuses(daemon) -> None:
+    r = _run("-m", "mmfeat.daemon", "--runtime-dir", str(daemon.runtime_dir), "--backend", "host", "--pool-mb", "8")
+    assert r.returncode == 1 and "already serving" in r.stderr
+    assert daemon.stats()["pools"][0]["capacity"] == 128 << 20

@@ -1,0 +1,62 @@
+"""Nothing waits forever: TTLs free leases, a dead producer's RESERVED leases are reclaimed at once."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import torch
+
+from . import workers
+
+
+def test_reserve_ttl_frees_unpublished(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "16", "--reserve-ttl", "0.3")
+    with d.client() as c:
+        session = c._connect()
+        c._channel.call("reserve", session=session.token, nbytes=4096, consumers=1)
+        assert d.pool()["leases"]["RESERVED"] == 1
+        s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="reserve_ttl expiry")
+        assert s["pools"][0]["used"] == 0
+
+
+def test_ack_ttl_frees_published_and_spares_acked(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "16", "--ack-ttl", "0.5")
+    with d.client(inline_threshold=0) as c:
+        abandoned = c.put(torch.ones(10000), consumers=2)
+        done = c.put(torch.ones(10000), consumers=1)
+        c.ack(done)
+        s = d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="pool to empty")
+        assert s["counters"]["expired"] == 1 and s["counters"]["frees"] == 2
+        assert abandoned.lease != done.lease or abandoned.gen != done.gen
+
+
+def test_killed_producer_reserved_leases_freed_at_once(daemon) -> None:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    p = ctx.Process(target=workers.reserve_and_hang, args=(str(daemon.runtime_dir), 5, 1 << 20, ready))
+    p.start()
+    try:
+        pid = ready.get(timeout=60)
+        s = daemon.stats()
+        assert s["pools"][0]["leases"]["RESERVED"] == 5 and s["clients"] == 1
+        os.kill(pid, signal.SIGKILL)
+        # reserve_ttl is 30 s by default: freeing within seconds proves the disconnect did it.
+        s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=5, what="reclaim on disconnect")
+        assert s["counters"]["reclaimed_on_disconnect"] == 5 and s["counters"]["expired"] == 0
+        assert s["clients"] == 0
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+
+
+def test_published_leases_survive_producer_exit(daemon) -> None:
+    with daemon.client(inline_threshold=0) as producer:
+        desc = producer.put(torch.arange(5000), consumers=1)
+    # The producer closed its session; the feature is the consumers' now.
+    with daemon.client() as consumer:
+        assert torch.equal(consumer.get(desc), torch.arange(5000))
+        assert consumer.ack(desc)["freed"]
+    assert daemon.pool()["used"] == 0

@@ -1,0 +1,44 @@
+"""No fd growth in the daemon or the client over hundreds of connect/put/get/ack cycles (success path)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mmfeat.client import Client
+
+from .conftest import assert_fds_settle, fd_count
+
+
+def test_no_fd_growth_over_connect_put_get_ack_cycles(daemon) -> None:
+    x = torch.arange(50_000, dtype=torch.float32)
+    with Client(daemon.runtime_dir, inline_threshold=0) as warm:  # first mapping and ZMQ context, outside the count
+        warm.ack(warm.put(x))
+    daemon_before, client_before = fd_count(daemon.pid), fd_count(os.getpid())
+    for i in range(300):
+        with Client(daemon.runtime_dir, inline_threshold=0) as producer, Client(daemon.runtime_dir) as consumer:
+            desc = producer.put(x, consumers=1)
+            got = consumer.get(desc, copy=(i % 2 == 0))
+            assert got[-1].item() == 49_999.0
+            assert consumer.ack(desc)["freed"]
+    s = daemon.stats()
+    assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == 301
+    assert s["sessions"] == 0, "sessions outlived their clients"
+    assert_fds_settle(daemon.pid, daemon_before)
+    assert_fds_settle(os.getpid(), client_before)
+
+
+def test_long_lived_client_reuses_one_mapping(daemon) -> None:
+    with Client(daemon.runtime_dir, inline_threshold=0) as c:
+        c.ack(c.put(torch.ones(1000)))
+        before = fd_count(os.getpid())
+        maps_before = open("/proc/self/maps").read().count("mmfeat-pool0")
+        for _ in range(200):
+            descs = [c.put(torch.ones(1000 + k)) for k in range(5)]
+            for d in descs:
+                c.get(d)
+                c.ack(d)
+        assert fd_count(os.getpid()) == before
+        assert open("/proc/self/maps").read().count("mmfeat-pool0") == maps_before
+    assert daemon.pool()["used"] == 0

@@ -1,0 +1,45 @@
+"""protos/SPEC.md and the code stay in step: version, every op, every error code, every counter."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mmfeat.daemon.counters import Counters
+from mmfeat.daemon.handlers import HANDLERS
+from mmfeat.protos import PROTOCOL_VERSION, REQUEST_MODELS, ErrorCode
+from mmfeat.protos.dtypes import DTYPE_SIZES
+from mmfeat.protos.messages import FallbackReason
+
+SPEC = (Path(__file__).parent.parent / "protos" / "SPEC.md").read_text()
+
+
+def test_version_matches() -> None:
+    assert re.search(r"Protocol version: \*\*(\d+)\*\*", SPEC).group(1) == str(PROTOCOL_VERSION)
+    assert f"must equal {PROTOCOL_VERSION}" in SPEC
+
+
+def test_every_op_is_documented_and_handled() -> None:
+    documented = set(re.findall(r"^### (\w+)$", SPEC, re.M)) - {"The"}
+    assert documented == set(REQUEST_MODELS) == set(HANDLERS)
+
+
+def test_every_request_field_is_documented() -> None:
+    for op, model in REQUEST_MODELS.items():
+        section = SPEC.split(f"### {op}\n", 1)[1].split("\n### ", 1)[0]
+        for name in model.model_fields:
+            assert f"`{name}`" in section, f"field {name} of {op} is not in SPEC.md"
+
+
+def test_every_error_code_is_documented() -> None:
+    table = set(re.findall(r"^\| `([A-Z_]+)` \|", SPEC, re.M))
+    assert table == {c.value for c in ErrorCode}
+
+
+def test_counters_fallback_reasons_and_dtypes_are_documented() -> None:
+    for name in Counters().as_dict():
+        assert name in SPEC, name
+    for reason in FallbackReason:
+        assert f"`{reason.value}`" in SPEC
+    for dtype in DTYPE_SIZES:
+        assert re.search(rf"\b{dtype}\b", SPEC), dtype

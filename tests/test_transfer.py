@@ -1,0 +1,102 @@
+"""A producer process hands real tensors to two consumer processes through a real daemon's pool."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import torch
+
+from mmfeat.client import Client
+
+from . import workers
+from .conftest import assert_fds_settle, fd_count
+
+
+def _run(runtime_dir, copies: tuple[bool, bool]) -> list:
+    ctx = mp.get_context("spawn")
+    q_prod = ctx.Queue()
+    q_cons = [ctx.Queue() for _ in copies]
+    results = ctx.Queue()
+    consumers = [
+        ctx.Process(target=workers.consume, args=(str(runtime_dir), q, results, copy)) for q, copy in zip(q_cons, copies)
+    ]
+    producer = ctx.Process(target=workers.produce, args=(str(runtime_dir), len(copies), q_prod))
+    for p in (*consumers, producer):
+        p.start()
+    # Fan the producer's descriptors out to every consumer, as a server's scheduler would.
+    while (item := q_prod.get(timeout=90)) is not None:
+        for q in q_cons:
+            q.put(item)
+    for q in q_cons:
+        q.put(None)
+    out = [results.get(timeout=90) for _ in consumers]
+    for p in (*consumers, producer):
+        p.join(30)
+        assert p.exitcode == 0, f"{p.name} exited {p.exitcode}"
+    return out
+
+
+def test_producer_to_two_consumers_every_byte(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "256")
+    daemon_fds = fd_count(d.pid)
+    results = _run(d.runtime_dir, (False, True))  # one consumer takes views, the other copies
+    expected = len(workers.cases()) + 1
+    assert results == [("ok", expected), ("ok", expected)], results
+    s = d.stats()
+    pool = s["pools"][0]
+    assert pool["used"] == 0 and pool["leases"] == {"RESERVED": 0, "PUBLISHED": 0}
+    assert pool["largest_free"] == pool["capacity"], "free ranges did not coalesce back into one"
+    assert s["counters"]["reserves"] == expected and s["counters"]["frees"] == expected
+    assert s["counters"]["acks"] == 2 * expected and s["counters"]["over_acks"] == 0
+    assert s["counters"]["fallbacks"] == {}
+    assert_fds_settle(d.pid, daemon_fds)
+
+
+def test_zero_copy_view_shares_pool_memory(daemon) -> None:
+    with daemon.client(inline_threshold=0) as producer, daemon.client() as consumer:
+        x = torch.arange(4096, dtype=torch.float32)
+        desc = producer.put(x)
+        view = consumer.get(desc)
+        copy = consumer.get(desc, copy=True)
+        # The producer's mapping and the consumer's are the same pages: a write through one shows in the other.
+        producer._session.mappings[desc.pool].tensor[desc.offset : desc.offset + 4].view(torch.float32).fill_(-1.0)
+        assert view[0].item() == -1.0 and copy[0].item() == 0.0
+        consumer.ack(desc)
+    assert daemon.pool()["used"] == 0
+
+
+def test_shape_dtype_and_strides_round_trip(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c:
+        for dtype in (torch.bfloat16, torch.float16, torch.complex64, torch.int8, torch.float8_e4m3fn):
+            src = torch.ones(5, 6, 7).to(dtype).permute(2, 0, 1)  # non-contiguous
+            desc = c.put(src)
+            got = c.get(desc)
+            assert got.dtype == dtype and got.shape == src.shape and got.is_contiguous()
+            assert torch.equal(got.float(), src.float()) if dtype != torch.complex64 else torch.equal(got, src)
+            c.ack(desc)
+        scalar = c.put(torch.tensor(3.5))
+        assert c.get(scalar).item() == 3.5 and c.get(scalar).shape == ()
+        c.ack(scalar)
+        empty = c.put(torch.empty(0, 4))
+        assert empty.is_inline and c.get(empty).shape == (0, 4)
+    assert daemon.pool()["used"] == 0
+
+
+def test_descriptor_from_restarted_daemon_is_stale(runtime_dir, daemon_factory) -> None:
+    d1 = daemon_factory("--pool-mb", "16")
+    with Client(runtime_dir, inline_threshold=0) as c:
+        desc = c.put(torch.ones(1000))
+    d1.stop()
+    d1.proc.communicate()
+    daemon_factory("--pool-mb", "16")
+    with Client(runtime_dir) as c:
+        try:
+            c.get(desc)
+        except Exception as exc:
+            assert getattr(exc, "code", None) is not None and exc.code.value == "STALE", exc
+        else:
+            raise AssertionError("a descriptor from the previous daemon was readable")
+        # The client reconnects to the new daemon on its own.
+        fresh = c.put(torch.ones(1000), consumers=1)
+        assert c.get(fresh).sum().item() == 1000
+        c.ack(fresh)

@@ -1,0 +1,124 @@
+"""The pure parts on their own: allocator, ledger arithmetic, descriptor validation, settings layering."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+
+from mmfeat.daemon.allocator import Allocator
+from mmfeat.daemon.config import ConfigError, load_settings, render_config
+from mmfeat.protos import Descriptor, DescriptorError, TensorSpec
+
+
+def test_allocator_matches_a_reference_model() -> None:
+    rng = random.Random(7)
+    a = Allocator(1 << 20)
+    live: dict[int, int] = {}
+    for step in range(5000):
+        if live and (rng.random() < 0.45 or a.free < 4096):
+            off = rng.choice(list(live))
+            assert a.release(off) == live.pop(off)
+        else:
+            n = rng.choice([1, 255, 256, 257, 1000, 4096, 70_000])
+            off = a.alloc(n)
+            if off is None:
+                assert a.largest_free < -(-n // 256) * 256
+                continue
+            assert off % 256 == 0
+            size = -(-n // 256) * 256
+            for o, s in live.items():  # no overlap with anything live
+                assert off + size <= o or o + s <= off
+            live[off] = size
+        assert a.used == sum(live.values())
+    for off in list(live):
+        a.release(off)
+    assert a.used == 0 and a.largest_free == a.capacity and a.free_ranges == 1
+
+
+def test_allocator_best_fit_and_double_free() -> None:
+    a = Allocator(10 * 256)
+    offs = [a.alloc(256) for _ in range(10)]
+    a.release(offs[1])  # hole of 1
+    a.release(offs[4])
+    a.release(offs[5])  # hole of 2
+    assert a.alloc(256) == offs[1], "best fit takes the smallest hole that fits"
+    assert a.alloc(512) == offs[4]
+    with pytest.raises(KeyError):
+        a.release(offs[1] + 1)
+    assert a.alloc(256) is None
+
+
+def _desc(**kw) -> Descriptor:
+    base = dict(kind="host", tensors=(TensorSpec("float32", (2, 3), (3, 1), 0),), nbytes=24, node="n", endpoint="ipc://x",
+                pool=0, epoch=5, lease=1, gen=2, token=b"k" * 16, offset=512)
+    base.update(kw)
+    return Descriptor(**base)
+
+
+def test_descriptor_round_trip_and_pickle() -> None:
+    d = _desc()
+    assert Descriptor.from_bytes(d.to_bytes()) == d
+    assert pickle.loads(pickle.dumps(d)) == d
+    assert len(d.to_bytes()) < 100
+    inline = Descriptor(kind="inline", tensors=(TensorSpec("uint8", (3,), (1,), 0),), nbytes=3, inline=b"abc")
+    assert Descriptor.from_bytes(inline.to_bytes()).inline == b"abc"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(tensors=(TensorSpec("float32", (2, 4), (4, 1), 0),)),  # 32 B in a 24 B lease
+        dict(tensors=(TensorSpec("float32", (2, 3), (3, 1), 8),)),  # shifted past the end
+        dict(tensors=(TensorSpec("float33", (1,), (1,), 0),)),
+        dict(tensors=(TensorSpec("float32", (1,), (1,), 2),)),  # misaligned
+        dict(token=b"short"),
+        dict(kind="gpu"),
+        dict(kind="inline"),  # no bytes
+        dict(tensors=()),
+    ],
+)
+def test_descriptor_validation_rejects(bad) -> None:
+    with pytest.raises(DescriptorError):
+        Descriptor.from_bytes(_desc(**bad).to_bytes())
+
+
+def test_descriptor_rejects_garbage() -> None:
+    for blob in (b"", b"\xc1", b"\x93\x01\x02\x03", bytes(range(200))):
+        with pytest.raises(DescriptorError):
+            Descriptor.from_bytes(blob)
+
+
+def test_settings_layers_and_sources(tmp_path) -> None:
+    cfg = tmp_path / "m.toml"
+    cfg.write_text('[mmfeatd]\npool_mb = 64\nack_ttl = 9.5\nsocket_mode = "0640"\n')
+    s, src = load_settings(cfg, {"ack_ttl": 3.0}, environ={"MMFEAT_POOL_MB": "32", "MMFEAT_DEVICES": "0,2"})
+    assert (s.pool_mb, s.ack_ttl, s.devices, s.socket_mode) == (32, 3.0, [0, 2], 0o640)
+    assert src["pool_mb"] == "environment MMFEAT_POOL_MB" and src["ack_ttl"] == "flag"
+    assert src["socket_mode"].startswith("file") and src["reserve_ttl"] == "default"
+    text = render_config(s, src)
+    assert "pool_mb = 32  # from environment MMFEAT_POOL_MB" in text
+
+
+@pytest.mark.parametrize(
+    "environ,flags,needle",
+    [
+        ({"MMFEAT_POOL_MB": "-1"}, {}, "pool_mb (from environment MMFEAT_POOL_MB)"),
+        ({"MMFEAT_POOL_MB": "lots"}, {}, "pool_mb"),
+        ({}, {"ack_ttl": 0.0}, "ack_ttl (from flag)"),
+        ({"MMFEAT_DEVICES": "0,x"}, {}, "devices"),
+        ({"MMFEAT_BACKEND": "tpu"}, {}, "backend"),
+    ],
+)
+def test_invalid_settings_name_the_setting(environ, flags, needle) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, flags, environ=environ)
+    assert needle in str(info.value)
+
+
+def test_unknown_key_in_file(tmp_path) -> None:
+    cfg = tmp_path / "m.toml"
+    cfg.write_text("[mmfeatd]\npool_gb = 1\n")
+    with pytest.raises(ConfigError, match="pool_gb"):
+        load_settings(cfg, {}, environ={})
