@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -13,6 +14,8 @@ import zmq
 from mmfeat.protos.codec import decode, encode
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.version import PROTOCOL_VERSION
+
+log = logging.getLogger("mmfeat.client")
 
 
 class ControlChannel:
@@ -26,6 +29,7 @@ class ControlChannel:
         self._lock = threading.Lock()
         self._sock: Optional[zmq.Socket] = None
         self._pid = os.getpid()
+        self._unflushed = False  # casts sent that no later answered call has proven handled
 
     def _socket(self) -> zmq.Socket:
         if self._sock is not None and self._pid != os.getpid():
@@ -62,8 +66,9 @@ class ControlChannel:
                     raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} did not answer {op} within {timeout:g} s")
                 reply = decode(sock.recv())
                 if reply.get("id") == req_id:
+                    self._unflushed = False  # handled in order: every earlier cast is in
                     break
-                # A late reply to a request that already timed out, or to a cast: not ours.
+                self._stray(reply)
         if reply.get("ok"):
             return reply
         err = reply.get("error") or {}
@@ -73,19 +78,45 @@ class ControlChannel:
             code = ErrorCode.INTERNAL
         raise MmfeatError(code, str(err.get("message", "no message")))
 
-    def cast(self, op: str, **fields: Any) -> None:
-        """Send without waiting; the reply is dropped when it arrives. For counters only."""
+    def cast(self, op: str, **fields: Any) -> bool:
+        """Send without waiting for the reply (it is read later and only logged if it is an error).
+        Requests on one channel are handled in order, so a cast followed by a call is still ordered.
+        Returns False when the request could not be sent within the timeout."""
         with self._lock:
             try:
-                self._socket().send(encode({"v": PROTOCOL_VERSION, "op": op, "id": -next(self._ids), **fields}), zmq.NOBLOCK)
+                sock = self._socket()
+                while sock.poll(0):  # replies to earlier casts: read them so they never pile up
+                    self._stray(decode(sock.recv()))
+                sock.send(encode({"v": PROTOCOL_VERSION, "op": op, "id": -next(self._ids), **fields}))
+                self._unflushed = True
+                return True
             except (zmq.Again, DaemonUnavailableError):
-                pass
+                return False
+
+    @staticmethod
+    def _stray(reply: dict[str, Any]) -> None:
+        # A late reply to a request that already timed out, or the reply to a cast.
+        rid = reply.get("id")
+        if not reply.get("ok") and isinstance(rid, int) and rid < 0:
+            err = reply.get("error") or {}
+            log.warning("a pipelined request failed: %s: %s", err.get("code"), err.get("message"))
 
     def _reset(self) -> None:
         # After a timeout the socket may hold a half-finished exchange; a fresh one is cheaper to reason about.
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the daemon has handled every cast sent so far (it handles a channel in order, so
+        one answered ping proves it). True if there was nothing to flush or the ping came back."""
+        if not self._unflushed:
+            return True
+        try:
+            self.call("ping", timeout=timeout)
+            return True
+        except MmfeatError:
+            return False
 
     def close(self) -> None:
         with self._lock:

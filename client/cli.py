@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmfeat.protos.errors import MmfeatError
+from mmfeat.protos.paths import control_endpoint, default_runtime_dir
 
-from .client import Client
+from .channel import ControlChannel
+
 
 
 def _mib(n: int) -> str:
@@ -41,29 +43,50 @@ def render_stats(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _channel(args: argparse.Namespace) -> ControlChannel:
+    # Plain control channel, not Client: operator commands should not pay for importing torch.
+    runtime_dir = args.runtime_dir or default_runtime_dir()
+    return ControlChannel(control_endpoint(runtime_dir), args.timeout)
+
+
 def _stats(args: argparse.Namespace) -> int:
-    with Client(args.runtime_dir, timeout=args.timeout) as c:
+    c = _channel(args)
+    try:
         if not args.watch:
-            s = c.stats()
+            s = _body(c.call("stats"))
             print(json.dumps(s, indent=2, sort_keys=True) if args.json else render_stats(s))
             return 0
-        try:
-            while True:
-                table = render_stats(c.stats())
-                # Home the cursor and clear to the end: the table redraws in place without flicker.
-                sys.stdout.write("\x1b[H\x1b[J" + table + f"\n\n(every {args.interval:g} s; Ctrl-C to stop)\n")
-                sys.stdout.flush()
-                time.sleep(args.interval)
-        except KeyboardInterrupt:
-            return 0
+        while True:
+            table = render_stats(_body(c.call("stats")))
+            # Home the cursor and clear to the end: the table redraws in place without flicker.
+            sys.stdout.write("\x1b[H\x1b[J" + table + f"\n\n(every {args.interval:g} s; Ctrl-C to stop)\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        c.close()
+
+
+def _body(reply: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
 
 
 def _health(args: argparse.Namespace) -> int:
-    with Client(args.runtime_dir, timeout=args.timeout) as c:
-        reply = c.ping()
+    c = _channel(args)
+    try:
+        reply = c.call("ping")
+    finally:
+        c.close()
     state = "draining" if reply.get("draining") else "ok"
     print(f"mmfeatd {state}: node {reply['node']} epoch {reply['epoch']}")
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.cli import run_bench
+
+    return run_bench(args)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -78,6 +101,11 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_stats)
     h = sub.add_parser("health", help="exit 0 when the daemon answers")
     h.set_defaults(func=_health)
+    b = sub.add_parser("bench", help="measure the handoff against the alternatives, in one run")
+    from .bench.cli import add_bench_args
+
+    add_bench_args(b)
+    b.set_defaults(func=_bench)
     return p
 
 

@@ -11,6 +11,7 @@ import os
 import select
 import socket
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,10 @@ from .fd_receiver import open_fd_channel
 log = logging.getLogger("mmfeat.client")
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MMFEAT_TIMEOUT", "5"))
-# Below this a pool round trip costs more than carrying the bytes in the message itself.
-# Measured with `mmfeat bench` (docs/benchmarks.md).
-DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(64 * 1024)))
+# Below this the pool's round trips cost more than carrying the bytes in the message itself. On the
+# 2-core reference machine inline and pool cross between 256 KiB and 1 MiB (docs/benchmarks.md); 256 KiB
+# keeps the crossover's fast side and keeps messages that carry bytes small.
+DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(256 * 1024)))
 _FALLBACK_ERRORS = {ErrorCode.POOL_FULL: FallbackReason.POOL_FULL, ErrorCode.TOO_LARGE: FallbackReason.TOO_LARGE, ErrorCode.DRAINING: FallbackReason.DRAINING}
 _REPORT_EVERY_S = 1.0
 
@@ -47,7 +49,8 @@ class _Session:
     node: str
     fd_sock: socket.socket
     pools: dict[int, dict[str, Any]]  # pool id -> pool info from hello
-    mappings: dict[int, Any]  # pool id -> mapping (HostMapping or CUDA mapping)
+    mappings: dict[tuple[int, int], Any]  # (pool id, device) -> HostMapping or CudaMapping
+    fds: dict[int, int]  # pool fds kept for pools mapped lazily (GPU pools: once per device)
 
     def alive(self) -> bool:
         # The daemon never writes after the handshake, so readable means EOF: it exited or restarted.
@@ -56,6 +59,9 @@ class _Session:
 
     def close(self) -> None:
         self.fd_sock.close()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 class Client:
@@ -82,6 +88,7 @@ class Client:
         self._warned: set[str] = set()
         self._channel = ControlChannel(self.endpoint, timeout)
         self._session: Optional[_Session] = None
+        self._acker: Optional[Any] = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -93,7 +100,14 @@ class Client:
 
     def close(self) -> None:
         """Close the sockets. Pool mappings stay cached for the process; tensors already returned stay valid."""
+        if self._acker is not None:
+            self._acker.close(self.timeout)
+            self._acker = None
         self._report_fallbacks(force=True)
+        # A pipelined publish must reach the daemon before the fd channel closes: the daemon frees a
+        # closed session's RESERVED leases, and it may see the EOF before a still-queued publish.
+        if not self._channel.flush(min(self.timeout, 2.0)) and self._session is not None:
+            log.warning("closing before the daemon confirmed the last publish; that feature may be reclaimed")
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -108,28 +122,34 @@ class Client:
         hello = self._channel.call("hello", name=self.name[:128], pid=os.getpid())
         fd_sock, fds = open_fd_channel(fd_socket_path(self.runtime_dir), hello["session"], self.timeout)
         pools = {p["pool"]: p for p in hello["pools"]}
-        mappings: dict[int, Any] = {}
+        session = _Session(hello["session"], hello["epoch"], hello["node"], fd_sock, pools, {}, fds)
         try:
             for pool_id, info in pools.items():
-                fd = fds.pop(pool_id, None)
-                mappings[pool_id] = self._map(info, fd)
+                if info["kind"] == "host":  # map host pools now; GPU pools on first use, on the caller's device
+                    self._mapping(session, pool_id)
         except BaseException:
-            fd_sock.close()
+            session.close()
             raise
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        self._session = _Session(hello["session"], hello["epoch"], hello["node"], fd_sock, pools, mappings)
-        return self._session
+        self._session = session
+        return session
 
-    def _map(self, info: dict[str, Any], fd: Optional[int]) -> Any:
+    def _mapping(self, session: _Session, pool_id: int) -> Any:
+        info = session.pools[pool_id]
         if info["kind"] == "host":
-            if fd is None:
-                raise MmfeatError(ErrorCode.INTERNAL, f"daemon sent no fd for host pool {info['pool']}")
-            return mapping_cache.map_host_pool(self.endpoint, info["pool"], info["epoch"], fd, info["size"])
-        from .cuda_import import map_cuda_pool
+            key = (pool_id, -1)
+            if key not in session.mappings:
+                fd = session.fds.pop(pool_id, None)
+                if fd is None:
+                    raise MmfeatError(ErrorCode.INTERNAL, f"daemon sent no fd for host pool {pool_id}")
+                session.mappings[key] = mapping_cache.map_host_pool(self.endpoint, pool_id, info["epoch"], fd, info["size"])
+            return session.mappings[key]
+        key = (pool_id, torch.cuda.current_device())
+        if key not in session.mappings:
+            from .cuda_import import map_cuda_pool
 
-        return map_cuda_pool(self.endpoint, info, fd)
+            fd = session.fds.get(pool_id)
+            session.mappings[key] = map_cuda_pool(self.endpoint, info, os.dup(fd) if fd is not None else None)
+        return session.mappings[key]
 
     # --- producer ------------------------------------------------------------------------------
 
@@ -178,14 +198,20 @@ class Client:
             offset=lease["offset"],
         )
         try:
-            mapping = session.mappings[desc.pool]
-            dst = mapping.tensor[desc.offset : desc.offset + nbytes]
+            if device is not None:
+                with torch.cuda.device(device):  # map (once) and copy on the producer tensor's device
+                    dst = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + nbytes]
+            else:
+                dst = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + nbytes]
             tz.write_packed(dst, tensors, specs)
             if dst.is_cuda:
                 # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the
                 # copy must be complete before the descriptor exists (see research/cuda_vmm.md).
                 torch.cuda.current_stream(dst.device).synchronize()
-            self._channel.call("publish", lease=desc.lease_ref())
+            # Pipelined: the next request on this channel (or the consumer's lookup, which accepts a
+            # RESERVED lease) does not need to wait for it. A failure is logged when its reply is read.
+            if not self._channel.cast("publish", lease=desc.lease_ref()):
+                self._channel.call("publish", lease=desc.lease_ref())
         except BaseException:
             self._release_quietly(desc)
             raise
@@ -231,10 +257,12 @@ class Client:
                 log.info("features under %d B travel inline (inline_threshold); counted in stats", self.inline_threshold)
             else:
                 log.warning("mmfeat pool unavailable (%s: %s); sending features inline. Warned once; counted in stats", reason.value, detail)
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        tz.write_packed(buf, [t.cpu() for t in tensors], specs)
+        # One copy into a bytearray that msgpack packs as-is.
+        buf = bytearray(nbytes)
+        if nbytes:
+            tz.write_packed(torch.frombuffer(buf, dtype=torch.uint8), [t.cpu() for t in tensors], specs)
         self._report_fallbacks()
-        return Descriptor(kind="inline", tensors=tuple(specs), nbytes=nbytes, many=many, inline=buf.numpy().tobytes())
+        return Descriptor(kind="inline", tensors=tuple(specs), nbytes=nbytes, many=many, inline=buf)
 
     def _report_fallbacks(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -255,20 +283,21 @@ class Client:
 
     # --- consumer ------------------------------------------------------------------------------
 
-    def get(self, desc: DescLike, copy: bool = False, verify: bool = True) -> Union[torch.Tensor, list[torch.Tensor]]:
+    def get(
+        self, desc: DescLike, copy: bool = False, verify: bool = True, device: Any = None
+    ) -> Union[torch.Tensor, list[torch.Tensor]]:
         """The tensor (or list, for put_many) a descriptor names.
 
         Zero-copy by default: a view into the shared pool, valid until this consumer acks. ``copy=True``
-        returns private tensors. ``verify`` asks the daemon that the lease is still live (one round trip)
-        so a descriptor that outlived its lease raises STALE or NOT_FOUND instead of reading reused memory.
+        returns private tensors. ``device`` (a CUDA device) stages a private copy into that device's own
+        memory on its current stream. ``verify`` asks the daemon that the lease is still live (one round
+        trip) so a descriptor that outlived its lease raises STALE or NOT_FOUND instead of reading reused
+        memory.
         """
         desc = _as_descriptor(desc)
         if desc.is_inline:
-            assert desc.inline is not None
-            # One copy, so the tensors own writable memory; an empty feature has no buffer to wrap.
-            base = torch.frombuffer(bytearray(desc.inline), dtype=torch.uint8) if desc.nbytes else torch.empty(0, dtype=torch.uint8)
-            out = [tz.view(base, spec) for spec in desc.tensors]
-            return out if desc.many else out[0]
+            out = [tz.view(_inline_base(desc, copy and device is None), spec) for spec in desc.tensors]
+            return _finish(out, desc.many, False, device)
         session = self._connect()
         if desc.node != session.node:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"descriptor is from node {desc.node!r}; this client's daemon is {session.node!r}")
@@ -281,22 +310,36 @@ class Client:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
         if verify:
             self._channel.call("lookup", lease=desc.lease_ref())
-        base = session.mappings[desc.pool].tensor[desc.offset : desc.offset + desc.nbytes]
-        out = [tz.view(base, spec) for spec in desc.tensors]
-        if copy:
-            out = [t.clone() for t in out]
-        return out if desc.many else out[0]
+        base = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + desc.nbytes]
+        return _finish([tz.view(base, spec) for spec in desc.tensors], desc.many, copy, device)
 
-    def ack(self, desc: DescLike, count: int = 1) -> dict[str, Any]:
+    def ack(self, desc: DescLike, count: int = 1, after: Any = None, wait: bool = True) -> Optional[dict[str, Any]]:
         """Tell the daemon ``count`` consumers are done with this feature. Views from get() must not be
-        read afterwards: the memory may be reused at once."""
+        read afterwards: the memory may be reused at once.
+
+        Plain ``ack`` waits for the daemon's answer and returns it. ``after`` (a torch.cuda.Stream or
+        Event) or ``wait=False`` returns None at once; a background thread sends the ack once the event
+        completes (CUDA: once the GPU work that read the feature is done). ``flush()`` waits for them.
+        """
         desc = _as_descriptor(desc)
         if desc.is_inline:
-            return {"remaining": 0, "freed": True, "over_acked": 0}
+            return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
+        if after is not None or not wait:
+            event = _completion_event(after)
+            if self._acker is None:
+                from .acker import Acker
+
+                self._acker = Acker(self.endpoint, self.timeout)
+            self._acker.submit(desc.lease_ref(), count, event)
+            return None
         reply = self._channel.call("ack", lease=desc.lease_ref(), count=count)
         if reply["over_acked"]:
             log.warning("lease %d was acked %d time(s) more than its consumer count", desc.lease, reply["over_acked"])
         return {k: reply[k] for k in ("remaining", "freed", "over_acked")}
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every background ack has reached the daemon; False on timeout."""
+        return self._acker.flush(self.timeout if timeout is None else timeout) if self._acker is not None else True
 
     def release(self, desc: DescLike) -> None:
         """Producer only: cancel a feature that was never dispatched to its consumers."""
@@ -312,6 +355,41 @@ class Client:
 
     def ping(self) -> dict[str, Any]:
         return self._channel.call("ping")
+
+
+def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> Union[torch.Tensor, list[torch.Tensor]]:
+    if device is not None:
+        target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        views = [t.to(target, copy=True) for t in views]  # on the target device's current stream
+    elif copy:
+        views = [t.clone() for t in views]
+    return views if many else views[0]
+
+
+def _completion_event(after: Any) -> Optional[Any]:
+    """An event that completes when the work queued on ``after`` so far is done (None: nothing to wait on)."""
+    if after is None:
+        return None
+    if isinstance(after, torch.cuda.Event):
+        return after
+    if isinstance(after, torch.cuda.Stream):
+        event = torch.cuda.Event()
+        event.record(after)
+        return event
+    raise TypeError(f"after must be a torch.cuda.Stream or torch.cuda.Event, not {type(after).__name__}")
+
+
+def _inline_base(desc: Descriptor, copy: bool) -> torch.Tensor:
+    """A uint8 tensor over an inline descriptor's bytes: shared with them (read-only by contract, like a
+    pool view) or, with ``copy``, private and writable."""
+    data = desc.inline
+    if not desc.nbytes or data is None:
+        return torch.empty(0, dtype=torch.uint8)
+    if copy or isinstance(data, bytearray):
+        return torch.frombuffer(bytearray(data) if copy else data, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": views are read-only by contract
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _as_descriptor(desc: DescLike) -> Descriptor:

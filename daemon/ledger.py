@@ -147,24 +147,27 @@ class Ledger:
         lease.published_at = now
         lease.deadline = now + self.ack_ttl
         self._forget_reserved(lease)
-        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id, lease.gen))
         self.counters.publishes += 1
+        if lease.remaining == 0:
+            # Every consumer acked before this publish arrived (it was pipelined): done already.
+            self._free(lease, EndReason.ACKED, now)
+        else:
+            heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id, lease.gen))
         return lease
 
     def ack(self, ref: LeaseRef, count: int, now: float) -> AckResult:
         lease = self.resolve(ref)
-        if lease.state is not LeaseState.PUBLISHED:
-            raise MmfeatError(
-                ErrorCode.BAD_STATE, f"lease {lease.lease_id} is {lease.state.value}; consumers ack only published leases"
-            )
         taken = min(count, lease.remaining)
         over = count - taken
         lease.remaining -= taken
         self.counters.acks += taken
         self.counters.over_acks += over
-        if lease.remaining == 0:
+        # A producer pipelines its publish, so a consumer's ack may overtake it on the way in. The data
+        # was written before the descriptor existed, so the ack is good; the lease is freed at publish.
+        freed = lease.remaining == 0 and lease.state is LeaseState.PUBLISHED
+        if freed:
             self._free(lease, EndReason.ACKED, now)
-        return AckResult(remaining=lease.remaining, freed=lease.remaining == 0, over_acked=over)
+        return AckResult(remaining=lease.remaining, freed=freed, over_acked=over)
 
     def release(self, ref: LeaseRef, now: float) -> None:
         lease = self.resolve(ref)

@@ -8,7 +8,7 @@ the lease. SPEC.md, "Descriptor", gives the layout.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import msgpack
 
@@ -86,7 +86,7 @@ class Descriptor:
     gen: int = 0
     token: bytes = b""
     offset: int = 0
-    inline: Optional[bytes] = field(default=None, repr=False)
+    inline: Optional[Union[bytes, bytearray]] = field(default=None, repr=False)
 
     @property
     def is_inline(self) -> bool:
@@ -154,7 +154,7 @@ class Descriptor:
         if not many and len(specs) != 1:
             raise DescriptorError("a single-tensor descriptor must hold exactly one tensor")
         if kind == "inline":
-            if not isinstance(inline, bytes) or len(inline) != nbytes:
+            if not isinstance(inline, (bytes, bytearray)) or len(inline) != nbytes:
                 raise DescriptorError("an inline descriptor must carry exactly nbytes of data")
         else:
             if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:

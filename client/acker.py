@@ -1,0 +1,77 @@
+"""Background acknowledgements: ``ack(desc, after=...)`` or ``ack(desc, wait=False)`` return at once and
+a thread sends the ack once the consumer's work is done (for CUDA: once its event completes).
+
+The thread has its own control channel, so it never waits behind the caller's requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Optional
+
+from mmfeat.protos.errors import MmfeatError
+
+from .channel import ControlChannel
+
+log = logging.getLogger("mmfeat.client")
+
+
+class Acker:
+    def __init__(self, endpoint: str, timeout: float) -> None:
+        self._channel = ControlChannel(endpoint, timeout)
+        self._queue: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._cond = threading.Condition()
+        self.failed = 0
+        self._thread = threading.Thread(target=self._run, name="mmfeat-acker", daemon=True)
+        self._thread.start()
+
+    def submit(self, lease: dict[str, Any], count: int, event: Optional[Any]) -> None:
+        with self._cond:
+            self._pending += 1
+        self._queue.put((lease, count, event))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            lease, count, event = item
+            try:
+                if event is not None:
+                    event.synchronize()  # the consumer's GPU work that read the feature is done
+                # A cast: the daemon handles one channel's requests in order and the reply only
+                # matters if it is an error, which the channel logs when it reads it.
+                if not self._channel.cast("ack", lease=lease, count=count):
+                    self._channel.call("ack", lease=lease, count=count)
+            except MmfeatError as exc:
+                self.failed += 1
+                log.warning("background ack of lease %s failed: %s", lease.get("lease"), exc)
+            except Exception:  # never let the thread die: later acks would hang flush()
+                self.failed += 1
+                log.exception("background ack of lease %s failed", lease.get("lease"))
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every submitted ack has been sent and answered; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        try:
+            self._channel.call("ping")  # the daemon handles a channel in order: all acks are in
+        except MmfeatError:
+            return False
+        return True
+
+    def close(self, timeout: float) -> None:
+        if not self.flush(timeout):
+            log.warning("closing with %d acknowledgement(s) unsent; those leases will expire after ack_ttl", self._pending)
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._channel.close()

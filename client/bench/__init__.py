@@ -1,0 +1,1 @@
+"""``mmfeat bench``: the handoff measured against the alternatives, in one invocation."""

@@ -1,0 +1,172 @@
+"""``mmfeat bench``: arguments, the daemon it measures, and the order of the runs."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .control import run_control
+from .report import MiB, add_ratios, human_size, make_row, parse_size, plot, render, targets, write_json
+from .workers import MODES, Job, consumer_main, producer_main
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="64K,1M,16M,64M", help="feature sizes, e.g. 64K,1M,16M,64M")
+    p.add_argument("--consumers", default="1,2,4", help="consumer process counts, e.g. 1,2,4")
+    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    p.add_argument("--count", type=int, default=None, help="features per run (default: by size)")
+    p.add_argument("--window", type=int, default=4, help="features in flight at most")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--control-clients", default="1,4,16", help="concurrent clients for the control-plane run; '' skips it")
+    p.add_argument("--control-seconds", type=float, default=2.0)
+    p.add_argument("--json", type=Path, help="write one record per row here")
+    p.add_argument("--plot", type=Path, help="write throughput against size here (PNG, needs matplotlib)")
+    p.add_argument("--use-running", action="store_true", help="measure the daemon at --runtime-dir instead of a private one")
+
+
+def _count_for(size: int, override: Optional[int]) -> int:
+    if override:
+        return override
+    return max(20, min(1000, (256 * MiB) // size))
+
+
+def _progress(text: str) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[K" + text)
+    else:
+        sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _start_daemon(runtime_dir: Path, pool_mb: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host",
+           "--pool-mb", str(pool_mb), "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 30
+    from mmfeat.client.channel import ControlChannel
+    from mmfeat.protos.paths import control_endpoint
+
+    while True:
+        try:
+            ch = ControlChannel(control_endpoint(runtime_dir), 0.5)
+            ch.call("ping")
+            ch.close()
+            return proc
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit("mmfeat bench: could not start a private mmfeatd")
+            time.sleep(0.1)
+
+
+def _memcpy_row(size: int, count: int, threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch outside the clock
+    lat = []
+    t_start = time.monotonic()
+    for _ in range(count):
+        t0 = time.monotonic()
+        dst.copy_(src)
+        lat.append(time.monotonic() - t0)
+    return make_row("memcpy", size, 1, lat, time.monotonic() - t_start)
+
+
+def _run_data_plane(runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int], modes: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch.multiprocessing as tmp
+
+    tmp.set_sharing_strategy("file_descriptor")
+    ctx = tmp.get_context("spawn")
+    mp_queues = [ctx.Queue() for _ in range(n)]
+    pipes = [ctx.Pipe() for _ in range(n + 1)]
+    procs = [ctx.Process(target=producer_main, args=(n, str(runtime_dir), str(sock_dir), args.threads, pipes[0][1], mp_queues))]
+    procs += [
+        ctx.Process(target=consumer_main, args=(r, str(runtime_dir), str(sock_dir), args.threads, pipes[r + 1][1], mp_queues[r]))
+        for r in range(n)
+    ]
+    rows = []
+    for p in procs:
+        p.start()
+    try:
+        if not pipes[0][0].poll(60):
+            raise SystemExit("mmfeat bench: the producer process did not start")
+        pipes[0][0].recv()
+        for size in sizes:
+            for mode in modes:
+                _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} ...")
+                count = _count_for(size, args.count)
+                job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window)
+                for parent, _ in pipes[1:]:
+                    parent.send(job)
+                pipes[0][0].send(job)
+                if not pipes[0][0].poll(600):
+                    raise SystemExit(f"mmfeat bench: {mode} at {human_size(size)} did not finish in 600 s")
+                res = pipes[0][0].recv()
+                for parent, _ in pipes[1:]:
+                    parent.recv()
+                rows.append(make_row(mode, size, n, res["latencies"], res["elapsed"]))
+        for parent, _ in pipes:
+            parent.send(None)
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return rows
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    counts = [int(c) for c in args.consumers.split(",") if c]
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"mmfeat bench: unknown modes {sorted(unknown)}; choose from {','.join(MODES)}")
+    control_clients = [int(c) for c in args.control_clients.split(",") if c]
+    work = Path(tempfile.mkdtemp(prefix="mmfb-", dir="/tmp"))
+    daemon = None
+    try:
+        if args.use_running:
+            from mmfeat.protos.paths import default_runtime_dir
+
+            runtime_dir = args.runtime_dir or default_runtime_dir()
+        else:
+            runtime_dir = work / "rt"
+            runtime_dir.mkdir()
+            pool_mb = max(64, (max(sizes) * (args.window + 2)) // MiB + 64)
+            daemon = _start_daemon(runtime_dir, pool_mb)
+        rows = [_memcpy_row(size, _count_for(size, args.count), args.threads) for size in sizes]
+        for n in counts:
+            rows += _run_data_plane(runtime_dir, work, n, sizes, modes, args)
+        control = []
+        if control_clients:
+            _progress("bench: control plane ...")
+            control = run_control(runtime_dir, work, control_clients, args.control_seconds)
+        _progress("")
+        add_ratios(rows)
+        verdicts = targets(rows, control)
+        print(render(rows, control, verdicts))
+        if args.json:
+            write_json(args.json, rows, control)
+        if args.plot:
+            why_not = plot(args.plot, rows)
+            if why_not:
+                print(f"no plot: {why_not}", file=sys.stderr)
+        return 0
+    finally:
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(15)
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,142 @@
+"""Turn measurements into rows, ratios, target verdicts, a terminal table, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+MiB = 1 << 20
+
+
+def human_size(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", MiB), ("K", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1024, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def make_row(mode: str, size: int, consumers: int, latencies: list[float], elapsed: float) -> dict[str, Any]:
+    lat = sorted(latencies)
+    fps = len(lat) / elapsed if elapsed > 0 else float("inf")
+    return {
+        "mode": mode,
+        "size": size,
+        "consumers": consumers,
+        "features_per_s": fps,
+        "gb_per_s": fps * size / 1e9,
+        "p50_us": statistics.median(lat) * 1e6,
+        "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's features/s over the memcpy limit and over zmq_bytes at the same size and consumers."""
+    limit = {r["size"]: r["features_per_s"] for r in rows if r["mode"] == "memcpy"}
+    zmq = {(r["size"], r["consumers"]): r["features_per_s"] for r in rows if r["mode"] == "zmq_bytes"}
+    for r in rows:
+        r["x_limit"] = r["features_per_s"] / limit[r["size"]] if r["size"] in limit else None
+        z = zmq.get((r["size"], r["consumers"]))
+        r["x_zmq"] = r["features_per_s"] / z if z else None
+
+
+def targets(rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """(target, met, what was measured) for each target the issue sets that this run covers."""
+    by = {(r["mode"], r["size"], r["consumers"]): r for r in rows}
+    out: list[tuple[str, bool, str]] = []
+    for (mode, size, n), r in sorted(by.items()):
+        if mode != "pool_view":
+            continue
+        z, t = by.get(("zmq_bytes", size, n)), by.get(("torch_mp", size, n))
+        if size >= MiB and z:
+            x = r["features_per_s"] / z["features_per_s"]
+            out.append((f"{human_size(size)} x{n}: pool zero-copy >= 3x zmq_bytes", x >= 3, f"{x:.2f}x"))
+        if size >= MiB and t:
+            x = r["features_per_s"] / t["features_per_s"]
+            out.append((f"{human_size(size)} x{n}: pool zero-copy >= 10x torch_mp", x >= 10, f"{x:.2f}x"))
+        if size >= 16 * MiB and r.get("x_limit") is not None:
+            out.append((f"{human_size(size)} x{n}: pool zero-copy >= 0.7x memcpy", r["x_limit"] >= 0.7, f"{r['x_limit']:.2f}x"))
+    for (mode, size, n), r in sorted(by.items()):
+        if mode == "client_default" and size == 64 * 1024 and ("zmq_bytes", size, n) in by:
+            x = r["features_per_s"] / by[("zmq_bytes", size, n)]["features_per_s"]
+            out.append((f"64K x{n}: client default path >= zmq_bytes", x >= 1, f"{x:.2f}x"))
+    for c in control:
+        x = c["mmfeat"]["p50_us"] / c["echo"]["p50_us"]
+        out.append((f"control p50 with {c['clients']} client(s) <= 1.5x bare echo", x <= 1.5, f"{x:.2f}x"))
+    return out
+
+
+def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]]) -> str:
+    lines = [f"{'consumers':>9} {'size':>6} {'mode':<15} {'feat/s':>10} {'GB/s':>8} {'p50 us':>10} {'p99 us':>10} {'x limit':>8} {'x zmq':>7}"]
+    order = {m: i for i, m in enumerate(("memcpy", "pool_view", "pool_copy", "client_default", "inline", "zmq_bytes", "torch_mp"))}
+    for r in sorted(rows, key=lambda r: (r["consumers"], r["size"], order.get(r["mode"], 99))):
+        xl = f"{r['x_limit']:.2f}" if r.get("x_limit") is not None else "-"
+        xz = f"{r['x_zmq']:.2f}" if r.get("x_zmq") is not None else "-"
+        lines.append(
+            f"{r['consumers']:>9} {human_size(r['size']):>6} {r['mode']:<15} {r['features_per_s']:>10.0f} {r['gb_per_s']:>8.2f}"
+            f" {r['p50_us']:>10.0f} {r['p99_us']:>10.0f} {xl:>8} {xz:>7}"
+        )
+    if control:
+        lines += ["", "control plane: reserve+publish+ack cycles/s, and per round trip p50/p99 (us)"]
+        lines.append(f"{'clients':>7} {'mmfeat cyc/s':>13} {'p50':>7} {'p99':>7} {'echo cyc/s':>11} {'p50':>7} {'p99':>7} {'p50 ratio':>10}")
+        for c in control:
+            m, e = c["mmfeat"], c["echo"]
+            lines.append(
+                f"{c['clients']:>7} {m['cycles_per_s']:>13.0f} {m['p50_us']:>7.0f} {m['p99_us']:>7.0f} {e['cycles_per_s']:>11.0f}"
+                f" {e['p50_us']:>7.0f} {e['p99_us']:>7.0f} {m['p50_us'] / e['p50_us']:>10.2f}"
+            )
+    if verdicts:
+        lines += ["", "targets:"]
+        lines += [f"  {'met   ' if ok else 'MISSED'} {name}: {got}" for name, ok, got in verdicts]
+    return "\n".join(lines)
+
+
+def json_records(rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    records = [dict(r) for r in rows]
+    for c in control:
+        for side in ("mmfeat", "echo"):
+            v = c[side]
+            records.append(
+                {"mode": f"control_{side}", "size": 0, "consumers": c["clients"], "features_per_s": v["cycles_per_s"],
+                 "gb_per_s": 0.0, "p50_us": v["p50_us"], "p99_us": v["p99_us"]}
+            )
+    return records
+
+
+def write_json(path: Path, rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> None:
+    path.write_text(json.dumps(json_records(rows, control), indent=1) + "\n")
+
+
+def plot(path: Path, rows: list[dict[str, Any]]) -> Optional[str]:
+    """Throughput against size, one line per mode, one panel per consumer count. None, or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: pip install 'mmfeat[plot]'"
+    counts = sorted({r["consumers"] for r in rows if r["mode"] != "memcpy"}) or [1]
+    fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 4), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        for mode in sorted({r["mode"] for r in rows}):
+            pts = sorted((r["size"], r["gb_per_s"]) for r in rows if r["mode"] == mode and (r["consumers"] == n or mode == "memcpy"))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, linestyle="--" if mode == "memcpy" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("feature size (bytes)")
+        ax.set_ylabel("GB/s (payload, to the last consumer)")
+        ax.set_title(f"{n} consumer(s)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None

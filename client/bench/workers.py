@@ -1,0 +1,157 @@
+"""Producer and consumer processes of the data-plane benchmark.
+
+One producer and N consumers live for a whole consumer-count run; the parent sends them one command per
+(mode, size). Descriptors (or payloads, for the zmq_bytes mode) go producer -> each consumer over ZMQ
+PUSH/PULL, as they would in a server's own messages; each consumer reads every byte, acks, and reports
+(feature, time read) back on a PULL socket the producer owns, which also enforces the in-flight window.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+MODES = ("pool_view", "pool_copy", "inline", "zmq_bytes", "torch_mp", "client_default")
+POOL_MODES = {"pool_view", "pool_copy", "client_default"}
+
+
+@dataclass(frozen=True)
+class Job:
+    mode: str
+    size: int
+    count: int
+    warmup: int
+    window: int
+
+
+def read_every_byte(t: Any) -> int:
+    """Touch every byte, the same work in every mode: an int64 sum over the feature."""
+    import torch
+
+    flat = t.reshape(-1).view(torch.uint8)
+    if flat.numel() % 8 == 0:
+        return int(flat.view(torch.int64).sum())
+    return int(flat.sum())
+
+
+def _client(runtime_dir: str, mode: str) -> Any:
+    from mmfeat.client.client import Client
+
+    if mode == "inline":
+        return Client(runtime_dir, inline_threshold=1 << 62)
+    if mode == "client_default":
+        return Client(runtime_dir)
+    return Client(runtime_dir, inline_threshold=0, fallback="error")
+
+
+def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd: Any, mp_queue: Any) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(f"ipc://{sock_dir}/feat-{rank}.sock")
+    done = ctx.socket(zmq.PUSH)
+    done.connect(f"ipc://{sock_dir}/done.sock")
+    clients: dict[str, Any] = {}
+    while (job := cmd.recv()) is not None:
+        total = job.count + job.warmup
+        client = None
+        if job.mode in POOL_MODES or job.mode == "inline":
+            client = clients.get(job.mode) or clients.setdefault(job.mode, _client(runtime_dir, job.mode))
+        for _ in range(total):
+            if job.mode == "torch_mp":
+                idx, t = mp_queue.get()
+                read_every_byte(t)
+                del t
+            elif job.mode == "zmq_bytes":
+                header, payload = pull.recv_multipart(copy=False)
+                idx = msgpack.unpackb(header.bytes)
+                read_every_byte(torch.frombuffer(payload.buffer, dtype=torch.uint8))
+            else:
+                header, blob = pull.recv_multipart()
+                idx = msgpack.unpackb(header)
+                got = client.get(blob, copy=(job.mode == "pool_copy"))
+                read_every_byte(got)
+                del got
+                client.ack(blob)
+            done.send(msgpack.packb([idx, time.monotonic()]))
+        cmd.send("ok")
+    for c in clients.values():
+        c.close()
+    pull.close(0)
+    done.close(0)
+    ctx.term()
+
+
+def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: int, cmd: Any, mp_queues: list) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    ctx = zmq.Context()
+    pushes = []
+    for rank in range(n_consumers):
+        s = ctx.socket(zmq.PUSH)
+        s.sndhwm = 0
+        s.bind(f"ipc://{sock_dir}/feat-{rank}.sock")
+        pushes.append(s)
+    done = ctx.socket(zmq.PULL)
+    done.bind(f"ipc://{sock_dir}/done.sock")
+    clients: dict[str, Any] = {}
+    cmd.send("ready")
+    while (job := cmd.recv()) is not None:
+        payload = torch.randint(0, 255, (job.size,), dtype=torch.uint8)
+        client = None
+        if job.mode in POOL_MODES or job.mode == "inline":
+            client = clients.get(job.mode) or clients.setdefault(job.mode, _client(runtime_dir, job.mode))
+        total = job.count + job.warmup
+        # torch.multiprocessing shares a storage once; a new feature is a new storage, made before timing.
+        fresh = [payload.clone() for _ in range(total)] if job.mode == "torch_mp" else []
+        sent_at: list[float] = []
+        read_at: dict[int, list[float]] = {}
+        acked = 0  # features every consumer has finished
+
+        def collect(block: bool) -> None:
+            nonlocal acked
+            while done.poll(None if block else 0):
+                i, t1 = msgpack.unpackb(done.recv())
+                read_at.setdefault(i, []).append(t1)
+                block = False
+            while len(read_at.get(acked, ())) == n_consumers:
+                acked += 1
+
+        for i in range(total):
+            while i - acked >= job.window:
+                collect(block=True)
+            t0 = time.monotonic()
+            if job.mode == "torch_mp":
+                for q in mp_queues:
+                    q.put((i, fresh[i]))
+                fresh[i] = None
+            elif job.mode == "zmq_bytes":
+                header = msgpack.packb(i)
+                for s in pushes:
+                    s.send_multipart([header, payload.numpy()], copy=False)
+            else:
+                blob = client.put(payload, consumers=n_consumers).to_bytes()
+                header = msgpack.packb(i)
+                for s in pushes:
+                    s.send_multipart([header, blob])
+            sent_at.append(t0)
+            collect(block=False)
+        while acked < total:
+            collect(block=True)
+        first = job.warmup
+        latencies = [max(read_at[i]) - sent_at[i] for i in range(first, total)]
+        elapsed = max(max(read_at[i]) for i in range(first, total)) - sent_at[first]
+        fallbacks = dict(client.fallbacks) if client is not None else {}
+        cmd.send({"latencies": latencies, "elapsed": elapsed, "fallbacks": fallbacks})
+    for c in clients.values():
+        c.close()
+    for s in (*pushes, done):
+        s.close(0)
+    ctx.term()

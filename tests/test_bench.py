@@ -1,0 +1,26 @@
+"""A few-second run of `mmfeat bench` with tiny sizes, so the benchmark cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_smoke(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "mmfeat.client", "bench", "--sizes", "4K,64K", "--consumers", "2", "--count", "12",
+         "--control-clients", "1", "--control-seconds", "0.3", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = json.loads(out.read_text())
+    modes = {rec["mode"] for rec in records}
+    assert modes == {"memcpy", "pool_view", "pool_copy", "inline", "zmq_bytes", "torch_mp", "client_default",
+                     "control_mmfeat", "control_echo"}
+    for rec in records:
+        assert set(rec) >= {"mode", "size", "consumers", "features_per_s", "gb_per_s", "p50_us", "p99_us"}
+        assert rec["features_per_s"] > 0 and rec["p99_us"] >= rec["p50_us"] > 0
+    assert {(rec["size"], rec["consumers"]) for rec in records if rec["mode"] == "pool_view"} == {(4096, 2), (65536, 2)}
+    assert "targets:" in r.stdout and "control plane" in r.stdout
