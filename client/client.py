@@ -204,10 +204,12 @@ class Client:
             else:
                 dst = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + nbytes]
             tz.write_packed(dst, tensors, specs)
-            if dst.is_cuda:
+            if dst.is_cuda or device is not None:
                 # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the
-                # copy must be complete before the descriptor exists (see research/cuda_vmm.md).
-                torch.cuda.current_stream(dst.device).synchronize()
+                # copy must be complete before the descriptor exists (see research/cuda_vmm.md). The copy
+                # ran on the current stream of the destination or of a source device: finish them all.
+                for dev in {t.device for t in tensors if t.is_cuda} | ({dst.device} if dst.is_cuda else set()):
+                    torch.cuda.current_stream(dev).synchronize()
             # Pipelined: the next request on this channel (or the consumer's lookup, which accepts a
             # RESERVED lease) does not need to wait for it. A failure is logged when its reply is read.
             if not self._channel.cast("publish", lease=desc.lease_ref()):

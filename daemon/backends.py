@@ -15,8 +15,15 @@ def create_pools(settings: Settings) -> list[Pool]:
     """The pools for ``settings.backend``; raises PoolCreateError saying what is missing."""
     size = settings.pool_mb << 20
     backend = settings.backend
-    if backend == "cuda_vmm":
-        raise PoolCreateError("backend cuda_vmm is not built yet; use host")
+    if backend in ("auto", "cuda_vmm"):
+        from .pools.cuda_vmm import create_cuda_pools, cuda_unavailable_reason
+
+        reason = cuda_unavailable_reason(settings.devices)
+        if reason is None:
+            return create_cuda_pools(settings)
+        if backend == "cuda_vmm":
+            raise PoolCreateError(f"backend cuda_vmm cannot work here: {reason}")
+        log.info("backend auto chose host memory: %s", reason)
     pool = HostPool(0, size)
     log.info(
         "host pool: %d MiB of populated memfd memory shared as a POSIX FD; a full pool falls back to inline transport",

@@ -1,0 +1,124 @@
+"""The CUDA driver API through cuda-python, and the checks that say why it cannot be used here.
+
+Shared by the daemon (pools) and the client (imports); imports nothing from torch. Importing this module
+never fails: a missing package or driver is reported by ``driver_unavailable_reason()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+try:  # cuda-bindings 12.8+ and 13.x
+    from cuda.bindings import driver as cu
+except ImportError:  # pragma: no cover - cuda-python 12.x before the split
+    try:
+        from cuda import cuda as cu  # type: ignore[no-redef]
+    except ImportError:
+        cu = None  # type: ignore[assignment]
+
+
+class CudaError(RuntimeError):
+    """A driver call failed; the message names the call and the CUresult."""
+
+    def __init__(self, call: str, result: Any) -> None:
+        name = _error_name(result)
+        super().__init__(f"{call} failed: {name}")
+        self.call = call
+        self.result = result
+        self.name = name
+
+
+def _error_name(result: Any) -> str:
+    try:
+        err, name = cu.cuGetErrorName(result)
+        return name.decode() if err == cu.CUresult.CUDA_SUCCESS else str(result)
+    except Exception:
+        return str(result)
+
+
+def ck(call: str, ret: Any) -> Any:
+    """Unpack a binding's ``(CUresult, *values)`` tuple, raising CudaError on failure."""
+    err, *vals = ret
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(call, err)
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+_init_lock = threading.Lock()
+_init_error: Optional[str] = None
+_initialized = False
+
+
+def driver_unavailable_reason() -> Optional[str]:
+    """None when cuInit succeeds; otherwise what is missing, in words an operator can act on."""
+    global _initialized, _init_error
+    with _init_lock:
+        if _initialized:
+            return None
+        if _init_error is not None:
+            return _init_error
+        if cu is None:
+            _init_error = "the cuda-python package is not installed (pip install 'mmfeat[cuda]')"
+            return _init_error
+        try:
+            ck("cuInit", cu.cuInit(0))
+        except CudaError as exc:
+            _init_error = f"the CUDA driver failed to initialise ({exc.name})"
+            return _init_error
+        except RuntimeError as exc:
+            # cuda-pathfinder raises a RuntimeError subclass when libcuda.so is absent.
+            _init_error = f"no CUDA driver (libcuda) on this machine: {exc}"
+            return _init_error
+        _initialized = True
+        return None
+
+
+def device_count() -> int:
+    return ck("cuDeviceGetCount", cu.cuDeviceGetCount())
+
+
+def device(ordinal: int) -> Any:
+    return ck("cuDeviceGet", cu.cuDeviceGet(ordinal))
+
+
+def attribute(dev: Any, attr: Any) -> int:
+    return ck("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attr, dev))
+
+
+def retain_primary_context(ordinal: int) -> Any:
+    """Retain the device's primary context and make it current on this thread (VMM calls take no
+    context argument, but need one current)."""
+    ctx = ck("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device(ordinal)))
+    ck("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+    return ctx
+
+
+def handle_type(kind: str) -> Any:
+    t = cu.CUmemAllocationHandleType
+    return t.CU_MEM_HANDLE_TYPE_FABRIC if kind == "fabric" else t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def allocation_prop(ordinal: int, kind: str) -> Any:
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    # One handle type per allocation: the Python enum rejects POSIX|FABRIC (research/cuda_vmm.md).
+    prop.requestedHandleTypes = handle_type(kind)
+    return prop
+
+
+def granularity(prop: Any) -> int:
+    flags = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(ck("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, flags)))
+
+
+def access_desc(ordinal: int) -> Any:
+    d = cu.CUmemAccessDesc()
+    d.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    d.location.id = ordinal
+    d.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return d

@@ -1,0 +1,138 @@
+"""Which transport a server should use for multimodal features: a pure function of what it asked for,
+the node's topology and whether the model opted in. The tiers are SGLang's (shared/seed, PR #33936).
+
+- ``cpu`` asked for: inline.
+- auto on one node with CUDA: the pool, shared as a POSIX fd.
+- auto on several nodes with an MNNVL fabric, an IMEX channel and an opted-in model: the pool, shared
+  as a CUDA FABRIC handle. Not opted in, no IMEX channel, or no fabric: inline, and the log says which.
+- ``cuda_vmm`` asked for: validated; TransportConfigError when it cannot work, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger("mmfeat.policy")
+
+IMEX_CHANNEL = Path("/dev/nvidia-caps-imex-channels/channel0")
+REQUESTS = ("auto", "cpu", "cuda_vmm")
+_logged: set[tuple[str, Optional[str], str]] = set()
+
+
+class TransportConfigError(ValueError):
+    """The requested transport cannot work on this deployment."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    cuda: bool
+    nnodes: int
+    mnnvl_fabric: bool
+    imex_channel: bool
+
+
+@dataclass(frozen=True)
+class TransportDecision:
+    transport: str  # "pool" or "inline"
+    handle: Optional[str]  # "posix_fd", "fabric" or None
+    reason: str
+
+
+def supports_cuda_vmm_feature_transport(model_cls: Any) -> bool:
+    """The model's opt-in: a class attribute ``supports_cuda_vmm_feature_transport = True``."""
+    return bool(getattr(model_cls, "supports_cuda_vmm_feature_transport", False))
+
+
+def _nvml_fabric_completed() -> bool:
+    """NVML fabric state COMPLETED with a non-zero cluster UUID on the first visible GPU."""
+    try:
+        import ctypes
+
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            info = pynvml.c_nvmlGpuFabricInfoV_t()
+            pynvml.nvmlDeviceGetGpuFabricInfoV(pynvml.nvmlDeviceGetHandleByIndex(0), ctypes.byref(info))
+            return int(info.state) == pynvml.NVML_GPU_FABRIC_STATE_COMPLETED and any(bytes(info.clusterUuid))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
+def detect_topology(nnodes: Optional[int] = None) -> Topology:
+    """What this node has: CUDA devices, node count (argument, else ``$MMFEAT_NNODES``, else 1), NVML
+    fabric state, and the IMEX channel device."""
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:
+        cuda = False
+    if nnodes is None:
+        nnodes = int(os.environ.get("MMFEAT_NNODES", "1"))
+    return Topology(
+        cuda=cuda,
+        nnodes=nnodes,
+        mnnvl_fabric=cuda and _nvml_fabric_completed(),
+        imex_channel=IMEX_CHANNEL.exists(),
+    )
+
+
+def _decide(requested: str, topo: Topology, model_opt_in: bool) -> TransportDecision:
+    if requested not in REQUESTS:
+        raise TransportConfigError(f"unknown transport {requested!r}; choose one of {', '.join(REQUESTS)}")
+    if requested == "cpu":
+        return TransportDecision("inline", None, "cpu transport requested")
+    multi = topo.nnodes > 1
+    if requested == "cuda_vmm":
+        if not topo.cuda:
+            raise TransportConfigError("cuda_vmm transport needs a CUDA device, and this node has none; use cpu")
+        if not multi:
+            return TransportDecision("pool", "posix_fd", "cuda_vmm requested on a single node: POSIX FD sharing")
+        if not topo.mnnvl_fabric:
+            raise TransportConfigError(
+                f"cuda_vmm across {topo.nnodes} nodes needs a multi-node NVLink (MNNVL) fabric, and NVML reports none; use cpu"
+            )
+        if not topo.imex_channel:
+            raise TransportConfigError(
+                f"cuda_vmm across nodes needs an IMEX channel at {IMEX_CHANNEL}; configure the MNNVL compute domain "
+                "(ComputeDomain on Kubernetes) or use cpu"
+            )
+        return TransportDecision("pool", "fabric", "cuda_vmm requested on a multi-node MNNVL domain: CUDA FABRIC sharing")
+    # auto
+    if not topo.cuda:
+        return TransportDecision("inline", None, "no CUDA device on this node")
+    if not multi:
+        return TransportDecision("pool", "posix_fd", "single-node CUDA: POSIX FD sharing. Pass cpu to opt out.")
+    if topo.mnnvl_fabric and topo.imex_channel:
+        if model_opt_in:
+            return TransportDecision(
+                "pool", "fabric", "multi-node GB200/GB300 MNNVL: CUDA FABRIC sharing. Pass cpu to opt out."
+            )
+        return TransportDecision("inline", None, "the model has not opted into CUDA VMM transport")
+    if topo.mnnvl_fabric:
+        return TransportDecision(
+            "inline",
+            None,
+            "GB200/GB300 was detected but no IMEX channel is mounted. Configure the MNNVL compute domain or "
+            "pass cuda_vmm after doing so.",
+        )
+    return TransportDecision("inline", None, f"{topo.nnodes} nodes without an MNNVL fabric: features travel inline")
+
+
+def resolve_transport(requested: str, topology: Topology, model_opt_in: bool) -> TransportDecision:
+    """The transport for ``requested`` ("auto", "cpu" or "cuda_vmm") on ``topology``; logs the decision
+    once per distinct outcome."""
+    decision = _decide(requested, topology, model_opt_in)
+    key = (decision.transport, decision.handle, decision.reason)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("multimodal feature transport resolved to %s%s: %s", decision.transport,
+                 f" ({decision.handle})" if decision.handle else "", decision.reason)
+    return decision

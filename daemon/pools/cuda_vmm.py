@@ -1,0 +1,134 @@
+"""GPU pool: one cuMemCreate allocation per device, shared as a POSIX fd (one node) or a CUDA FABRIC
+handle (the nodes of one NVLink/IMEX domain).
+
+The daemon never maps the allocation: it never touches feature bytes, so it needs only the physical
+handle and its exported form. Clients import, reserve VA, map and set access for their own device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from mmfeat.client import cuda_driver as drv
+
+from ..config import Settings
+from .base import Pool, PoolCreateError
+from .fabric_probe import probe_fabric
+
+log = logging.getLogger("mmfeatd")
+
+
+def cuda_unavailable_reason(devices: list[int]) -> Optional[str]:
+    """None when every configured device can hold a CUDA VMM pool shared as a POSIX fd; else why not."""
+    reason = drv.driver_unavailable_reason()
+    if reason is not None:
+        return reason
+    try:
+        count = drv.device_count()
+        if count == 0:
+            return "the CUDA driver sees no device"
+        for ordinal in devices:
+            if ordinal >= count:
+                return f"device {ordinal} is not present (the driver sees {count})"
+            dev = drv.device(ordinal)
+            attrs = drv.cu.CUdevice_attribute
+            if not drv.attribute(dev, attrs.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED):
+                return f"device {ordinal} does not support CUDA virtual memory management"
+            if not drv.attribute(dev, attrs.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED):
+                return f"device {ordinal} cannot export POSIX fd handles"
+    except drv.CudaError as exc:
+        return f"querying CUDA devices failed ({exc})"
+    return None
+
+
+class CudaVmmPool(Pool):
+    kind = "cuda"
+
+    def __init__(self, pool_id: int, ordinal: int, nbytes: int, handle: str) -> None:
+        self.pool_id = pool_id
+        self.device = ordinal
+        self.handle = handle
+        self._alloc = None
+        self._fd: Optional[int] = None
+        self._fabric: Optional[bytes] = None
+        self._ctx_retained = False
+        try:
+            drv.retain_primary_context(ordinal)
+            self._ctx_retained = True
+            prop = drv.allocation_prop(ordinal, handle)
+            gran = drv.granularity(prop)
+            self.size = -(-nbytes // gran) * gran
+            self._alloc = drv.ck("cuMemCreate", drv.cu.cuMemCreate(self.size, prop, 0))
+            shared = drv.ck(
+                "cuMemExportToShareableHandle",
+                drv.cu.cuMemExportToShareableHandle(self._alloc, drv.handle_type(handle), 0),
+            )
+            if handle == "fabric":
+                self._fabric = bytes(shared.data)  # CUmemFabricHandle has no buffer protocol
+            else:
+                self._fd = int(shared)
+                os.set_inheritable(self._fd, False)
+        except drv.CudaError as exc:
+            self.close()
+            raise PoolCreateError(f"cannot create a {nbytes >> 20} MiB {handle} pool on GPU {ordinal}: {exc}") from None
+
+    def export_fd(self) -> Optional[int]:
+        return self._fd
+
+    def fabric_handle(self) -> Optional[bytes]:
+        return self._fabric
+
+    def close(self) -> None:
+        # Physical memory is freed once every handle is released and every exported fd closed;
+        # clients' mappings keep it alive until they unmap. The daemon has no mapping of its own.
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._alloc is not None:
+            drv.cu.cuMemRelease(self._alloc)
+            self._alloc = None
+        if self._ctx_retained:
+            drv.cu.cuDevicePrimaryCtxRelease(drv.device(self.device))
+            self._ctx_retained = False
+
+
+def choose_handle(settings: Settings, ordinal: int) -> tuple[str, str]:
+    """(handle kind, why) for one device: FABRIC only for a multi-node domain whose probe passes."""
+    if settings.nnodes <= 1:
+        return "posix_fd", "single node (nnodes = 1)"
+    verdict = probe_fabric(ordinal)
+    if verdict.ok:
+        return "fabric", f"multi-node (nnodes = {settings.nnodes}) and {verdict.reason}"
+    log.warning(
+        "nnodes = %d but GPU %d cannot use FABRIC handles (%s); sharing as POSIX FD, so consumers on other "
+        "nodes will receive features inline",
+        settings.nnodes,
+        ordinal,
+        verdict.reason,
+    )
+    return "posix_fd", f"fabric probe failed: {verdict.reason}"
+
+
+def create_cuda_pools(settings: Settings) -> list[Pool]:
+    pools: list[Pool] = []
+    try:
+        for pool_id, ordinal in enumerate(settings.devices):
+            handle, why = choose_handle(settings, ordinal)
+            pool = CudaVmmPool(pool_id, ordinal, settings.pool_mb << 20, handle)
+            pools.append(pool)
+            log.info(
+                "CUDA VMM pool %d with %s sharing (%s): reserving %d MiB of HBM on GPU %d; this reduces KV cache "
+                "headroom, and a full pool falls back to inline transport",
+                pool_id,
+                "CUDA FABRIC" if handle == "fabric" else "POSIX FD",
+                why,
+                pool.size >> 20,
+                ordinal,
+            )
+    except BaseException:
+        for pool in pools:
+            pool.close()
+        raise
+    return pools

@@ -1,0 +1,157 @@
+"""The CUDA paths on a machine without a GPU: they import, say what is missing, and never pretend."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from mmfeat.client import cuda_driver as drv
+from mmfeat.client.policy import (
+    Topology,
+    TransportConfigError,
+    resolve_transport,
+    supports_cuda_vmm_feature_transport,
+)
+
+no_driver = pytest.mark.skipif(drv.driver_unavailable_reason() is None, reason="a CUDA driver is present here")
+
+
+def test_cuda_modules_import() -> None:
+    import mmfeat.client.cuda_import  # noqa: F401
+    import mmfeat.daemon.pools.cuda_vmm  # noqa: F401
+    import mmfeat.daemon.pools.fabric_probe  # noqa: F401
+
+
+@no_driver
+def test_backend_reports_why_it_is_unavailable() -> None:
+    from mmfeat.daemon.pools.cuda_vmm import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason([0])
+    assert reason and ("libcuda" in reason or "driver" in reason)
+
+
+@no_driver
+def test_fabric_probe_gives_a_clean_verdict() -> None:
+    from mmfeat.daemon.pools.fabric_probe import probe_fabric
+
+    verdict = probe_fabric(0)
+    assert verdict.ok is False and verdict.reason
+
+
+@no_driver
+def test_auto_backend_picks_host_and_says_why(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "16", "--backend", "auto")
+    pool = d.pool()
+    assert pool["kind"] == "host" and pool["handle"] == "posix_fd"
+    d.stop()
+    _, err = d.proc.communicate()
+    assert "backend auto chose host memory" in err and "driver" in err
+
+
+@no_driver
+def test_explicit_cuda_vmm_backend_exits_with_the_reason(runtime_dir) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "cuda_vmm"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 1
+    assert "backend cuda_vmm cannot work here" in r.stderr and "driver" in r.stderr
+    assert not (runtime_dir / "mmfeatd.sock").exists()
+
+
+# --- the transport policy, every branch, with injected topologies -----------------------------------
+
+SINGLE = Topology(cuda=True, nnodes=1, mnnvl_fabric=False, imex_channel=False)
+MNNVL = Topology(cuda=True, nnodes=2, mnnvl_fabric=True, imex_channel=True)
+MNNVL_NO_IMEX = Topology(cuda=True, nnodes=2, mnnvl_fabric=True, imex_channel=False)
+MULTI_PLAIN = Topology(cuda=True, nnodes=4, mnnvl_fabric=False, imex_channel=False)
+NO_CUDA = Topology(cuda=False, nnodes=1, mnnvl_fabric=False, imex_channel=False)
+
+
+class KimiK25:
+    supports_cuda_vmm_feature_transport = True
+
+
+class TextOnly:
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _fresh_policy_log():
+    from mmfeat.client import policy
+
+    policy._logged.clear()
+
+
+def _resolve(caplog, requested, topo, model):
+    with caplog.at_level(logging.INFO, logger="mmfeat.policy"):
+        d = resolve_transport(requested, topo, supports_cuda_vmm_feature_transport(model))
+    return d, " ".join(r.message for r in caplog.records)
+
+
+def test_opt_in_contract() -> None:
+    assert supports_cuda_vmm_feature_transport(KimiK25) and not supports_cuda_vmm_feature_transport(TextOnly)
+
+
+def test_supported_model_on_multinode_mnnvl_gets_fabric(caplog) -> None:
+    d, logs = _resolve(caplog, "auto", MNNVL, KimiK25)
+    assert (d.transport, d.handle) == ("pool", "fabric")
+    assert "multi-node GB200/GB300 MNNVL" in logs and "opt out" in logs
+
+
+def test_unsupported_model_on_mnnvl_goes_inline(caplog) -> None:
+    d, logs = _resolve(caplog, "auto", MNNVL, TextOnly)
+    assert (d.transport, d.handle) == ("inline", None)
+    assert "has not opted into CUDA VMM transport" in logs
+
+
+def test_mnnvl_without_imex_channel_goes_inline_with_the_fix(caplog) -> None:
+    d, logs = _resolve(caplog, "auto", MNNVL_NO_IMEX, KimiK25)
+    assert d.transport == "inline"
+    assert "no IMEX channel is mounted" in logs and "Configure the MNNVL compute domain" in logs
+
+
+def test_multinode_without_mnnvl_goes_inline(caplog) -> None:
+    d, logs = _resolve(caplog, "auto", MULTI_PLAIN, KimiK25)
+    assert d.transport == "inline" and "without an MNNVL fabric" in logs
+
+
+def test_single_node_auto_is_pool_posix_fd(caplog) -> None:
+    d, logs = _resolve(caplog, "auto", SINGLE, TextOnly)
+    assert (d.transport, d.handle) == ("pool", "posix_fd") and "single-node CUDA" in logs
+
+
+def test_cpu_requested_and_no_cuda_go_inline(caplog) -> None:
+    assert resolve_transport("cpu", MNNVL, True).transport == "inline"
+    d, logs = _resolve(caplog, "auto", NO_CUDA, KimiK25)
+    assert d.transport == "inline" and "no CUDA device" in logs
+
+
+def test_explicit_cuda_vmm_is_validated_never_silently_downgraded() -> None:
+    assert resolve_transport("cuda_vmm", SINGLE, False).handle == "posix_fd"
+    assert resolve_transport("cuda_vmm", MNNVL, False).handle == "fabric"
+    for topo, needle in ((NO_CUDA, "needs a CUDA device"), (MNNVL_NO_IMEX, "IMEX channel"), (MULTI_PLAIN, "MNNVL")):
+        with pytest.raises(TransportConfigError, match=needle) as info:
+            resolve_transport("cuda_vmm", topo, True)
+        assert isinstance(info.value, ValueError)
+    with pytest.raises(TransportConfigError, match="unknown transport"):
+        resolve_transport("cuda_ipc", SINGLE, True)
+
+
+def test_decision_logged_once(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="mmfeat.policy"):
+        for _ in range(5):
+            resolve_transport("auto", SINGLE, False)
+    assert len(caplog.records) == 1
+
+
+def test_daemon_never_imports_torch() -> None:
+    code = (
+        "import sys, mmfeat.daemon.main, mmfeat.daemon.pools.cuda_vmm\n"
+        "assert 'torch' not in sys.modules, 'the daemon imported torch'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
