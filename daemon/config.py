@@ -33,7 +33,7 @@ HELP: dict[str, str] = {
     "ack_ttl": "seconds a PUBLISHED lease may wait for its acks before it is freed",
     "max_leases": "live leases at most, over all pools",
     "allowed_uids": "uids that may receive pool handles; empty means the daemon's own uid and root",
-    "allowed_gids": "gids whose members may receive pool handles",
+    "allowed_gids": "gids whose members may receive pool handles; empty means the daemon's own primary group",
     "socket_mode": "file mode of both socket files (octal in TOML as a string, e.g. \"0660\")",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "metrics_port": "port of the Prometheus endpoint; 0 turns it off",
@@ -81,8 +81,10 @@ class Settings(BaseModel):
         return v.upper() if isinstance(v, str) else v
 
     def uid_allowed(self, uid: int, gids: set[int]) -> bool:
+        # The defaults follow the socket files: they belong to the daemon's user and primary group.
         uids = set(self.allowed_uids) or {os.getuid(), 0}
-        return uid in uids or bool(gids & set(self.allowed_gids))
+        allowed_gids = set(self.allowed_gids) or {os.getgid()}
+        return uid in uids or bool(gids & allowed_gids)
 
 
 class ConfigError(Exception):

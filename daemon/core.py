@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
@@ -28,6 +28,8 @@ class DaemonCore:
         self.sessions = SessionTable()
         self.draining = False
         self.endpoint = ""
+        # Set when metrics are on: called with the seconds each reserve took inside the daemon.
+        self.observe_reserve: Optional[Callable[[float], None]] = None
         self.ledger = Ledger(
             {p.pool_id: Allocator(p.size) for p in pools},
             self.epoch,
@@ -37,6 +39,12 @@ class DaemonCore:
             settings.max_leases,
             observer,
         )
+
+    def apply_settings(self, settings: Settings) -> None:
+        """Take reloaded settings. TTLs apply to leases reserved or published from now on."""
+        self.settings = settings
+        self.ledger.reserve_ttl = settings.reserve_ttl
+        self.ledger.ack_ttl = settings.ack_ttl
 
     def pool_for(self, device: Optional[int]) -> int:
         if device is None:

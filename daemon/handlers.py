@@ -5,6 +5,7 @@ A handler raises MmfeatError for a refusal; daemon/dispatch.py turns it into a t
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from mmfeat.protos import messages as m
@@ -58,7 +59,10 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> Reply:
     if not session.attached:
         raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before reserving, so a crash frees your leases")
     pool_id = core.pool_for(req.device)
+    t0 = time.perf_counter()
     lease = core.ledger.reserve(req.session, pool_id, req.nbytes, req.consumers, now)
+    if core.observe_reserve is not None:
+        core.observe_reserve(time.perf_counter() - t0)
     return _lease_reply(core, lease)
 
 

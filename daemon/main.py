@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -16,10 +17,12 @@ from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint
 from mmfeat.protos.version import PROTOCOL_VERSION
 
 from .backends import create_pools
-from .config import ConfigError, load_settings, render_config
+from .config import HELP, RELOADABLE, ConfigError, load_settings, render_config
 from .core import DaemonCore
 from .logs import setup_logging
+from .metrics import Metrics
 from .pools import PoolCreateError
+from .sd_notify import Notifier
 from .server import Server
 
 log = logging.getLogger("mmfeatd")
@@ -38,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-leases", dest="max_leases", type=int)
     p.add_argument("--log-level", dest="log_level")
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
+    p.add_argument("--metrics-host", dest="metrics_host")
     p.add_argument("--drain-timeout", dest="drain_timeout", type=float)
     p.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
     return p
@@ -86,19 +90,56 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PoolCreateError as exc:
         print(f"mmfeatd: {exc}", file=sys.stderr)
         return 1
-    core = DaemonCore(settings, pools)
-    server = Server(core)
+    metrics = None
+    if settings.metrics_port:
+        try:
+            metrics = Metrics(settings.metrics_host, settings.metrics_port)
+        except OSError as exc:
+            for pool in pools:
+                pool.close()
+            print(f"mmfeatd: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc.strerror}", file=sys.stderr)
+            return 1
+    core = DaemonCore(settings, pools, observer=metrics.on_free if metrics else None)
+    if metrics is not None:
+        core.observe_reserve = metrics.reserve_latency.observe
+    server = Server(core, Notifier(), metrics, reload=lambda: reload_settings(core, args.config, flags))
     try:
         server.bind()
-        log.info("serving %s (epoch %d, pid %d)", core.endpoint, core.epoch, os.getpid())
+        log.info("serving %s (epoch %d, pid %d)%s", core.endpoint, core.epoch, os.getpid(),
+                 f"; metrics on http://{settings.metrics_host}:{metrics.port}/metrics" if metrics else "")
         status = server.serve()
-        log.info("stopping: %d lease(s) still live are cut", core.ledger.live)
-        core.ledger.cut_all(0.0)
+        cut = core.ledger.cut_all(time.monotonic())
+        if cut:
+            log.warning("stopped: drain ended with %d lease(s) unacknowledged; they were cut", cut)
+        else:
+            log.info("stopped: every lease was acknowledged")
         return status
     finally:
         server.close()
         for pool in pools:
             pool.close()
+
+
+def reload_settings(core: DaemonCore, config_file: Optional[Path], flags: dict) -> None:
+    """SIGHUP: read the settings again and apply what can change without a restart."""
+    try:
+        new, _ = load_settings(config_file, flags)
+    except ConfigError as exc:
+        log.error("reload failed, keeping the running settings: %s", exc)
+        return
+    old = core.settings
+    changed = {k: (getattr(old, k), getattr(new, k)) for k in HELP if getattr(old, k) != getattr(new, k)}
+    applied = {k: v for k, v in changed.items() if k in RELOADABLE}
+    core.apply_settings(old.model_copy(update={k: v[1] for k, v in applied.items()}))
+    if "log_level" in applied:
+        logging.getLogger().setLevel(new.log_level)
+    if applied:
+        log.info("reloaded: %s", ", ".join(f"{k} {a} -> {b}" for k, (a, b) in applied.items()))
+    else:
+        log.info("reloaded: nothing that can change without a restart changed")
+    needs_restart = sorted(set(changed) - set(applied))
+    if needs_restart:
+        log.warning("changed but not applied until a restart: %s", ", ".join(needs_restart))
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def test_second_fd_channel_for_one_session_is_refused(daemon) -> None:
 
 
 def test_uid_not_allowed_is_refused(daemon_factory) -> None:
-    d = daemon_factory("--pool-mb", "16", env={"MMFEAT_ALLOWED_UIDS": "54321"})
+    d = daemon_factory("--pool-mb", "16", env={"MMFEAT_ALLOWED_UIDS": "54321", "MMFEAT_ALLOWED_GIDS": "54321"})
     with d.client(inline_threshold=0, fallback="error") as c:
         with pytest.raises(MmfeatError) as info:
             c._connect()

@@ -150,7 +150,7 @@ def test_decision_logged_once(caplog) -> None:
 
 def test_daemon_never_imports_torch() -> None:
     code = (
-        "import sys, mmfeat.daemon.main, mmfeat.daemon.pools.cuda_vmm\n"
+        "import sys, mmfeat.daemon.main, mmfeat.daemon.pools.cuda_vmm, mmfeat.daemon.metrics\n"
         "assert 'torch' not in sys.modules, 'the daemon imported torch'\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -1,0 +1,108 @@
+"""Prometheus metrics on an optional HTTP port, with prometheus-client.
+
+Gauges are read from a snapshot the main loop refreshes (the HTTP server runs on its own thread and
+must not walk the ledger while the loop changes it); histograms are fed as events happen.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .ledger import EndReason, Lease
+
+_COUNTERS = {
+    "reserves": "Leases reserved",
+    "publishes": "Leases published",
+    "acks": "Consumer acknowledgements applied",
+    "over_acks": "Acknowledgements beyond what a lease expected (clamped, not applied)",
+    "frees": "Leases freed, for any reason",
+    "releases": "Leases released by their producer",
+    "expired": "Leases freed because reserve_ttl or ack_ttl passed",
+    "reclaimed_on_disconnect": "RESERVED leases freed because their producer disconnected",
+    "pool_full": "Reserves refused because the pool was full",
+    "too_large": "Reserves refused because the feature is larger than the pool",
+    "bad_requests": "Requests refused as malformed",
+    "forbidden": "Requests refused for a wrong token or forged lease reference",
+    "stale": "Requests naming a lease from another epoch or a reused slot",
+}
+
+
+class _StateCollector:
+    def __init__(self) -> None:
+        self.snapshot: Optional[dict[str, Any]] = None
+        self._lock = threading.Lock()
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        with self._lock:
+            self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            s = self.snapshot
+        if s is None:
+            return
+        pool_bytes = GaugeMetricFamily("mmfeat_pool_bytes", "Pool bytes by state", labels=["pool", "kind", "device", "state"])
+        capacity = GaugeMetricFamily("mmfeat_pool_capacity_bytes", "Pool capacity", labels=["pool", "kind", "device"])
+        largest = GaugeMetricFamily("mmfeat_pool_largest_free_bytes", "Largest free range", labels=["pool", "kind", "device"])
+        leases = GaugeMetricFamily("mmfeat_leases", "Live leases by state", labels=["pool", "state"])
+        for p in s["pools"]:
+            labels = [str(p["pool"]), p["kind"], str(p["device"])]
+            capacity.add_metric(labels, p["capacity"])
+            largest.add_metric(labels, p["largest_free"])
+            pool_bytes.add_metric(labels + ["free"], p["free"])
+            for state, n in p["bytes"].items():
+                pool_bytes.add_metric(labels + [state.lower()], n)
+            for state, n in p["leases"].items():
+                leases.add_metric([str(p["pool"]), state.lower()], n)
+        yield from (pool_bytes, capacity, largest, leases)
+        yield GaugeMetricFamily("mmfeat_clients", "Clients with an attached fd channel", value=s["clients"])
+        yield GaugeMetricFamily("mmfeat_draining", "1 while the daemon drains for shutdown", value=int(s["draining"]))
+        yield GaugeMetricFamily("mmfeat_uptime_seconds", "Seconds since the daemon started", value=s["uptime_s"])
+        counters = s["counters"]
+        for name, help_text in _COUNTERS.items():
+            yield CounterMetricFamily(f"mmfeat_{name}", help_text, value=counters[name])
+        fallbacks = CounterMetricFamily("mmfeat_client_fallbacks", "Features clients sent inline, by reason", labels=["reason"])
+        for reason, n in sorted(counters["fallbacks"].items()):
+            fallbacks.add_metric([reason], n)
+        yield fallbacks
+
+
+class Metrics:
+    """Owns the registry, the HTTP endpoint and the histograms."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.registry = CollectorRegistry()
+        self._state = _StateCollector()
+        self.registry.register(self._state)
+        self.ack_latency = Histogram(
+            "mmfeat_publish_to_last_ack_seconds",
+            "Time from publish to the last consumer's ack",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.reserve_latency = Histogram(
+            "mmfeat_reserve_seconds",
+            "Time the daemon spent serving a reserve",
+            buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01),
+            registry=self.registry,
+        )
+        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_port
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        self._state.update(snapshot)
+
+    def on_free(self, lease: Lease, reason: EndReason, now: float) -> None:
+        if reason is EndReason.ACKED and lease.published_at:
+            self.ack_latency.observe(max(0.0, now - lease.published_at))
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
