@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,10 @@ def _stats(args: argparse.Namespace) -> int:
             s = _body(c.call("stats"))
             print(json.dumps(s, indent=2, sort_keys=True) if args.json else render_stats(s))
             return 0
+        # Explicit handlers: a process started in the background inherits SIGINT ignored, and
+        # Ctrl-C or a service manager's SIGTERM must still end the watch cleanly.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         while True:
             table = render_stats(_body(c.call("stats")))
             # Home the cursor and clear to the end: the table redraws in place without flicker.

@@ -10,6 +10,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
 import warnings
 from collections import Counter
@@ -51,6 +52,7 @@ class _Session:
     pools: dict[int, dict[str, Any]]  # pool id -> pool info from hello
     mappings: dict[tuple[int, int], Any]  # (pool id, device) -> HostMapping or CudaMapping
     fds: dict[int, int]  # pool fds kept for pools mapped lazily (GPU pools: once per device)
+    pid: int = 0  # the process that opened it: a forked child must open its own
 
     def alive(self) -> bool:
         # The daemon never writes after the handshake, so readable means EOF: it exited or restarted.
@@ -88,6 +90,7 @@ class Client:
         self._warned: set[str] = set()
         self._channel = ControlChannel(self.endpoint, timeout)
         self._session: Optional[_Session] = None
+        self._connect_lock = threading.Lock()
         self._acker: Optional[Any] = None
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -114,15 +117,23 @@ class Client:
         self._channel.close()
 
     def _connect(self) -> _Session:
+        session = self._session
+        if session is not None and session.pid == os.getpid() and session.alive():
+            return session
+        with self._connect_lock:
+            return self._reconnect()
+
+    def _reconnect(self) -> _Session:
         if self._session is not None:
-            if self._session.alive():
-                return self._session
+            if self._session.pid == os.getpid() and self._session.alive():
+                return self._session  # another thread reconnected first
+            # Closing our copies is safe after a fork too: the parent keeps its own.
             self._session.close()
             self._session = None
         hello = self._channel.call("hello", name=self.name[:128], pid=os.getpid())
         fd_sock, fds = open_fd_channel(fd_socket_path(self.runtime_dir), hello["session"], self.timeout)
         pools = {p["pool"]: p for p in hello["pools"]}
-        session = _Session(hello["session"], hello["epoch"], hello["node"], fd_sock, pools, {}, fds)
+        session = _Session(hello["session"], hello["epoch"], hello["node"], fd_sock, pools, {}, fds, os.getpid())
         try:
             for pool_id, info in pools.items():
                 if info["kind"] == "host":  # map host pools now; GPU pools on first use, on the caller's device
@@ -171,8 +182,7 @@ class Client:
             return self._inline(tensors, specs, nbytes, many, FallbackReason.BELOW_THRESHOLD, "")
         device = next((t.device.index for t in tensors if t.is_cuda), None)
         try:
-            session = self._connect()
-            reply = self._reserve(session, nbytes, consumers, device)
+            session, reply = self._reserve(self._connect(), nbytes, consumers, device)
         except DaemonUnavailableError as exc:
             return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
         except MmfeatError as exc:
@@ -220,20 +230,24 @@ class Client:
         self._report_fallbacks()
         return desc
 
-    def _reserve(self, session: _Session, nbytes: int, consumers: int, device: Optional[int]) -> dict[str, Any]:
+    def _reserve(
+        self, session: _Session, nbytes: int, consumers: int, device: Optional[int]
+    ) -> tuple[_Session, dict[str, Any]]:
+        """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
         fields: dict[str, Any] = {"session": session.token, "nbytes": nbytes, "consumers": consumers}
         if device is not None and any(p["device"] == device for p in session.pools.values()):
             fields["device"] = device
         try:
-            return self._channel.call("reserve", **fields)
+            return session, self._channel.call("reserve", **fields)
         except MmfeatError as exc:
             if exc.code is not ErrorCode.NOT_FOUND or "session" not in exc.message:
                 raise
         # The daemon restarted between our hello and this reserve: one fresh session, one retry.
+        session.close()
         self._session = None
         session = self._connect()
         fields["session"] = session.token
-        return self._channel.call("reserve", **fields)
+        return session, self._channel.call("reserve", **fields)
 
     def _release_quietly(self, desc: Descriptor) -> None:
         try:

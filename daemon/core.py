@@ -14,7 +14,8 @@ from .config import Settings
 from .counters import Counters
 from .ledger import FreeObserver, Ledger
 from .pools import Pool
-from .sessions import PeerCred, SessionTable
+from .fd_channel import peer_groups
+from .sessions import ATTACH_GRACE_S, PeerCred, SessionTable
 
 
 class DaemonCore:
@@ -57,8 +58,6 @@ class DaemonCore:
 
     def authorize_fds(self, token: bytes, peer: PeerCred) -> tuple[list[int], list[int]]:
         """Called by the fd channel: check the peer and its session, attach it, return the fds to send."""
-        from .fd_channel import peer_groups
-
         groups = peer_groups(peer.pid) | {peer.gid}
         if not self.settings.uid_allowed(peer.uid, groups):
             raise MmfeatError(
@@ -86,7 +85,7 @@ class DaemonCore:
 
     def tick(self, now: float) -> None:
         self.ledger.expire(now)
-        for token in self.sessions.unattached_older_than(now - 30.0):
+        for token in self.sessions.unattached_older_than(now - ATTACH_GRACE_S):
             self.sessions.close(token)
 
     def stats(self) -> dict:

@@ -21,7 +21,7 @@ log = logging.getLogger("mmfeatd.dispatch")
 _ENVELOPE = ("v", "op", "id")
 
 
-def _error(req_id: Any, code: ErrorCode, message: str) -> bytes:
+def error_reply(req_id: Any, code: ErrorCode, message: str) -> bytes:
     return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "error": {"code": code.value, "message": message}})
 
 
@@ -38,29 +38,29 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None) -> byt
     except DecodeError as exc:
         core.counters.bad_requests += 1
         code = ErrorCode.TOO_LARGE if "exceeds" in str(exc) else ErrorCode.BAD_REQUEST
-        return _error(None, code, str(exc))
+        return error_reply(None, code, str(exc))
     req_id = _request_id(msg)
     if msg.get("v") != PROTOCOL_VERSION:
         core.counters.bad_requests += 1
-        return _error(req_id, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}; upgrade the client or daemon")
+        return error_reply(req_id, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}; upgrade the client or daemon")
     op = msg.get("op")
     model = REQUEST_MODELS.get(op) if isinstance(op, str) else None
     if model is None:
         core.counters.bad_requests += 1
-        return _error(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
+        return error_reply(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
     try:
         req = model.model_validate({k: v for k, v in msg.items() if k not in _ENVELOPE})
     except ValidationError as exc:
         core.counters.bad_requests += 1
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "request"
-        return _error(req_id, ErrorCode.BAD_REQUEST, f"{op}: field {where}: {first['msg']} ({exc.error_count()} error(s))")
+        return error_reply(req_id, ErrorCode.BAD_REQUEST, f"{op}: field {where}: {first['msg']} ({exc.error_count()} error(s))")
     try:
         body = HANDLERS[op](core, req, now)
     except MmfeatError as exc:
-        return _error(req_id, exc.code, exc.message)
+        return error_reply(req_id, exc.code, exc.message)
     except Exception:
         log.exception("handler for %s failed", op)
-        return _error(req_id, ErrorCode.INTERNAL, f"{op} failed inside the daemon; see its log")
+        return error_reply(req_id, ErrorCode.INTERNAL, f"{op} failed inside the daemon; see its log")
     body.update(v=PROTOCOL_VERSION, id=req_id, ok=True)
     return encode(body)

@@ -93,6 +93,10 @@ class Ledger:
         self._free_slots: list[int] = []
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen); lazily invalidated
         self._reserved_by_session: dict[bytes, set[int]] = {}
+        # Per pool and state: live leases and their allocated bytes, kept as they change so that stats
+        # (and the metrics refresh) never walk the slot table.
+        self._count = {p: {st: 0 for st in LeaseState} for p in allocators}
+        self._bytes = {p: {st: 0 for st in LeaseState} for p in allocators}
         self.live = 0
 
     # --- the lifecycle -------------------------------------------------------------------------
@@ -134,6 +138,7 @@ class Ledger:
         )
         slot.lease, slot.ended = lease, None
         self.live += 1
+        self._account(lease, +1)
         self._reserved_by_session.setdefault(session, set()).add(lease_id)
         heapq.heappush(self._deadlines, (lease.deadline, lease_id, lease.gen))
         self.counters.reserves += 1
@@ -143,7 +148,9 @@ class Ledger:
         lease = self.resolve(ref)
         if lease.state is not LeaseState.RESERVED:
             raise MmfeatError(ErrorCode.BAD_STATE, f"lease {lease.lease_id} is already {lease.state.value}; publish once")
+        self._account(lease, -1)
         lease.state = LeaseState.PUBLISHED
+        self._account(lease, +1)
         lease.published_at = now
         lease.deadline = now + self.ack_ttl
         self._forget_reserved(lease)
@@ -214,20 +221,15 @@ class Ledger:
         return n
 
     def count_by_state(self, pool_id: Optional[int] = None) -> dict[str, int]:
-        counts = {s.value: 0 for s in LeaseState}
-        for slot in self._slots:
-            lease = slot.lease
-            if lease is not None and (pool_id is None or lease.pool_id == pool_id):
-                counts[lease.state.value] += 1
-        return counts
+        pools = [pool_id] if pool_id is not None else list(self._count)
+        return {st.value: sum(self._count[p][st] for p in pools) for st in LeaseState}
 
     def bytes_by_state(self, pool_id: int) -> dict[str, int]:
-        out = {s.value: 0 for s in LeaseState}
-        for slot in self._slots:
-            lease = slot.lease
-            if lease is not None and lease.pool_id == pool_id:
-                out[lease.state.value] += self.allocators[pool_id].size_of(lease.offset)
-        return out
+        return {st.value: n for st, n in self._bytes[pool_id].items()}
+
+    def _account(self, lease: Lease, sign: int) -> None:
+        self._count[lease.pool_id][lease.state] += sign
+        self._bytes[lease.pool_id][lease.state] += sign * self.allocators[lease.pool_id].size_of(lease.offset)
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -286,6 +288,7 @@ class Ledger:
         assert slot.lease is lease
         if lease.state is LeaseState.RESERVED:
             self._forget_reserved(lease)
+        self._account(lease, -1)
         self.allocators[lease.pool_id].release(lease.offset)
         slot.lease, slot.ended = None, reason
         self._free_slots.append(lease.lease_id)

@@ -19,7 +19,7 @@ from mmfeat.protos.errors import ErrorCode
 from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint, fd_socket_path
 
 from .core import DaemonCore
-from .dispatch import _error, dispatch
+from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
 from .metrics import Metrics
 from .sd_notify import Notifier
@@ -191,10 +191,10 @@ class Server:
             identity, body = frames[0], frames[1:]
             if len(body) != 1:
                 self.core.counters.bad_requests += 1
-                reply = _error(None, ErrorCode.BAD_REQUEST, f"a request is exactly one frame, got {len(body)}")
+                reply = error_reply(None, ErrorCode.BAD_REQUEST, f"a request is exactly one frame, got {len(body)}")
             elif len(body[0]) > MAX_REQUEST_BYTES:
                 self.core.counters.bad_requests += 1
-                reply = _error(None, ErrorCode.TOO_LARGE, f"request of {len(body[0])} B exceeds {MAX_REQUEST_BYTES} B")
+                reply = error_reply(None, ErrorCode.TOO_LARGE, f"request of {len(body[0])} B exceeds {MAX_REQUEST_BYTES} B")
             else:
                 reply = dispatch(self.core, body[0])
             try:

@@ -42,3 +42,29 @@ def test_long_lived_client_reuses_one_mapping(daemon) -> None:
         assert fd_count(os.getpid()) == before
         assert open("/proc/self/maps").read().count("mmfeat-pool0") == maps_before
     assert daemon.pool()["used"] == 0
+
+
+def test_threads_share_one_client(daemon) -> None:
+    import threading
+
+    errors = []
+    with Client(daemon.runtime_dir, inline_threshold=0) as c:
+
+        def work(k: int) -> None:
+            try:
+                for i in range(40):
+                    t = torch.full((2000,), float(k * 1000 + i))
+                    d = c.put(t)
+                    assert torch.equal(c.get(d), t)
+                    c.ack(d)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    s = daemon.stats()
+    assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == 160 and s["sessions"] == 0

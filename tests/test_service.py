@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmfeat.client import Client
-from mmfeat.daemon.config import HELP, Settings, load_settings
+from mmfeat.daemon.config import HELP, Settings, load_settings, tomllib
 from mmfeat.daemon.sd_notify import Notifier
 
 from .conftest import start_daemon
@@ -80,7 +79,7 @@ def test_sd_notify_ready_status_watchdog_stopping_in_order(runtime_dir) -> None:
             d.proc.kill()
         d.proc.communicate()
     first = messages[0].splitlines()
-    assert "READY=1" in first and any(l.startswith("STATUS=serving") for l in first) and f"MAINPID={d.pid}" in first
+    assert "READY=1" in first and any(line.startswith("STATUS=serving") for line in first) and f"MAINPID={d.pid}" in first
     kinds = ["READY" if "READY=1" in m else "WATCHDOG" if "WATCHDOG=1" in m else "STOPPING" if "STOPPING=1" in m else "STATUS"
              for m in messages]
     assert kinds[0] == "READY" and kinds[-1] == "STOPPING" and kinds.count("WATCHDOG") >= 2

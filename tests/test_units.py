@@ -16,7 +16,7 @@ def test_allocator_matches_a_reference_model() -> None:
     rng = random.Random(7)
     a = Allocator(1 << 20)
     live: dict[int, int] = {}
-    for step in range(5000):
+    for _ in range(5000):
         if live and (rng.random() < 0.45 or a.free < 4096):
             off = rng.choice(list(live))
             assert a.release(off) == live.pop(off)
@@ -122,3 +122,43 @@ def test_unknown_key_in_file(tmp_path) -> None:
     cfg.write_text("[mmfeatd]\npool_gb = 1\n")
     with pytest.raises(ConfigError, match="pool_gb"):
         load_settings(cfg, {}, environ={})
+
+
+def test_ledger_state_accounting_matches_a_walk() -> None:
+    from mmfeat.daemon.counters import Counters
+    from mmfeat.daemon.ledger import Ledger, LeaseState
+    from mmfeat.protos.messages import LeaseRef
+
+    rng = random.Random(3)
+    ledger = Ledger({0: Allocator(1 << 20), 1: Allocator(1 << 18)}, 9, Counters(), 5.0, 5.0, 1000)
+    live = []
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.4 or not live:
+            pool = rng.choice([0, 1])
+            try:
+                lease = ledger.reserve(b"s" * 16, pool, rng.randint(1, 9000), rng.randint(1, 3), now=step * 0.01)
+            except Exception:
+                continue
+            live.append(lease)
+        else:
+            lease = rng.choice(live)
+            ref = LeaseRef(pool=lease.pool_id, epoch=9, lease=lease.lease_id, gen=lease.gen, token=lease.token,
+                           offset=lease.offset, nbytes=lease.nbytes)
+            if lease.state is LeaseState.RESERVED and op < 0.7:
+                ledger.publish(ref, now=step * 0.01)
+            elif op < 0.9:
+                ledger.ack(ref, rng.randint(1, 2), now=step * 0.01)
+            else:
+                ledger.release(ref, now=step * 0.01)
+        ledger.expire(now=step * 0.01)
+        live = [x for x in live if ledger._slots[x.lease_id].lease is x]
+        for pool in (0, 1):
+            walked = {st.value: 0 for st in LeaseState}
+            walked_bytes = {st.value: 0 for st in LeaseState}
+            for x in live:
+                if x.pool_id == pool:
+                    walked[x.state.value] += 1
+                    walked_bytes[x.state.value] += ledger.allocators[pool].size_of(x.offset)
+            assert ledger.count_by_state(pool) == walked and ledger.bytes_by_state(pool) == walked_bytes
+            assert sum(walked_bytes.values()) == ledger.allocators[pool].used

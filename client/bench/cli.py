@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import shutil
 import signal
 import subprocess
@@ -63,7 +62,7 @@ def _start_daemon(runtime_dir: Path, pool_mb: int) -> subprocess.Popen:
         except Exception:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise SystemExit("mmfeat bench: could not start a private mmfeatd")
+                raise SystemExit("mmfeat bench: could not start a private mmfeatd") from None
             time.sleep(0.1)
 
 
