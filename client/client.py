@@ -52,7 +52,8 @@ class _Session:
     pools: dict[int, dict[str, Any]]  # pool id -> pool info from hello
     mappings: dict[tuple[int, int], Any]  # (pool id, device) -> HostMapping or CudaMapping
     fds: dict[int, int]  # pool fds kept for pools mapped lazily (GPU pools: once per device)
-    pid: int = 0  # the process that opened it: a forked child must open its own
+    pid: int  # the process that opened it: a forked child must open its own
+    table: mapping_cache.LeaseTableView
 
     def alive(self) -> bool:
         # The daemon never writes after the handshake, so readable means EOF: it exited or restarted.
@@ -131,9 +132,16 @@ class Client:
             self._session.close()
             self._session = None
         hello = self._channel.call("hello", name=self.name[:128], pid=os.getpid())
-        fd_sock, fds = open_fd_channel(fd_socket_path(self.runtime_dir), hello["session"], self.timeout)
+        fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(self.runtime_dir), hello["session"], self.timeout)
+        try:
+            table = mapping_cache.map_lease_table(self.endpoint, hello["epoch"], table_fd, hello["table_slots"])
+        except BaseException:
+            fd_sock.close()
+            for fd in fds.values():
+                os.close(fd)
+            raise
         pools = {p["pool"]: p for p in hello["pools"]}
-        session = _Session(hello["session"], hello["epoch"], hello["node"], fd_sock, pools, {}, fds, os.getpid())
+        session = _Session(hello["session"], hello["epoch"], hello["node"], fd_sock, pools, {}, fds, os.getpid(), table)
         try:
             for pool_id, info in pools.items():
                 if info["kind"] == "host":  # map host pools now; GPU pools on first use, on the caller's device
@@ -308,7 +316,8 @@ class Client:
         returns private tensors. ``device`` (a CUDA device) stages a private copy into that device's own
         memory on its current stream. ``verify`` asks the daemon that the lease is still live (one round
         trip) so a descriptor that outlived its lease raises STALE or NOT_FOUND instead of reading reused
-        memory.
+        memory. The check reads the daemon's lease table (shared, read-only), so a live lease costs no round
+        trip.
         """
         desc = _as_descriptor(desc)
         if desc.is_inline:
@@ -324,7 +333,9 @@ class Client:
         pool = session.pools.get(desc.pool)
         if pool is None or desc.offset + desc.nbytes > pool["size"]:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
-        if verify:
+        if verify and session.table.state(desc.lease, desc.gen) == mapping_cache.STATE_FREE:
+            # The lease table says the lease is gone; ask the daemon, whose error says why (expired,
+            # acked, reused slot, ...). The table spares live leases this round trip.
             self._channel.call("lookup", lease=desc.lease_ref())
         base = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + desc.nbytes]
         return _finish([tz.view(base, spec) for spec in desc.tensors], desc.many, copy, device)

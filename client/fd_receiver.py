@@ -14,9 +14,9 @@ from mmfeat.protos.version import PROTOCOL_VERSION
 _MAX_FDS = 64
 
 
-def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.socket, dict[int, int]]:
+def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.socket, dict[int, int], int]:
     """Connect, authenticate, receive fds. Returns the open socket (keep it: closing it tells the daemon
-    this client is gone) and ``{pool_id: fd}``; the caller owns the fds."""
+    this client is gone), ``{pool_id: fd}`` and the lease table's fd; the caller owns the fds."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     fds: list[int] = []
@@ -36,12 +36,13 @@ def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.
             err = reply.get("error") or {}
             raise MmfeatError(ErrorCode(err.get("code", "INTERNAL")), err.get("message", "refused"))
         pools = reply.get("pools", [])
-        if len(pools) != len(fds):
-            raise MmfeatError(ErrorCode.INTERNAL, f"daemon named {len(pools)} pools but sent {len(fds)} fds")
+        if not reply.get("table") or len(pools) + 1 != len(fds):
+            raise MmfeatError(ErrorCode.INTERNAL, f"daemon named {len(pools)} pools and a table but sent {len(fds)} fds")
         sock.settimeout(None)
         received = dict(zip(pools, fds))
+        table_fd = fds[-1]
         fds = []
-        return sock, received
+        return sock, received, table_fd
     except BaseException:
         for fd in fds:
             os.close(fd)

@@ -12,6 +12,7 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 from .allocator import Allocator
 from .config import Settings
 from .counters import Counters
+from .lease_table import LeaseTable
 from .ledger import FreeObserver, Ledger
 from .pools import Pool
 from .fd_channel import peer_groups
@@ -31,6 +32,7 @@ class DaemonCore:
         self.endpoint = ""
         # Set when metrics are on: called with the seconds each reserve took inside the daemon.
         self.observe_reserve: Optional[Callable[[float], None]] = None
+        self.table = LeaseTable(settings.max_leases, self.epoch)
         self.ledger = Ledger(
             {p.pool_id: Allocator(p.size) for p in pools},
             self.epoch,
@@ -39,6 +41,7 @@ class DaemonCore:
             settings.ack_ttl,
             settings.max_leases,
             observer,
+            self.table,
         )
 
     def apply_settings(self, settings: Settings) -> None:
@@ -55,6 +58,9 @@ class DaemonCore:
                 return pool.pool_id
         devices = sorted(p.device for p in self.pools.values())
         raise MmfeatError(ErrorCode.NOT_FOUND, f"no pool on device {device}; this daemon has pools on {devices}")
+
+    def close(self) -> None:
+        self.table.close()
 
     def authorize_fds(self, token: bytes, peer: PeerCred) -> tuple[list[int], list[int]]:
         """Called by the fd channel: check the peer and its session, attach it, return the fds to send."""
@@ -76,6 +82,7 @@ class DaemonCore:
             if fd is not None:
                 ids.append(pool.pool_id)
                 fds.append(fd)
+        fds.append(self.table.fd)  # always last: the lease table (SPEC.md, section 4)
         return ids, fds
 
     def end_session(self, token: bytes) -> int:

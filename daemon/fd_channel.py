@@ -1,7 +1,8 @@
 """The fd channel: an AF_UNIX SOCK_SEQPACKET socket that hands pool fds to clients with SCM_RIGHTS.
 
 ZeroMQ cannot carry fds, and pidfd_getfd needs ptrace rights, so handles go here. A client connects,
-sends ``{v, session}`` (msgpack), and gets ``{v, ok, pools}`` with one fd per POSIX-fd pool attached.
+sends ``{v, session}`` (msgpack), and gets ``{v, ok, pools, table}`` with one fd per POSIX-fd pool and
+then the lease table's fd attached.
 The connection then stays open for the life of the client: its EOF is the signal that the process died.
 """
 
@@ -28,7 +29,8 @@ log = logging.getLogger("mmfeatd.fds")
 _MAX_HELLO = 1024
 _HANDSHAKE_TIMEOUT_S = 10.0
 
-# authorize(session_token, peer) -> (pool ids, fds to send); raises MmfeatError to refuse.
+# authorize(session_token, peer) -> (pool ids, fds to send: one per pool, then the lease table's);
+# raises MmfeatError to refuse.
 Authorize = Callable[[bytes, PeerCred], tuple[list[int], list[int]]]
 OnClose = Callable[[bytes], None]
 
@@ -114,7 +116,7 @@ class FdChannel:
             self._drop(fileno, notify=False)
             return
         conn.session = token
-        if not self._send(conn, {"v": PROTOCOL_VERSION, "ok": True, "pools": pool_ids}, fds):
+        if not self._send(conn, {"v": PROTOCOL_VERSION, "ok": True, "pools": pool_ids, "table": True}, fds):
             self._drop(fileno)
 
     def _send(self, conn: _Conn, reply: dict, fds: list[int]) -> bool:

@@ -46,6 +46,7 @@ def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> Reply:
         "reserve_ttl": core.ledger.reserve_ttl,
         "ack_ttl": core.ledger.ack_ttl,
         "max_request_bytes": MAX_REQUEST_BYTES,
+        "table_slots": core.table.slots,
     }
 
 

@@ -20,6 +20,7 @@ from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 
 from .allocator import Allocator
 from .counters import Counters
+from .lease_table import FREE, PUBLISHED, RESERVED, LeaseTable
 
 
 class LeaseState(str, Enum):
@@ -81,6 +82,7 @@ class Ledger:
         ack_ttl: float,
         max_leases: int,
         observer: Optional[FreeObserver] = None,
+        table: Optional[LeaseTable] = None,
     ) -> None:
         self.allocators = allocators
         self.epoch = epoch
@@ -89,6 +91,7 @@ class Ledger:
         self.ack_ttl = ack_ttl
         self.max_leases = max_leases
         self._observer = observer
+        self._table = table
         self._slots: list[_Slot] = []
         self._free_slots: list[int] = []
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen); lazily invalidated
@@ -139,6 +142,7 @@ class Ledger:
         slot.lease, slot.ended = lease, None
         self.live += 1
         self._account(lease, +1)
+        self._mirror(lease_id, lease.gen, RESERVED)
         self._reserved_by_session.setdefault(session, set()).add(lease_id)
         heapq.heappush(self._deadlines, (lease.deadline, lease_id, lease.gen))
         self.counters.reserves += 1
@@ -151,6 +155,7 @@ class Ledger:
         self._account(lease, -1)
         lease.state = LeaseState.PUBLISHED
         self._account(lease, +1)
+        self._mirror(lease.lease_id, lease.gen, PUBLISHED)
         lease.published_at = now
         lease.deadline = now + self.ack_ttl
         self._forget_reserved(lease)
@@ -227,6 +232,10 @@ class Ledger:
     def bytes_by_state(self, pool_id: int) -> dict[str, int]:
         return {st.value: n for st, n in self._bytes[pool_id].items()}
 
+    def _mirror(self, lease_id: int, gen: int, state: int) -> None:
+        if self._table is not None:
+            self._table.set(lease_id, gen, state)
+
     def _account(self, lease: Lease, sign: int) -> None:
         self._count[lease.pool_id][lease.state] += sign
         self._bytes[lease.pool_id][lease.state] += sign * self.allocators[lease.pool_id].size_of(lease.offset)
@@ -291,6 +300,7 @@ class Ledger:
         self._account(lease, -1)
         self.allocators[lease.pool_id].release(lease.offset)
         slot.lease, slot.ended = None, reason
+        self._mirror(lease.lease_id, lease.gen, FREE)
         self._free_slots.append(lease.lease_id)
         self.live -= 1
         self.counters.frees += 1

@@ -116,6 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return status
     finally:
         server.close()
+        core.close()
         for pool in pools:
             pool.close()
 

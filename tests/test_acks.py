@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -126,3 +128,50 @@ def test_ack_of_expired_lease_says_so(daemon_factory) -> None:
         assert info.value.code is ErrorCode.NOT_FOUND and "ack_ttl" in info.value.message
         with pytest.raises(MmfeatError):
             c.get(desc)  # verify refuses to hand out a view of freed memory
+
+
+def test_get_of_a_live_lease_needs_no_round_trip(daemon) -> None:
+    """The lease table answers for live leases: a get works while the daemon is frozen."""
+    import signal
+
+    with daemon.client(inline_threshold=0) as producer, daemon.client(timeout=0.5) as consumer:
+        desc = producer.put(torch.arange(4096, dtype=torch.float32), consumers=1)
+        consumer.get(desc)  # connects (and maps) while the daemon runs
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert torch.equal(consumer.get(desc), torch.arange(4096, dtype=torch.float32))
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        consumer.ack(desc)
+        # Freed: now the table sends get to the daemon, which says why.
+        with pytest.raises(MmfeatError) as info:
+            consumer.get(desc)
+        assert info.value.code is ErrorCode.NOT_FOUND and "all acks received" in info.value.message
+
+
+def test_clients_cannot_write_the_lease_table(daemon) -> None:
+    import mmap
+    import socket as pysocket
+
+    import msgpack
+
+    with daemon.client() as c:
+        session = c._connect()
+        s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_SEQPACKET)
+        s.connect(str(daemon.runtime_dir / "mmfeatd.fds.sock"))
+        # A second session, to get our own copy of the table fd.
+        hello = c._channel.call("hello")
+        s.send(msgpack.packb({"v": 1, "session": hello["session"]}))
+        data, fds, _, _ = pysocket.recv_fds(s, 4096, 8)
+        try:
+            assert msgpack.unpackb(data)["table"] is True
+            table_fd = fds[-1]
+            with pytest.raises(PermissionError):
+                mmap.mmap(table_fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError):
+                os.ftruncate(table_fd, 0)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            s.close()
+        assert session.table.slots == 65536

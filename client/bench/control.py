@@ -47,8 +47,8 @@ def _mmfeat_worker(runtime_dir: str, seconds: float, start: Any, out: Any) -> No
 
     ch = ControlChannel(control_endpoint(Path(runtime_dir)), 5.0)
     hello = ch.call("hello", name="bench-control", pid=os.getpid())
-    sock, fds = open_fd_channel(fd_socket_path(Path(runtime_dir)), hello["session"], 5.0)
-    for fd in fds.values():
+    sock, fds, table_fd = open_fd_channel(fd_socket_path(Path(runtime_dir)), hello["session"], 5.0)
+    for fd in (*fds.values(), table_fd):
         os.close(fd)
     rtts: list[float] = []
     cycles = 0
