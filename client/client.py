@@ -228,8 +228,8 @@ class Client:
                 # ran on the current stream of the destination or of a source device: finish them all.
                 for dev in {t.device for t in tensors if t.is_cuda} | ({dst.device} if dst.is_cuda else set()):
                     torch.cuda.current_stream(dev).synchronize()
-            # Pipelined: the next request on this channel (or the consumer's lookup, which accepts a
-            # RESERVED lease) does not need to wait for it. A failure is logged when its reply is read.
+            # Pipelined: nothing needs to wait for it (a consumer's table check and lookup accept a
+            # RESERVED lease, and its ack counts early). A failure is logged when its reply is read.
             if not self._channel.cast("publish", lease=desc.lease_ref()):
                 self._channel.call("publish", lease=desc.lease_ref())
         except BaseException:
@@ -314,10 +314,10 @@ class Client:
 
         Zero-copy by default: a view into the shared pool, valid until this consumer acks. ``copy=True``
         returns private tensors. ``device`` (a CUDA device) stages a private copy into that device's own
-        memory on its current stream. ``verify`` asks the daemon that the lease is still live (one round
-        trip) so a descriptor that outlived its lease raises STALE or NOT_FOUND instead of reading reused
-        memory. The check reads the daemon's lease table (shared, read-only), so a live lease costs no round
-        trip.
+        memory on its current stream. ``verify`` checks that the lease is still live, so a descriptor that
+        outlived its lease raises STALE or NOT_FOUND instead of reading reused memory. The check reads the
+        daemon's lease table (shared, read-only): a live lease costs no round trip, and only a lease the
+        table calls gone is looked up, for the reason.
         """
         desc = _as_descriptor(desc)
         if desc.is_inline:
