@@ -28,6 +28,8 @@ log = logging.getLogger("mmfeatd.fds")
 
 _MAX_HELLO = 1024
 _HANDSHAKE_TIMEOUT_S = 10.0
+# Connections that have not presented a session yet; past this the oldest is dropped.
+MAX_PENDING_HANDSHAKES = 256
 
 # authorize(session_token, peer) -> (pool ids, fds to send: one per pool, then the lease table's);
 # raises MmfeatError to refuse.
@@ -61,6 +63,7 @@ class FdChannel:
         self._authorize = authorize
         self._on_close = on_close
         self._conns: dict[int, _Conn] = {}
+        self._last_accept_warning = 0.0
         if path.exists() or path.is_symlink():
             path.unlink()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -77,7 +80,18 @@ class FdChannel:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as exc:
+            # Out of fds (EMFILE/ENFILE), most likely from connections that never handshake: drop the
+            # oldest of those so the clients that do handshake can still get in.
+            now = time.monotonic()
+            if now - self._last_accept_warning > 10:
+                self._last_accept_warning = now
+                log.warning("fd channel accept failed (%s); dropping unauthenticated connections", exc.strerror)
+            self._drop_oldest_pending(max(1, len(self._conns) // 4))
+            return
         sock.setblocking(False)
+        if self._pending() >= MAX_PENDING_HANDSHAKES:
+            self._drop_oldest_pending(1)
         pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         self._conns[sock.fileno()] = _Conn(sock, PeerCred(pid, uid, gid), time.monotonic())
 
@@ -126,6 +140,14 @@ class FdChannel:
         except OSError as exc:
             log.info("fd channel send to pid %d failed: %s", conn.peer.pid, exc)
             return False
+
+    def _pending(self) -> int:
+        return sum(1 for c in self._conns.values() if c.session is None)
+
+    def _drop_oldest_pending(self, n: int) -> None:
+        pending = sorted((c.opened, fileno) for fileno, c in self._conns.items() if c.session is None)
+        for _, fileno in pending[:n]:
+            self._drop(fileno, notify=False)
 
     def close_stale_handshakes(self) -> None:
         cutoff = time.monotonic() - _HANDSHAKE_TIMEOUT_S

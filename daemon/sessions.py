@@ -14,6 +14,9 @@ from mmfeat.protos.messages import TOKEN_BYTES
 
 # A hello whose fd connection has not arrived by then is dropped (the client died between the two).
 ATTACH_GRACE_S = 30.0
+# Sessions waiting for their fd channel at most; a hello beyond it is refused, so a client that only
+# says hello cannot grow the table without bound.
+MAX_PENDING_SESSIONS = 4096
 
 
 @dataclass(frozen=True)
@@ -59,3 +62,6 @@ class SessionTable:
 
     def attached_count(self) -> int:
         return sum(1 for s in self._sessions.values() if s.attached)
+
+    def pending_count(self) -> int:
+        return len(self._sessions) - self.attached_count()

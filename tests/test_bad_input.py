@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+import time
 
 import msgpack
 import pytest
@@ -145,3 +146,34 @@ def test_uid_not_allowed_is_refused(daemon_factory) -> None:
         with pytest.raises(MmfeatError) as info:
             c._connect()
         assert info.value.code is ErrorCode.FORBIDDEN and "allowed_uids" in info.value.message
+
+
+def test_floods_of_hellos_and_silent_connections_are_bounded(daemon, raw) -> None:
+    from mmfeat.daemon.fd_channel import MAX_PENDING_HANDSHAKES
+    from mmfeat.daemon.sessions import MAX_PENDING_SESSIONS
+
+    before = fd_count(daemon.pid)
+    replies = [raw(_req("hello")) for _ in range(MAX_PENDING_SESSIONS + 5)]
+    refused = [r for r in replies if not r["ok"]]
+    assert len(refused) == 5 and all(r["error"]["code"] == "BAD_STATE" for r in refused)
+    assert daemon.stats()["sessions"] == MAX_PENDING_SESSIONS
+    silent = []
+    for _ in range(MAX_PENDING_HANDSHAKES + 50):  # connect, never say anything
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(str(daemon.runtime_dir / "mmfeatd.fds.sock"))
+        silent.append(s)
+    try:
+        time.sleep(0.5)
+        assert fd_count(daemon.pid) <= before + MAX_PENDING_HANDSHAKES + 2
+        closed = 0
+        for s in silent:  # the daemon dropped the oldest ones
+            s.setblocking(False)
+            try:
+                closed += s.recv(1) == b""
+            except BlockingIOError:
+                pass
+        assert closed >= 50
+    finally:
+        for s in silent:
+            s.close()
+    assert_fds_settle(daemon.pid, before + 1)
