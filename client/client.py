@@ -117,6 +117,11 @@ class Client:
             self._session = None
         self._channel.close()
 
+    def connect(self) -> None:
+        """Open the session and map the host pools now, so the first put or get does not pay for it
+        (a server calls this at startup). Raises DaemonUnavailableError if the daemon is not there."""
+        self._connect()
+
     def _connect(self) -> _Session:
         session = self._session
         if session is not None and session.pid == os.getpid() and session.alive():

@@ -25,6 +25,7 @@ N_IMAGES = 24
 
 def producer(runtime_dir: str, queues: list) -> None:
     with Client(runtime_dir) as c:
+        c.connect()  # session, fd handshake and the pool mapping: once, before the first feature
         t0 = time.perf_counter()
         nbytes = 0
         for i in range(N_IMAGES):

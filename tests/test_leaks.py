@@ -68,3 +68,16 @@ def test_threads_share_one_client(daemon) -> None:
     assert not errors, errors
     s = daemon.stats()
     assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == 160 and s["sessions"] == 0
+
+
+def test_connect_up_front_and_without_a_daemon(daemon, tmp_path) -> None:
+    import pytest
+
+    from mmfeat.protos import DaemonUnavailableError
+
+    with Client(daemon.runtime_dir) as c:
+        c.connect()
+        assert daemon.stats()["clients"] == 1
+    with Client(tmp_path, timeout=0.5) as c:
+        with pytest.raises(DaemonUnavailableError):
+            c.connect()
