@@ -55,9 +55,13 @@ class CudaMapping:
 def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> CudaMapping:
     """The pool described by ``info`` (from hello) mapped for the current CUDA device. Takes ownership
     of ``fd`` (a POSIX-fd pool) and closes it in every case."""
+    owned, fd = fd, None  # from here on `owned` is closed exactly once, on every path
     try:
         if not torch.cuda.is_available():
             raise RuntimeError("this process has no CUDA device, so it cannot map GPU pool %d" % info["pool"])
+        reason = drv.driver_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"cannot map GPU pool {info['pool']}: {reason}")
         device = torch.cuda.current_device()
         key = (endpoint, info["pool"], info["epoch"], device)
         with _lock:
@@ -66,21 +70,19 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> Cud
                 return hit
             for old in [k for k in _cache if k[0] == endpoint and k[2] != info["epoch"]]:
                 del _cache[old]  # a daemon restart: the old pool goes once its last view is gone
-            mapping = _import(info, fd, device)
-            fd = None  # _import closed it
+            handle = _import_handle(info, owned)
+            mapping = _map(info, handle, device)
             _cache[key] = mapping
             return mapping
     finally:
-        if fd is not None:
-            os.close(fd)
+        if owned is not None:
+            os.close(owned)  # cuMemImportFromShareableHandle does not take ownership of the fd
 
 
-def _import(info: dict[str, Any], fd: Optional[int], device: int) -> CudaMapping:
+def _import_handle(info: dict[str, Any], fd: Optional[int]) -> Any:
     # torch made its primary context current on this thread; the VMM calls below use it.
     torch.cuda.init()
-    torch.empty(1, device=f"cuda:{device}")
-    cu = drv.cu
-    size = int(info["size"])
+    torch.empty(1, device=f"cuda:{torch.cuda.current_device()}")
     if info["handle"] == "fabric":
         raw: Any = bytes(info["fabric"])
         kind = "fabric"
@@ -88,11 +90,13 @@ def _import(info: dict[str, Any], fd: Optional[int], device: int) -> CudaMapping
         if fd is None:
             raise RuntimeError(f"the daemon sent no fd for POSIX-fd pool {info['pool']}")
         raw, kind = fd, "posix_fd"
-    try:
-        handle = drv.ck("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(raw, drv.handle_type(kind)))
-    finally:
-        if fd is not None:
-            os.close(fd)  # import does not take ownership
+    return drv.ck("cuMemImportFromShareableHandle", drv.cu.cuMemImportFromShareableHandle(raw, drv.handle_type(kind)))
+
+
+def _map(info: dict[str, Any], handle: Any, device: int) -> CudaMapping:
+    """Reserve VA, map the whole allocation, grant access, release the imported handle."""
+    cu = drv.cu
+    size = int(info["size"])
     va = None
     mapped = False
     try:
