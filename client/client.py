@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,9 @@ class Client:
         self._session: Optional[_Session] = None
         self._connect_lock = threading.Lock()
         self._acker: Optional[Any] = None
+        # A process that exits (or drops the client) without close() must still deliver its pipelined
+        # publishes: flush at exit or collection, before the sockets go.
+        self._flush_at_exit = weakref.finalize(self, ControlChannel.flush, self._channel, 1.0)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -104,6 +108,7 @@ class Client:
 
     def close(self) -> None:
         """Close the sockets. Pool mappings stay cached for the process; tensors already returned stay valid."""
+        self._flush_at_exit.detach()
         if self._acker is not None:
             self._acker.close(self.timeout)
             self._acker = None

@@ -7,7 +7,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -20,10 +20,6 @@ class HostMapping:
 
 _lock = threading.Lock()
 _cache: dict[tuple[str, int, int], Any] = {}
-
-
-def cached(endpoint: str, pool_id: int, epoch: int) -> Optional[Any]:
-    return _cache.get((endpoint, pool_id, epoch))
 
 
 def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int) -> HostMapping:
@@ -49,11 +45,6 @@ def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int) -
             return mapping
     finally:
         os.close(fd)
-
-
-def store(endpoint: str, pool_id: int, epoch: int, mapping: Any) -> None:
-    with _lock:
-        _cache[(endpoint, pool_id, epoch)] = mapping
 
 
 _TABLE_MAGIC = b"MMFTABL1"

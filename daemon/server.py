@@ -219,3 +219,4 @@ class Server:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        self.notifier.close()

@@ -60,3 +60,27 @@ def test_published_leases_survive_producer_exit(daemon) -> None:
         assert torch.equal(consumer.get(desc), torch.arange(5000))
         assert consumer.ack(desc)["freed"]
     assert daemon.pool()["used"] == 0
+
+
+def test_producer_exiting_without_close_still_publishes(daemon, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "desc.bin"
+    code = (
+        "import sys, torch\n"
+        "from mmfeat.client import Client\n"
+        "c = Client(sys.argv[1], inline_threshold=0)\n"
+        "d = c.put(torch.arange(20000), consumers=1)\n"
+        "open(sys.argv[2], 'wb').write(d.to_bytes())\n"
+        # no close(): the interpreter exits with the publish possibly still queued
+    )
+    for _ in range(5):
+        r = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir), str(out)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        with daemon.client() as consumer:
+            assert torch.equal(consumer.get(out.read_bytes()), torch.arange(20000))
+            assert consumer.ack(out.read_bytes())["freed"]
+    s = daemon.stats()
+    assert s["counters"]["reclaimed_on_disconnect"] == 0 and s["counters"]["publishes"] == 5
+    assert s["pools"][0]["used"] == 0
