@@ -196,7 +196,8 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
         while True:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             families = {f.name: f for f in text_string_to_metric_families(text)}
-            if families.get("mmfeat_reserves") and families["mmfeat_reserves"].samples[0].value == 4:
+            # The snapshot refreshes every 0.5 s: wait for one taken after the last (pipelined) publish.
+            if all(families.get(n) and families[n].samples[0].value == 4 for n in ("mmfeat_reserves", "mmfeat_publishes")):
                 break
             assert time.monotonic() < deadline, text
             time.sleep(0.2)
