@@ -155,3 +155,47 @@ def test_daemon_never_imports_torch() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def _driver_names_used() -> set[str]:
+    """Every ``cu.<name>[.<member>]`` the CUDA modules reference, read from their source."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    files = ["client/cuda_driver.py", "client/cuda_import.py", "daemon/pools/cuda_vmm.py", "daemon/pools/fabric_probe.py"]
+    names: set[str] = set()
+    for f in files:
+        names |= set(re.findall(r"\bcu\.([A-Za-z_]+(?:\.[A-Za-z_]+)*)", (root / f).read_text()))
+    return names
+
+
+@pytest.mark.skipif(drv.cu is None, reason="cuda-python is not installed")
+def test_every_driver_name_the_cuda_paths_use_exists() -> None:
+    """The CUDA paths cannot run here; at least every entry point, enum member and struct they use must
+    exist in the installed bindings, so a typo fails in CI rather than on the first GPU node."""
+    names = _driver_names_used()
+    assert len(names) > 20
+    for dotted in sorted(names):
+        obj = drv.cu
+        for part in dotted.split("."):
+            assert hasattr(obj, part), f"cuda.bindings.driver has no {dotted}"
+            obj = getattr(obj, part)
+    for attr in ("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+                 "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
+        assert hasattr(drv.cu.CUdevice_attribute, attr)
+    # The structs take the fields we set, and the two handle types map as documented.
+    prop = drv.allocation_prop(3, "fabric")
+    assert prop.location.id == 3 and int(prop.requestedHandleTypes) == 8
+    assert int(drv.allocation_prop(0, "posix_fd").requestedHandleTypes) == 1
+    desc = drv.access_desc(2)
+    assert desc.location.id == 2 and desc.flags == drv.cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+
+def test_every_nvml_name_the_fabric_checks_use_exists() -> None:
+    pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed")
+    for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetHandleByIndex",
+                 "nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfoV_t", "NVML_GPU_FABRIC_STATE_COMPLETED"):
+        assert hasattr(pynvml, name), name
+    info = pynvml.c_nvmlGpuFabricInfoV_t()
+    assert len(bytes(info.clusterUuid)) == 16 and int(info.state) == 0
