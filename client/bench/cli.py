@@ -66,23 +66,50 @@ def _start_daemon(runtime_dir: Path, pool_mb: int) -> subprocess.Popen:
             time.sleep(0.1)
 
 
-def _memcpy_row(size: int, count: int, threads: int) -> dict[str, Any]:
+def _memcpy_row(size: int, count: int, threads: int, device: str) -> dict[str, Any]:
+    """The limit: one copy of the payload inside one process (device to device for a GPU pool)."""
     import torch
 
     torch.set_num_threads(threads)
-    src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8).to(device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch outside the clock
+
+    def sync() -> None:
+        if dst.is_cuda:
+            torch.cuda.synchronize(dst.device)
+
+    sync()
     lat = []
     t_start = time.monotonic()
     for _ in range(count):
         t0 = time.monotonic()
         dst.copy_(src)
+        sync()
         lat.append(time.monotonic() - t0)
     return make_row("memcpy", size, 1, lat, time.monotonic() - t_start)
 
 
-def _run_data_plane(runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int], modes: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+def _bench_device(runtime_dir: Path) -> str:
+    """cuda:N when the daemon's first pool is in GPU memory, else cpu."""
+    from mmfeat.client.channel import ControlChannel
+    from mmfeat.protos.paths import control_endpoint
+
+    ch = ControlChannel(control_endpoint(runtime_dir), 5.0)
+    try:
+        pools = ch.call("pool_info")["pools"]
+    finally:
+        ch.close()
+    if pools and pools[0]["kind"] == "cuda":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _run_data_plane(
+    runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int], modes: list[str], args: argparse.Namespace, device: str
+) -> list[dict[str, Any]]:
     import torch.multiprocessing as tmp
 
     tmp.set_sharing_strategy("file_descriptor")
@@ -103,9 +130,9 @@ def _run_data_plane(runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int],
         pipes[0][0].recv()
         for size in sizes:
             for mode in modes:
-                _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} ...")
+                _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} on {device} ...")
                 count = _count_for(size, args.count)
-                job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window)
+                job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window, device=device)
                 for parent, _ in pipes[1:]:
                     parent.send(job)
                 pipes[0][0].send(job)
@@ -146,9 +173,10 @@ def run_bench(args: argparse.Namespace) -> int:
             runtime_dir.mkdir()
             pool_mb = max(64, (max(sizes) * (args.window + 2)) // MiB + 64)
             daemon = _start_daemon(runtime_dir, pool_mb)
-        rows = [_memcpy_row(size, _count_for(size, args.count), args.threads) for size in sizes]
+        device = _bench_device(runtime_dir)
+        rows = [_memcpy_row(size, _count_for(size, args.count), args.threads, device) for size in sizes]
         for n in counts:
-            rows += _run_data_plane(runtime_dir, work, n, sizes, modes, args)
+            rows += _run_data_plane(runtime_dir, work, n, sizes, modes, args, device)
         control = []
         if control_clients:
             _progress("bench: control plane ...")
@@ -156,6 +184,7 @@ def run_bench(args: argparse.Namespace) -> int:
         _progress("")
         add_ratios(rows)
         verdicts = targets(rows, control)
+        print(f"payloads on {device}; limit: one {'device-to-device' if device != 'cpu' else 'host'} copy\n")
         print(render(rows, control, verdicts))
         if args.json:
             write_json(args.json, rows, control)

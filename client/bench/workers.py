@@ -26,6 +26,9 @@ class Job:
     count: int
     warmup: int
     window: int
+    # "cpu" for a host pool; "cuda:N" for a GPU pool, where features start and end in HBM and the
+    # modes without a GPU path (zmq_bytes, inline) pay the host round trip a server would.
+    device: str = "cpu"
 
 
 def read_every_byte(t: Any) -> int:
@@ -71,12 +74,12 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
             elif job.mode == "zmq_bytes":
                 header, payload = pull.recv_multipart(copy=False)
                 idx = msgpack.unpackb(header.bytes)
-                read_every_byte(torch.frombuffer(payload.buffer, dtype=torch.uint8))
+                read_every_byte(torch.frombuffer(payload.buffer, dtype=torch.uint8).to(job.device))
             else:
                 header, blob = pull.recv_multipart()
                 idx = msgpack.unpackb(header)
                 got = client.get(blob, copy=(job.mode == "pool_copy"))
-                read_every_byte(got)
+                read_every_byte(got.to(job.device))  # a no-op except for inline features on a GPU run
                 del got
                 client.ack(blob)
             done.send(msgpack.packb([idx, time.monotonic()]))
@@ -104,7 +107,7 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
     clients: dict[str, Any] = {}
     cmd.send("ready")
     while (job := cmd.recv()) is not None:
-        payload = torch.randint(0, 255, (job.size,), dtype=torch.uint8)
+        payload = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device)
         client = None
         if job.mode in POOL_MODES or job.mode == "inline":
             client = clients.get(job.mode) or clients.setdefault(job.mode, _client(runtime_dir, job.mode))
@@ -134,8 +137,9 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
                 fresh[i] = None
             elif job.mode == "zmq_bytes":
                 header = msgpack.packb(i)
+                host = payload.cpu().numpy()  # the device-to-host copy a server pays without a GPU path
                 for s in pushes:
-                    s.send_multipart([header, payload.numpy()], copy=False)
+                    s.send_multipart([header, host], copy=False)
             else:
                 blob = client.put(payload, consumers=n_consumers).to_bytes()
                 header = msgpack.packb(i)
