@@ -7,6 +7,7 @@ The thread has its own control channel, so it never waits behind the caller's re
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ class Acker:
         self._pending = 0
         self._cond = threading.Condition()
         self.failed = 0
+        self.pid = os.getpid()  # threads do not survive fork: a child needs its own acker
         self._thread = threading.Thread(target=self._run, name="mmfeat-acker", daemon=True)
         self._thread.start()
 

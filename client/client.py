@@ -6,6 +6,7 @@ cached per process anyway, so short-lived Clients cost a hello and an fd handsha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -226,10 +227,8 @@ class Client:
             offset=lease["offset"],
         )
         try:
-            if device is not None:
-                with torch.cuda.device(device):  # map (once) and copy on the producer tensor's device
-                    dst = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + nbytes]
-            else:
+            # A GPU pool is mapped (once) on the producer tensor's device.
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
                 dst = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + nbytes]
             tz.write_packed(dst, tensors, specs)
             if dst.is_cuda or device is not None:
@@ -363,7 +362,7 @@ class Client:
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
         if after is not None or not wait:
             event = _completion_event(after)
-            if self._acker is None:
+            if self._acker is None or self._acker.pid != os.getpid():
                 from .acker import Acker
 
                 self._acker = Acker(self.endpoint, self.timeout)

@@ -18,6 +18,7 @@ from mmfeat.protos.codec import MAX_REQUEST_BYTES
 from mmfeat.protos.errors import ErrorCode
 from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint, fd_socket_path
 
+from .config import Settings
 from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
@@ -57,7 +58,7 @@ class Server:
         self._registered: set[int] = set()
 
     @property
-    def settings(self):  # reload replaces core.settings; always read the current one
+    def settings(self) -> Settings:  # reload replaces core.settings; always read the current one
         return self.core.settings
 
     def _on_stop_signal(self, signum: int, frame: object) -> None:

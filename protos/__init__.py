@@ -4,15 +4,12 @@ SPEC.md in this folder is the written protocol.
 """
 
 from .codec import MAX_REQUEST_BYTES, DecodeError, decode, encode
-from .descriptor import Descriptor, DescriptorError, TensorSpec
+from .descriptor import HANDLE_KINDS, POOL_KINDS, Descriptor, DescriptorError, TensorSpec
 from .dtypes import DTYPE_SIZES
 from .errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from .messages import REQUEST_MODELS, FallbackReason, LeaseRef
 from .paths import control_endpoint, default_runtime_dir, fd_socket_path
 from .version import PROTOCOL_VERSION
-
-HANDLE_KINDS = ("posix_fd", "fabric")
-POOL_KINDS = ("host", "cuda")
 
 __all__ = [
     "DTYPE_SIZES",

@@ -16,7 +16,9 @@ from .dtypes import DTYPE_SIZES
 from .messages import TOKEN_BYTES
 
 FORMAT = 1
-KINDS = ("host", "cuda", "inline")
+POOL_KINDS = ("host", "cuda")  # where a pool's memory lives
+HANDLE_KINDS = ("posix_fd", "fabric")  # how a process gains access to a pool
+KINDS = (*POOL_KINDS, "inline")
 _MAX_DIMS = 16
 _MAX_TENSORS = 1024
 _MAX_DESCRIPTOR_BYTES = 1 << 31

@@ -70,8 +70,8 @@ class Daemon:
         return self.proc.wait(timeout)
 
 
-def start_daemon(runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True) -> Daemon:
-    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host", *args]
+def start_daemon(runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True, backend: str = "host") -> Daemon:
+    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", backend, *args]
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     d = Daemon(runtime_dir, proc, list(args))

@@ -82,3 +82,28 @@ def test_connect_up_front_and_without_a_daemon(daemon, tmp_path) -> None:
     with Client(tmp_path, timeout=0.5) as c:
         with pytest.raises(DaemonUnavailableError):
             c.connect()
+
+
+def test_forked_child_uses_its_own_session_and_acker(daemon) -> None:
+    import multiprocessing as mp
+
+    with Client(daemon.runtime_dir, inline_threshold=0) as c:
+        c.ack(c.put(torch.ones(1000)), wait=False)  # the parent has a session and an acker thread
+        assert c.flush(5.0)
+        descs = [c.put(torch.full((1000,), float(k))) for k in range(3)]
+
+        def child() -> None:
+            # Inherited: the session, the channel and an acker whose thread did not survive the fork.
+            for k, d in enumerate(descs):
+                assert c.get(d)[0].item() == float(k)
+                assert c.ack(d, wait=False) is None
+            assert c.flush(5.0)
+            c.close()
+
+        p = mp.get_context("fork").Process(target=child)
+        p.start()
+        p.join(30)
+        assert p.exitcode == 0
+        s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=5, what="the child's acks")
+        assert s["counters"]["frees"] == 4
+        c.ack(c.put(torch.ones(1000)))  # the parent's own session still works

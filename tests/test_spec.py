@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mmfeat.daemon.counters import Counters
 from mmfeat.daemon.handlers import HANDLERS
-from mmfeat.protos import PROTOCOL_VERSION, REQUEST_MODELS, ErrorCode
+from mmfeat.protos import HANDLE_KINDS, POOL_KINDS, PROTOCOL_VERSION, REQUEST_MODELS, ErrorCode
 from mmfeat.protos.dtypes import DTYPE_SIZES
 from mmfeat.protos.messages import FallbackReason
 
@@ -41,5 +41,7 @@ def test_counters_fallback_reasons_and_dtypes_are_documented() -> None:
         assert name in SPEC, name
     for reason in FallbackReason:
         assert f"`{reason.value}`" in SPEC
+    for kind in (*POOL_KINDS, *HANDLE_KINDS):
+        assert f'"{kind}"' in SPEC or f"`{kind}`" in SPEC, kind
     for dtype in DTYPE_SIZES:
         assert re.search(rf"\b{dtype}\b", SPEC), dtype

@@ -12,13 +12,8 @@ from . import workers
 pytestmark = pytest.mark.gpu
 
 
-def start_cuda_daemon(runtime_dir):
-    # start_daemon passes --backend host; a later flag wins in argparse.
-    return start_daemon(runtime_dir, "--backend", "cuda_vmm", "--pool-mb", "1024")
-
-
 def test_cuda_pool_producer_two_consumers(runtime_dir) -> None:
-    d = start_cuda_daemon(runtime_dir)
+    d = start_daemon(runtime_dir, "--pool-mb", "1024", backend="cuda_vmm")
     try:
         pool = d.pool()
         assert pool["kind"] == "cuda" and pool["handle"] == "posix_fd" and pool["device"] == 0
@@ -68,7 +63,7 @@ def test_multinode_setting_without_fabric_falls_back_to_posix_fd(runtime_dir) ->
 
     if probe_fabric(0).ok:
         pytest.skip("this node has a working NVLink fabric; the fallback branch does not apply")
-    d = start_daemon(runtime_dir, "--backend", "cuda_vmm", "--pool-mb", "64", "--nnodes", "2")
+    d = start_daemon(runtime_dir, "--pool-mb", "64", "--nnodes", "2", backend="cuda_vmm")
     try:
         assert d.pool()["handle"] == "posix_fd"
     finally:
