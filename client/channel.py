@@ -29,7 +29,7 @@ class ControlChannel:
         self._lock = threading.Lock()
         self._sock: Optional[zmq.Socket] = None
         self._pid = os.getpid()
-        self._unflushed = False  # casts sent that no later answered call has proven handled
+        self._unflushed: set[str] = set()  # ops of casts that no later answered call has proven handled
 
     def _socket(self) -> zmq.Socket:
         if self._sock is not None and self._pid != os.getpid():
@@ -41,7 +41,9 @@ class ControlChannel:
                 )
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.linger = 0
-            sock.immediate = 1  # do not queue requests for a daemon that is not there
+            # Not ZMQ_IMMEDIATE: with it, a reply still unread when the daemon closes the connection is
+            # dropped (the ack that ends a drain would time out). A call queued for an absent daemon is
+            # discarded with the socket when it times out; a queued cast reaches a restart as STALE.
             sock.sndtimeo = int(self.timeout * 1000)
             sock.connect(self.endpoint)
             self._sock, self._pid = sock, os.getpid()
@@ -66,7 +68,7 @@ class ControlChannel:
                     raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} did not answer {op} within {timeout:g} s")
                 reply = decode(sock.recv())
                 if reply.get("id") == req_id:
-                    self._unflushed = False  # handled in order: every earlier cast is in
+                    self._unflushed.clear()  # handled in order: every earlier cast is in
                     break
                 self._stray(reply)
         if reply.get("ok"):
@@ -88,7 +90,7 @@ class ControlChannel:
                 while sock.poll(0):  # replies to earlier casts: read them so they never pile up
                     self._stray(decode(sock.recv()))
                 sock.send(encode({"v": PROTOCOL_VERSION, "op": op, "id": -next(self._ids), **fields}))
-                self._unflushed = True
+                self._unflushed.add(op)
                 return True
             except (zmq.Again, DaemonUnavailableError):
                 return False
@@ -106,6 +108,11 @@ class ControlChannel:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+    @property
+    def unflushed(self) -> frozenset[str]:
+        """The ops of casts sent since the last answered call."""
+        return frozenset(self._unflushed)
 
     def flush(self, timeout: float) -> bool:
         """Wait until the daemon has handled every cast sent so far (it handles a channel in order, so

@@ -116,7 +116,8 @@ class Client:
         self._report_fallbacks(force=True)
         # A pipelined publish must reach the daemon before the fd channel closes: the daemon frees a
         # closed session's RESERVED leases, and it may see the EOF before a still-queued publish.
-        if not self._channel.flush(min(self.timeout, 2.0)) and self._session is not None:
+        publishing = "publish" in self._channel.unflushed
+        if not self._channel.flush(min(self.timeout, 2.0)) and publishing and self._session is not None:
             log.warning("closing before the daemon confirmed the last publish; that feature may be reclaimed")
         if self._session is not None:
             self._session.close()

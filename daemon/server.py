@@ -33,6 +33,8 @@ METRICS_EVERY_S = 0.5
 # Frames between MAX_REQUEST_BYTES and this get a TOO_LARGE reply; beyond it ZMQ drops the peer.
 _HARD_FRAME_LIMIT = 1 << 20
 _MAX_BATCH = 256
+# Replies queued in ZMQ's I/O thread when the loop ends (the ack that finished a drain) still go out.
+_REPLY_LINGER_MS = 500
 
 Reload = Callable[[], None]
 
@@ -212,7 +214,7 @@ class Server:
             self._fds.close()
             self._fds = None
         if self._router is not None:
-            self._router.close(linger=0)
+            self._router.close(linger=_REPLY_LINGER_MS)
             self._router = None
             try:
                 (self.settings.runtime_dir / CONTROL_SOCKET).unlink()

@@ -19,8 +19,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmfeat.client import Client
+from mmfeat.client.channel import ControlChannel
 from mmfeat.daemon.config import HELP, Settings, load_settings, tomllib
 from mmfeat.daemon.sd_notify import Notifier
+from mmfeat.protos.codec import decode
 
 from .conftest import start_daemon
 
@@ -166,6 +168,29 @@ def test_sigterm_drains_then_exits_when_acked(runtime_dir) -> None:
     assert "draining: refusing new reserves; 1 lease(s) live" in err
     assert "stopped: every lease was acknowledged" in err
     assert not (runtime_dir / "mmfeatd.sock").exists() and not (runtime_dir / "mmfeatd.fds.sock").exists()
+
+
+def test_the_ack_that_ends_a_drain_is_answered(runtime_dir) -> None:
+    # The daemon exits right after answering the ack that freed its last lease. The client must still
+    # read that reply after the connection closed (ZMQ_IMMEDIATE on the DEALER used to drop it). The
+    # ack goes out as a cast so that the reply is certainly unread when the daemon exits.
+    d = start_daemon(runtime_dir, "--pool-mb", "8", "--drain-timeout", "20")
+    with d.client(inline_threshold=0) as producer:
+        desc = producer.put(torch.arange(10), consumers=1)
+        channel = ControlChannel(producer._channel.endpoint, timeout=5.0)
+        channel.call("ping")
+        d.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not channel.call("ping")["draining"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert channel.cast("ack", lease=desc.lease_ref(), count=1)
+        assert d.proc.wait(10) == 0
+        time.sleep(0.2)  # the daemon's close reaches our side before we read
+        assert channel._sock is not None and channel._sock.poll(2000), "the reply to the last ack was lost"
+        assert decode(channel._sock.recv())["freed"] is True
+        channel.close()
+    d.proc.communicate()
 
 
 def test_drain_timeout_cuts_and_says_how_many(runtime_dir) -> None:
