@@ -22,7 +22,7 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def assert_fds_settle(pid: int, baseline: int, timeout: float = 5.0) -> None:
+def assert_fds_settle(pid: int, baseline: int, timeout: float = 10.0) -> None:
     """ZeroMQ closes a departed peer's socket on its I/O thread, a moment later: wait for that, then
     require no growth over ``baseline``."""
     deadline = time.monotonic() + timeout

@@ -75,7 +75,7 @@ def test_hung_daemon_times_out(daemon) -> None:
             t0 = time.monotonic()
             with pytest.raises(DaemonUnavailableError):
                 c.stats()
-            assert time.monotonic() - t0 < 3
+            assert time.monotonic() - t0 < 10  # 0.5 s asked; generous for a loaded machine, far from a hang
             assert c.put(torch.ones(100_000)).is_inline  # a producer keeps going
     finally:
         daemon.proc.send_signal(signal.SIGCONT)

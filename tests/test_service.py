@@ -148,7 +148,7 @@ def test_sighup_reloads_what_it_can_and_logs_it(runtime_dir) -> None:
 
 
 def test_sigterm_drains_then_exits_when_acked(runtime_dir) -> None:
-    d = start_daemon(runtime_dir, "--pool-mb", "8", "--drain-timeout", "20")
+    d = start_daemon(runtime_dir, "--pool-mb", "8", "--drain-timeout", "120")
     with d.client(inline_threshold=0) as producer, d.client() as consumer:
         desc = producer.put(torch.arange(1000), consumers=1)
         d.proc.send_signal(signal.SIGTERM)
@@ -161,9 +161,10 @@ def test_sigterm_drains_then_exits_when_acked(runtime_dir) -> None:
         assert d.proc.poll() is None, "the daemon quit before the published lease was acknowledged"
         assert torch.equal(consumer.get(desc), torch.arange(1000))
         consumer.ack(desc)
-    t0 = time.monotonic()
-    assert d.proc.wait(10) == 0
-    assert time.monotonic() - t0 < 5, "the daemon waited out drain_timeout although nothing was left"
+    try:
+        assert d.proc.wait(30) == 0
+    except subprocess.TimeoutExpired:
+        pytest.fail("the daemon waits out drain_timeout although nothing is left to acknowledge")
     _, err = d.proc.communicate()
     assert "draining: refusing new reserves; 1 lease(s) live" in err
     assert "stopped: every lease was acknowledged" in err
@@ -254,10 +255,9 @@ def test_journal_level_prefixes_and_quiet_info(runtime_dir, tmp_path) -> None:
                                  "--pool-mb", "8"], stderr=err, env=env)
         try:
             deadline = time.monotonic() + 20
-            while not (runtime_dir / "mmfeatd.fds.sock").exists():
+            while "serving ipc://" not in err_path.read_text():  # the last line logged at start
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            time.sleep(0.2)
             before = err_path.read_text()
             with Client(runtime_dir, inline_threshold=0) as c:
                 for _ in range(50):
@@ -296,12 +296,21 @@ def test_print_config_names_sources(tmp_path) -> None:
 
 def test_stats_watch_redraws_in_place(daemon) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(daemon.runtime_dir), "stats",
-                             "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)
+                             "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    out = b""
+    deadline = time.monotonic() + 30  # a loaded machine may take seconds to start the CLI
+    while out.count(b"posix_fd") < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, out
+        try:
+            out += os.read(proc.stdout.fileno(), 1 << 16)
+        except BlockingIOError:
+            time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=10)
+    rest, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err
-    assert out.count("\x1b[H\x1b[J") >= 3 and out.count("posix_fd") >= 3
+    assert (out + rest).count(b"\x1b[H\x1b[J") >= 3
 
 
 def test_kubernetes_and_prometheus_files_match_the_daemon() -> None:
