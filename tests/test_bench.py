@@ -24,3 +24,16 @@ def test_bench_smoke(tmp_path) -> None:
         assert rec["features_per_s"] > 0 and rec["p99_us"] >= rec["p50_us"] > 0
     assert {(rec["size"], rec["consumers"]) for rec in records if rec["mode"] == "pool_view"} == {(4096, 2), (65536, 2)}
     assert "targets:" in r.stdout and "control plane" in r.stdout
+    assert "consumers ack with wait=False" in r.stdout
+    assert "unacknowledged" not in r.stderr, "a background ack never reached the bench's daemon"
+
+
+def test_bench_sync_acks(tmp_path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "mmfeat.client", "bench", "--sizes", "64K", "--consumers", "1", "--count", "12",
+         "--modes", "pool_view", "--ack", "sync", "--control-clients", ""],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "consumers ack and wait" in r.stdout and " pool_view " in r.stdout
+    assert "unacknowledged" not in r.stderr

@@ -24,6 +24,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=None, help="features per run (default: by size)")
     p.add_argument("--window", type=int, default=4, help="features in flight at most")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--ack", choices=("background", "sync"), default="background",
+                   help="consumers ack with wait=False, as a server does (default), or wait for each ack")
     p.add_argument("--control-clients", default="1,4,16", help="concurrent clients for the control-plane run; '' skips it")
     p.add_argument("--control-seconds", type=float, default=2.0)
     p.add_argument("--json", type=Path, help="write one record per row here")
@@ -132,7 +134,7 @@ def _run_data_plane(
             for mode in modes:
                 _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} on {device} ...")
                 count = _count_for(size, args.count)
-                job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window, device=device)
+                job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window, device=device, ack=args.ack)
                 for parent, _ in pipes[1:]:
                     parent.send(job)
                 pipes[0][0].send(job)
@@ -171,7 +173,8 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             runtime_dir = work / "rt"
             runtime_dir.mkdir()
-            pool_mb = max(64, (max(sizes) * (args.window + 2)) // MiB + 64)
+            # Room for the window twice over: a background ack may land after its consumer reported.
+            pool_mb = max(64, (max(sizes) * (2 * args.window + 2)) // MiB + 64)
             daemon = _start_daemon(runtime_dir, pool_mb)
         device = _bench_device(runtime_dir)
         rows = [_memcpy_row(size, _count_for(size, args.count), args.threads, device) for size in sizes]
@@ -184,7 +187,8 @@ def run_bench(args: argparse.Namespace) -> int:
         _progress("")
         add_ratios(rows)
         verdicts = targets(rows, control)
-        print(f"payloads on {device}; limit: one {'device-to-device' if device != 'cpu' else 'host'} copy\n")
+        print(f"payloads on {device}; limit: one {'device-to-device' if device != 'cpu' else 'host'} copy; "
+              f"consumers ack {'with wait=False' if args.ack == 'background' else 'and wait'}\n")
         print(render(rows, control, verdicts))
         if args.json:
             write_json(args.json, rows, control)

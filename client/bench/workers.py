@@ -15,6 +15,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from mmfeat.protos.descriptor import Descriptor
+
 MODES = ("pool_view", "pool_copy", "inline", "zmq_bytes", "torch_mp", "client_default")
 POOL_MODES = {"pool_view", "pool_copy", "client_default"}
 
@@ -29,6 +31,8 @@ class Job:
     # "cpu" for a host pool; "cuda:N" for a GPU pool, where features start and end in HBM and the
     # modes without a GPU path (zmq_bytes, inline) pay the host round trip a server would.
     device: str = "cpu"
+    # "background": ack(wait=False), as a server acks once it has used a feature; "sync": wait for it.
+    ack: str = "background"
 
 
 def read_every_byte(t: Any) -> int:
@@ -78,11 +82,14 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
             else:
                 header, blob = pull.recv_multipart()
                 idx = msgpack.unpackb(header)
-                got = client.get(blob, copy=(job.mode == "pool_copy"))
+                desc = Descriptor.from_bytes(blob)  # once, as a server unpacks its own message once
+                got = client.get(desc, copy=(job.mode == "pool_copy"))
                 read_every_byte(got.to(job.device))  # a no-op except for inline features on a GPU run
                 del got
-                client.ack(blob)
+                client.ack(desc, wait=(job.ack == "sync"))
             done.send(msgpack.packb([idx, time.monotonic()]))
+        if client is not None and not client.flush():
+            raise RuntimeError("background acks did not reach the daemon")
         cmd.send("ok")
     for c in clients.values():
         c.close()
