@@ -424,9 +424,19 @@ def _inline_base(desc: Descriptor, copy: bool) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
     if copy or isinstance(data, bytearray):
         return torch.frombuffer(bytearray(data) if copy else data, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)  # read-only by contract, like a pool view
+
+
+def _silence_frombuffer_warning() -> None:
+    # torch warns once per process that a tensor over immutable bytes is writable; views are read-only
+    # by contract. Spend that one warning here, at import, because catch_warnings around every get()
+    # would swap the process-wide filters under other threads.
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": views are read-only by contract
-        return torch.frombuffer(data, dtype=torch.uint8)
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+_silence_frombuffer_warning()
 
 
 def _as_descriptor(desc: DescLike) -> Descriptor:

@@ -80,3 +80,20 @@ def test_hung_daemon_times_out(daemon) -> None:
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     assert daemon.stats()["pools"][0]["used"] == 0
+
+
+def test_inline_views_from_bytes_raise_no_warning(tmp_path) -> None:
+    # A view over received (immutable) bytes must not warn on the first get, nor swap the warning
+    # filters on every get: run where any UserWarning is an error.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from mmfeat.client import Client\n"
+        f"c = Client({str(tmp_path)!r}, inline_threshold=1 << 30)\n"
+        "b = c.put(torch.arange(10, dtype=torch.bfloat16)).to_bytes()\n"
+        "assert torch.equal(c.get(b), torch.arange(10, dtype=torch.bfloat16))\n"
+    )
+    r = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
