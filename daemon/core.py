@@ -75,7 +75,7 @@ class DaemonCore:
             raise MmfeatError(ErrorCode.NOT_FOUND, "unknown session: send hello on the control socket first")
         if session.attached:
             raise MmfeatError(ErrorCode.BAD_STATE, "this session already has an fd channel")
-        session.peer = peer
+        self.sessions.attach(token, peer)
         ids, fds = [], []
         for pool in self.pools.values():
             fd = pool.export_fd()
@@ -92,8 +92,7 @@ class DaemonCore:
 
     def tick(self, now: float) -> None:
         self.ledger.expire(now)
-        for token in self.sessions.unattached_older_than(now - ATTACH_GRACE_S):
-            self.sessions.close(token)
+        self.sessions.drop_unattached_before(now - ATTACH_GRACE_S)
 
     def stats(self) -> dict:
         pools = []

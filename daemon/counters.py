@@ -22,6 +22,7 @@ class Counters:
     forbidden: int = 0
     stale: int = 0
     not_found: int = 0
+    sessions_dropped: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:

@@ -13,7 +13,6 @@ from mmfeat.protos.codec import MAX_REQUEST_BYTES
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 from .core import DaemonCore
-from .sessions import ATTACH_GRACE_S, MAX_PENDING_SESSIONS
 
 Reply = dict[str, Any]
 
@@ -37,13 +36,9 @@ def _lease_reply(core: DaemonCore, lease: Any) -> Reply:
 
 def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> Reply:
     """Open a session; the client then presents ``session`` on the fd channel to receive pool fds."""
-    if core.sessions.pending_count() >= MAX_PENDING_SESSIONS:
-        raise MmfeatError(
-            ErrorCode.BAD_STATE,
-            f"{MAX_PENDING_SESSIONS} sessions are waiting for their fd channel; attach yours or retry in "
-            f"{ATTACH_GRACE_S:.0f} s",
-        )
-    session = core.sessions.open(req.name, req.pid, now)
+    session, dropped = core.sessions.open(req.name, req.pid, now)
+    if dropped:
+        core.counters.sessions_dropped += dropped
     return {
         "session": session.token,
         "epoch": core.epoch,

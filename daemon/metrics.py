@@ -28,6 +28,7 @@ _COUNTERS = {
     "bad_requests": "Requests refused as malformed",
     "forbidden": "Requests refused for a wrong token or forged lease reference",
     "stale": "Requests naming a lease from another epoch or a reused slot",
+    "sessions_dropped": "Sessions dropped before attaching because too many were waiting for their fd channel",
 }
 
 

@@ -14,8 +14,9 @@ from mmfeat.protos.messages import TOKEN_BYTES
 
 # A hello whose fd connection has not arrived by then is dropped (the client died between the two).
 ATTACH_GRACE_S = 30.0
-# Sessions waiting for their fd channel at most; a hello beyond it is refused, so a client that only
-# says hello cannot grow the table without bound.
+# Sessions waiting for their fd channel at most. A hello beyond it drops the oldest waiting one: a live
+# client attaches within milliseconds of its hello, so the oldest are dead or a flood, and refusing the
+# newest instead would lock every client out for ATTACH_GRACE_S.
 MAX_PENDING_SESSIONS = 4096
 
 
@@ -40,28 +41,49 @@ class Session:
 
 
 class SessionTable:
+    """Sessions waiting for their fd channel (oldest first) and attached ones, each O(1) to count."""
+
     def __init__(self) -> None:
-        self._sessions: dict[bytes, Session] = {}
+        self._pending: dict[bytes, Session] = {}  # insertion order is creation order
+        self._attached: dict[bytes, Session] = {}
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        return len(self._pending) + len(self._attached)
 
-    def open(self, name: str, pid: int, now: float) -> Session:
+    def open(self, name: str, pid: int, now: float) -> tuple[Session, int]:
+        """A new session, and how many waiting ones were dropped to make room for it."""
+        dropped = 0
+        while len(self._pending) >= MAX_PENDING_SESSIONS:
+            del self._pending[next(iter(self._pending))]
+            dropped += 1
         session = Session(secrets.token_bytes(TOKEN_BYTES), name, pid, now)
-        self._sessions[session.token] = session
-        return session
+        self._pending[session.token] = session
+        return session, dropped
 
     def get(self, token: bytes) -> Optional[Session]:
-        return self._sessions.get(token)
+        return self._attached.get(token) or self._pending.get(token)
+
+    def attach(self, token: bytes, peer: PeerCred) -> None:
+        session = self._pending.pop(token)
+        session.peer = peer
+        self._attached[token] = session
 
     def close(self, token: bytes) -> Optional[Session]:
-        return self._sessions.pop(token, None)
+        return self._attached.pop(token, None) or self._pending.pop(token, None)
 
-    def unattached_older_than(self, cutoff: float) -> list[bytes]:
-        return [t for t, s in self._sessions.items() if not s.attached and s.created < cutoff]
+    def drop_unattached_before(self, cutoff: float) -> int:
+        """Drop the sessions created before ``cutoff`` that never attached; how many."""
+        n = 0
+        while self._pending:
+            token, session = next(iter(self._pending.items()))
+            if session.created >= cutoff:
+                break
+            del self._pending[token]
+            n += 1
+        return n
 
     def attached_count(self) -> int:
-        return sum(1 for s in self._sessions.values() if s.attached)
+        return len(self._attached)
 
     def pending_count(self) -> int:
-        return len(self._sessions) - self.attached_count()
+        return len(self._pending)

@@ -9,6 +9,7 @@ import pytest
 
 from mmfeat.daemon.allocator import Allocator
 from mmfeat.daemon.config import ConfigError, load_settings, render_config
+from mmfeat.daemon.sessions import MAX_PENDING_SESSIONS, PeerCred, SessionTable
 from mmfeat.protos import Descriptor, DescriptorError, TensorSpec
 
 
@@ -162,3 +163,18 @@ def test_ledger_state_accounting_matches_a_walk() -> None:
                     walked_bytes[x.state.value] += ledger.allocators[pool].size_of(x.offset)
             assert ledger.count_by_state(pool) == walked and ledger.bytes_by_state(pool) == walked_bytes
             assert sum(walked_bytes.values()) == ledger.allocators[pool].used
+
+
+def test_session_table_drops_the_oldest_waiting_and_keeps_attached() -> None:
+    table = SessionTable()
+    first, dropped = table.open("a", 1, now=0.0)
+    assert dropped == 0
+    table.attach(first.token, PeerCred(1, 0, 0))
+    waiting = [table.open("w", 2, now=1.0 + i)[0] for i in range(MAX_PENDING_SESSIONS)]
+    newest, dropped = table.open("n", 3, now=1e6)
+    assert dropped == 1 and table.get(waiting[0].token) is None and table.get(newest.token) is newest
+    assert table.attached_count() == 1 and table.pending_count() == MAX_PENDING_SESSIONS
+    # The grace expiry drops waiting sessions created before the cutoff, never attached ones.
+    assert table.drop_unattached_before(cutoff=1.0 + 100) == 99
+    assert table.get(first.token) is first and table.get(waiting[99].token) is None and table.get(waiting[100].token)
+    assert table.close(first.token) is first and table.attached_count() == 0
