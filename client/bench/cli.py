@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import subprocess
@@ -92,25 +93,39 @@ def _memcpy_row(size: int, count: int, threads: int, device: str) -> dict[str, A
     return make_row("memcpy", size, 1, lat, time.monotonic() - t_start)
 
 
-def _bench_device(runtime_dir: Path) -> str:
-    """cuda:N when the daemon's first pool is in GPU memory, else cpu."""
+def _daemon_facts(runtime_dir: Path) -> tuple[str, int]:
+    """(payload device, daemon pid): cuda:N when the daemon's first pool is in GPU memory, else cpu."""
     from mmfeat.client.channel import ControlChannel
     from mmfeat.protos.paths import control_endpoint
 
     ch = ControlChannel(control_endpoint(runtime_dir), 5.0)
     try:
-        pools = ch.call("pool_info")["pools"]
+        stats = ch.call("stats")
     finally:
         ch.close()
+    pools = stats["pools"]
     if pools and pools[0]["kind"] == "cuda":
         import torch
 
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
+        return f"cuda:{torch.cuda.current_device()}", stats["pid"]
+    return "cpu", stats["pid"]
+
+
+def _cpu_seconds(pid: int) -> Optional[float]:
+    """CPU time of every thread of ``pid`` (ZeroMQ's I/O thread included); None if /proc does not say."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])  # nanoseconds on a CPU
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
 
 
 def _run_data_plane(
-    runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int], modes: list[str], args: argparse.Namespace, device: str
+    runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int], modes: list[str], args: argparse.Namespace, device: str,
+    daemon_pid: int,
 ) -> list[dict[str, Any]]:
     import torch.multiprocessing as tmp
 
@@ -137,13 +152,22 @@ def _run_data_plane(
                 job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window, device=device, ack=args.ack)
                 for parent, _ in pipes[1:]:
                     parent.send(job)
+                daemon_cpu0 = _cpu_seconds(daemon_pid)
                 pipes[0][0].send(job)
                 if not pipes[0][0].poll(600):
                     raise SystemExit(f"mmfeat bench: {mode} at {human_size(size)} did not finish in 600 s")
                 res = pipes[0][0].recv()
-                for parent, _ in pipes[1:]:
-                    parent.recv()
-                rows.append(make_row(mode, size, n, res["latencies"], res["elapsed"]))
+                consumer_cpu = [parent.recv()["cpu_s"] for parent, _ in pipes[1:]]
+                daemon_cpu1 = _cpu_seconds(daemon_pid)
+                row = make_row(mode, size, n, res["latencies"], res["elapsed"])
+                # CPU per feature, for the whole run (warm-up included): steadier than time on a shared machine.
+                total = job.count + job.warmup
+                row["producer_cpu_us"] = res["cpu_s"] / total * 1e6
+                row["consumer_cpu_us"] = sum(consumer_cpu) / n / total * 1e6
+                row["daemon_cpu_us"] = (
+                    (daemon_cpu1 - daemon_cpu0) / total * 1e6 if daemon_cpu0 is not None and daemon_cpu1 is not None else None
+                )
+                rows.append(row)
         for parent, _ in pipes:
             parent.send(None)
         for p in procs:
@@ -176,10 +200,10 @@ def run_bench(args: argparse.Namespace) -> int:
             # Room for the window twice over: a background ack may land after its consumer reported.
             pool_mb = max(64, (max(sizes) * (2 * args.window + 2)) // MiB + 64)
             daemon = _start_daemon(runtime_dir, pool_mb)
-        device = _bench_device(runtime_dir)
+        device, daemon_pid = _daemon_facts(runtime_dir)
         rows = [_memcpy_row(size, _count_for(size, args.count), args.threads, device) for size in sizes]
         for n in counts:
-            rows += _run_data_plane(runtime_dir, work, n, sizes, modes, args, device)
+            rows += _run_data_plane(runtime_dir, work, n, sizes, modes, args, device, daemon_pid)
         control = []
         if control_clients:
             _progress("bench: control plane ...")

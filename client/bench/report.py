@@ -74,7 +74,11 @@ def targets(rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[t
 
 
 def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]]) -> str:
-    lines = [f"{'consumers':>9} {'size':>6} {'mode':<15} {'feat/s':>10} {'GB/s':>8} {'p50 us':>10} {'p99 us':>10} {'x limit':>8} {'x zmq':>7}"]
+    lines = [
+        f"{'':>9} {'':>6} {'':<15} {'':>10} {'':>8} {'':>10} {'':>10} {'':>8} {'':>7}  {'CPU us per feature':^25}",
+        f"{'consumers':>9} {'size':>6} {'mode':<15} {'feat/s':>10} {'GB/s':>8} {'p50 us':>10} {'p99 us':>10} {'x limit':>8} {'x zmq':>7}"
+        f"  {'producer':>8} {'consumer':>8} {'mmfeatd':>7}",
+    ]
     order = {m: i for i, m in enumerate(("memcpy", "pool_view", "pool_copy", "client_default", "inline", "zmq_bytes", "torch_mp"))}
     for r in sorted(rows, key=lambda r: (r["consumers"], r["size"], order.get(r["mode"], 99))):
         xl = f"{r['x_limit']:.2f}" if r.get("x_limit") is not None else "-"
@@ -82,6 +86,7 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
         lines.append(
             f"{r['consumers']:>9} {human_size(r['size']):>6} {r['mode']:<15} {r['features_per_s']:>10.0f} {r['gb_per_s']:>8.2f}"
             f" {r['p50_us']:>10.0f} {r['p99_us']:>10.0f} {xl:>8} {xz:>7}"
+            f"  {_us(r.get('producer_cpu_us')):>8} {_us(r.get('consumer_cpu_us')):>8} {_us(r.get('daemon_cpu_us')):>7}"
         )
     if control:
         lines += ["", "control plane: reserve+publish+ack cycles/s, and per round trip p50/p99 (us)"]
@@ -96,6 +101,10 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
         lines += ["", "targets:"]
         lines += [f"  {'met   ' if ok else 'MISSED'} {name}: {got}" for name, ok, got in verdicts]
     return "\n".join(lines)
+
+
+def _us(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 def json_records(rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -66,6 +66,7 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
     done.connect(f"ipc://{sock_dir}/done.sock")
     clients: dict[str, Any] = {}
     while (job := cmd.recv()) is not None:
+        cpu0 = time.process_time()  # all threads: ZeroMQ's I/O thread and the background acker too
         total = job.count + job.warmup
         client = None
         if job.mode in POOL_MODES or job.mode == "inline":
@@ -90,7 +91,7 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
             done.send(msgpack.packb([idx, time.monotonic()]))
         if client is not None and not client.flush():
             raise RuntimeError("background acks did not reach the daemon")
-        cmd.send("ok")
+        cmd.send({"cpu_s": time.process_time() - cpu0})
     for c in clients.values():
         c.close()
     pull.close(0)
@@ -134,6 +135,7 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
             while len(read_at.get(acked, ())) == n_consumers:
                 acked += 1
 
+        cpu0 = time.process_time()  # all threads; the payload and torch_mp's fresh tensors are made already
         for i in range(total):
             while i - acked >= job.window:
                 collect(block=True)
@@ -160,7 +162,7 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
         latencies = [max(read_at[i]) - sent_at[i] for i in range(first, total)]
         elapsed = max(max(read_at[i]) for i in range(first, total)) - sent_at[first]
         fallbacks = dict(client.fallbacks) if client is not None else {}
-        cmd.send({"latencies": latencies, "elapsed": elapsed, "fallbacks": fallbacks})
+        cmd.send({"latencies": latencies, "elapsed": elapsed, "fallbacks": fallbacks, "cpu_s": time.process_time() - cpu0})
     for c in clients.values():
         c.close()
     for s in (*pushes, done):
