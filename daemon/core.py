@@ -29,6 +29,7 @@ class DaemonCore:
         self.counters = Counters()
         self.sessions = SessionTable()
         self.draining = False
+        self.sessions_dropped_logged_at = float("-inf")  # a hello flood is logged at most every 10 s
         self.endpoint = ""
         # Set when metrics are on: called with the seconds each reserve took inside the daemon.
         self.observe_reserve: Optional[Callable[[float], None]] = None

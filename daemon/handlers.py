@@ -5,6 +5,7 @@ A handler raises MmfeatError for a refusal; daemon/dispatch.py turns it into a t
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -13,6 +14,9 @@ from mmfeat.protos.codec import MAX_REQUEST_BYTES
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 from .core import DaemonCore
+from .sessions import MAX_PENDING_SESSIONS
+
+log = logging.getLogger("mmfeatd")
 
 Reply = dict[str, Any]
 
@@ -38,7 +42,14 @@ def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> Reply:
     """Open a session; the client then presents ``session`` on the fd channel to receive pool fds."""
     session, dropped = core.sessions.open(req.name, req.pid, now)
     if dropped:
-        core.counters.sessions_dropped += dropped
+        core.counters.sessions_dropped += len(dropped)
+        if now - core.sessions_dropped_logged_at >= 10.0:
+            core.sessions_dropped_logged_at = now
+            log.warning(
+                "%d sessions are waiting for their fd channel: dropped the oldest, from %r (pid %d); a client "
+                "that says hello without connecting to the fd socket is flooding or crash-looping (%d dropped so far)",
+                MAX_PENDING_SESSIONS, dropped[0].name, dropped[0].pid, core.counters.sessions_dropped,
+            )
     return {
         "session": session.token,
         "epoch": core.epoch,

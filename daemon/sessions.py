@@ -50,12 +50,11 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._pending) + len(self._attached)
 
-    def open(self, name: str, pid: int, now: float) -> tuple[Session, int]:
-        """A new session, and how many waiting ones were dropped to make room for it."""
-        dropped = 0
+    def open(self, name: str, pid: int, now: float) -> tuple[Session, list[Session]]:
+        """A new session, and the waiting ones dropped to make room for it."""
+        dropped = []
         while len(self._pending) >= MAX_PENDING_SESSIONS:
-            del self._pending[next(iter(self._pending))]
-            dropped += 1
+            dropped.append(self._pending.pop(next(iter(self._pending))))
         session = Session(secrets.token_bytes(TOKEN_BYTES), name, pid, now)
         self._pending[session.token] = session
         return session, dropped

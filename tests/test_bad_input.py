@@ -193,3 +193,7 @@ def test_floods_of_hellos_and_silent_connections_are_bounded(daemon, raw) -> Non
         for s in silent:
             s.close()
     assert_fds_settle(daemon.pid, before + 1)
+    assert daemon.stop() == 0
+    err = daemon.proc.communicate()[1]
+    # Named once (rate-limited), with the hello's own name and pid, so an operator can find the client.
+    assert err.count("fd channel: dropped the oldest") == 1 and "pid 0" in err, err[-2000:]

@@ -238,7 +238,7 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
     assert value[("mmfeat_pool_bytes", (("device", "-1"), ("kind", "host"), ("pool", "0"), ("state", "published")), "mmfeat_pool_bytes")] == 512
     assert value[("mmfeat_publish_to_last_ack_seconds", (), "mmfeat_publish_to_last_ack_seconds_count")] == 3
     assert value[("mmfeat_reserve_seconds", (), "mmfeat_reserve_seconds_count")] == 4
-    for name in ("mmfeat_expired", "mmfeat_reclaimed_on_disconnect", "mmfeat_forbidden", "mmfeat_bad_requests",
+    for name in ("mmfeat_expired", "mmfeat_reclaimed_on_disconnect", "mmfeat_sessions_dropped", "mmfeat_forbidden", "mmfeat_bad_requests",
                  "mmfeat_clients", "mmfeat_client_fallbacks"):
         assert name in families, name
 
@@ -334,7 +334,8 @@ def test_kubernetes_and_prometheus_files_match_the_daemon() -> None:
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
     names = {r["alert"] for r in rules}
     assert {"MmfeatdDown", "MmfeatPoolNearlyFull", "MmfeatLeasesExpiring"} <= names
-    exported = {"mmfeat_pool_bytes", "mmfeat_pool_capacity_bytes", "mmfeat_expired_total", "mmfeat_client_fallbacks_total", "mmfeat_leases"}
+    exported = {"mmfeat_pool_bytes", "mmfeat_pool_capacity_bytes", "mmfeat_expired_total", "mmfeat_client_fallbacks_total",
+                "mmfeat_leases", "mmfeat_sessions_dropped_total"}
     for r in rules:
         for metric in re.findall(r"mmfeat_[a-z_]+", r["expr"]):
             assert metric in exported, f"alert {r['alert']} uses {metric}, which the daemon does not export"

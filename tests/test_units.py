@@ -168,11 +168,11 @@ def test_ledger_state_accounting_matches_a_walk() -> None:
 def test_session_table_drops_the_oldest_waiting_and_keeps_attached() -> None:
     table = SessionTable()
     first, dropped = table.open("a", 1, now=0.0)
-    assert dropped == 0
+    assert dropped == []
     table.attach(first.token, PeerCred(1, 0, 0))
     waiting = [table.open("w", 2, now=1.0 + i)[0] for i in range(MAX_PENDING_SESSIONS)]
     newest, dropped = table.open("n", 3, now=1e6)
-    assert dropped == 1 and table.get(waiting[0].token) is None and table.get(newest.token) is newest
+    assert dropped == [waiting[0]] and table.get(waiting[0].token) is None and table.get(newest.token) is newest
     assert table.attached_count() == 1 and table.pending_count() == MAX_PENDING_SESSIONS
     # The grace expiry drops waiting sessions created before the cutoff, never attached ones.
     assert table.drop_unattached_before(cutoff=1.0 + 100) == 99
