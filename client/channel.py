@@ -81,15 +81,16 @@ class ControlChannel:
         raise MmfeatError(code, str(err.get("message", "no message")))
 
     def cast(self, op: str, **fields: Any) -> bool:
-        """Send without waiting for the reply (it is read later and only logged if it is an error).
+        """Send without waiting. The request is quiet: the daemon answers only if it fails, and that
+        error is read later and logged.
         Requests on one channel are handled in order, so a cast followed by a call is still ordered.
         Returns False when the request could not be sent within the timeout."""
         with self._lock:
             try:
                 sock = self._socket()
-                while sock.poll(0):  # replies to earlier casts: read them so they never pile up
+                while sock.poll(0):  # errors from earlier casts, late replies: read them so they never pile up
                     self._stray(decode(sock.recv()))
-                sock.send(encode({"v": PROTOCOL_VERSION, "op": op, "id": -next(self._ids), **fields}))
+                sock.send(encode({"v": PROTOCOL_VERSION, "op": op, "id": -next(self._ids), "quiet": True, **fields}))
                 self._unflushed.add(op)
                 return True
             except (zmq.Again, DaemonUnavailableError):

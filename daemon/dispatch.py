@@ -18,7 +18,7 @@ from .handlers import HANDLERS
 
 log = logging.getLogger("mmfeatd.dispatch")
 
-_ENVELOPE = ("v", "op", "id")
+_ENVELOPE = ("v", "op", "id", "quiet")
 
 
 def error_reply(req_id: Any, code: ErrorCode, message: str) -> bytes:
@@ -31,7 +31,8 @@ def _request_id(msg: dict) -> Optional[Any]:
     return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
 
 
-def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None) -> bytes:
+def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None) -> Optional[bytes]:
+    """The reply to ``frame``; None for a quiet request that succeeded (it is answered only if it fails)."""
     now = time.monotonic() if now is None else now
     try:
         msg = decode(frame)
@@ -43,6 +44,10 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None) -> byt
     if msg.get("v") != PROTOCOL_VERSION:
         core.counters.bad_requests += 1
         return error_reply(req_id, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}; upgrade the client or daemon")
+    quiet = msg.get("quiet", False)
+    if type(quiet) is not bool:
+        core.counters.bad_requests += 1
+        return error_reply(req_id, ErrorCode.BAD_REQUEST, f"field quiet must be a bool, got {type(quiet).__name__}")
     op = msg.get("op")
     model = REQUEST_MODELS.get(op) if isinstance(op, str) else None
     if model is None:
@@ -62,5 +67,7 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None) -> byt
     except Exception:
         log.exception("handler for %s failed", op)
         return error_reply(req_id, ErrorCode.INTERNAL, f"{op} failed inside the daemon; see its log")
+    if quiet:
+        return None
     body.update(v=PROTOCOL_VERSION, id=req_id, ok=True)
     return encode(body)

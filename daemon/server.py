@@ -209,6 +209,8 @@ class Server:
                 reply = error_reply(None, ErrorCode.TOO_LARGE, f"request of {len(body[0])} B exceeds {MAX_REQUEST_BYTES} B")
             else:
                 reply = dispatch(self.core, body[0])
+                if reply is None:
+                    continue  # a quiet request that succeeded
             try:
                 router.send(identity, _MORE_NOBLOCK)
                 router.send(reply, _NOBLOCK)

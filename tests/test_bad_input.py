@@ -56,6 +56,9 @@ CASES = [
     ((_req("reserve", session="s" * 16, nbytes=5),), ErrorCode.BAD_REQUEST),
     ((_req("reserve", session=b"s" * 16, nbytes=5, consumers=0),), ErrorCode.BAD_REQUEST),
     ((_req("reserve", session=b"s" * 16, nbytes=5),), ErrorCode.NOT_FOUND),
+    ((_req("ping", quiet=1),), ErrorCode.BAD_REQUEST),
+    ((_req("ping", quiet="yes"),), ErrorCode.BAD_REQUEST),
+    ((_req("ack", quiet=True, lease=LEASE),), ErrorCode.STALE),  # a quiet request that fails is answered
     ((_req("ack", lease={**LEASE, "token": b"short"}),), ErrorCode.BAD_REQUEST),
     ((_req("ack", lease={**LEASE, "nbytes": 0}),), ErrorCode.BAD_REQUEST),
     ((_req("ack", lease=LEASE, count=-1),), ErrorCode.BAD_REQUEST),
@@ -147,6 +150,20 @@ def test_uid_not_allowed_is_refused(daemon_factory) -> None:
         with pytest.raises(MmfeatError) as info:
             c._connect()
         assert info.value.code is ErrorCode.FORBIDDEN and "allowed_uids" in info.value.message
+
+
+def test_a_quiet_request_that_succeeds_gets_no_reply(daemon) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"ipc://{daemon.runtime_dir / 'mmfeatd.sock'}")
+    try:
+        sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "quiet": True}))
+        sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 2, "quiet": False}))
+        assert sock.poll(5000)
+        assert msgpack.unpackb(sock.recv())["id"] == 2, "the quiet ping was answered"
+        assert not sock.poll(200)
+    finally:
+        sock.close()
 
 
 def test_floods_of_hellos_and_silent_connections_are_bounded(daemon, raw) -> None:

@@ -22,7 +22,8 @@ from mmfeat.client import Client
 from mmfeat.client.channel import ControlChannel
 from mmfeat.daemon.config import HELP, Settings, load_settings, tomllib
 from mmfeat.daemon.sd_notify import Notifier
-from mmfeat.protos.codec import decode
+from mmfeat.protos.codec import decode, encode
+from mmfeat.protos.version import PROTOCOL_VERSION
 
 from .conftest import start_daemon
 
@@ -174,7 +175,8 @@ def test_sigterm_drains_then_exits_when_acked(runtime_dir) -> None:
 def test_the_ack_that_ends_a_drain_is_answered(runtime_dir) -> None:
     # The daemon exits right after answering the ack that freed its last lease. The client must still
     # read that reply after the connection closed (ZMQ_IMMEDIATE on the DEALER used to drop it). The
-    # ack goes out as a cast so that the reply is certainly unread when the daemon exits.
+    # ack goes out on the channel's own socket without waiting, so the reply is certainly unread when
+    # the daemon exits.
     d = start_daemon(runtime_dir, "--pool-mb", "8", "--drain-timeout", "20")
     with d.client(inline_threshold=0) as producer:
         desc = producer.put(torch.arange(10), consumers=1)
@@ -185,7 +187,7 @@ def test_the_ack_that_ends_a_drain_is_answered(runtime_dir) -> None:
         while not channel.call("ping")["draining"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert channel.cast("ack", lease=desc.lease_ref(), count=1)
+        channel._socket().send(encode({"v": PROTOCOL_VERSION, "op": "ack", "id": 99, "lease": desc.lease_ref(), "count": 1}))
         assert d.proc.wait(10) == 0
         time.sleep(0.2)  # the daemon's close reaches our side before we read
         assert channel._sock is not None and channel._sock.poll(2000), "the reply to the last ack was lost"
