@@ -9,14 +9,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
-import socket
 import threading
 import time
 import warnings
 import weakref
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -25,12 +22,12 @@ import torch
 from mmfeat.protos.descriptor import Descriptor, DescriptorError, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.messages import FallbackReason
-from mmfeat.protos.paths import control_endpoint, default_runtime_dir, fd_socket_path
+from mmfeat.protos.paths import control_endpoint, default_runtime_dir
 
 from . import mapping as mapping_cache
 from . import tensors as tz
 from .channel import ControlChannel
-from .fd_receiver import open_fd_channel
+from .session import Session, open_session
 
 log = logging.getLogger("mmfeat.client")
 
@@ -43,30 +40,6 @@ _FALLBACK_ERRORS = {ErrorCode.POOL_FULL: FallbackReason.POOL_FULL, ErrorCode.TOO
 _REPORT_EVERY_S = 1.0
 
 DescLike = Union[Descriptor, bytes]
-
-
-@dataclass
-class _Session:
-    token: bytes
-    epoch: int
-    node: str
-    fd_sock: socket.socket
-    pools: dict[int, dict[str, Any]]  # pool id -> pool info from hello
-    mappings: dict[tuple[int, int], Any]  # (pool id, device) -> HostMapping or CudaMapping
-    fds: dict[int, int]  # pool fds kept for pools mapped lazily (GPU pools: once per device)
-    pid: int  # the process that opened it: a forked child must open its own
-    table: mapping_cache.LeaseTableView
-
-    def alive(self) -> bool:
-        # The daemon never writes after the handshake, so readable means EOF: it exited or restarted.
-        readable, _, _ = select.select([self.fd_sock], [], [], 0)
-        return not readable
-
-    def close(self) -> None:
-        self.fd_sock.close()
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
 
 
 class Client:
@@ -92,7 +65,7 @@ class Client:
         self._last_report = 0.0
         self._warned: set[str] = set()
         self._channel = ControlChannel(self.endpoint, timeout)
-        self._session: Optional[_Session] = None
+        self._session: Optional[Session] = None
         self._connect_lock = threading.Lock()
         self._acker: Optional[Any] = None
         # A process that exits (or drops the client) without close() must still deliver its pipelined
@@ -114,11 +87,8 @@ class Client:
             self._acker.close(self.timeout)
             self._acker = None
         self._report_fallbacks(force=True)
-        # A pipelined publish must reach the daemon before the fd channel closes: the daemon frees a
-        # closed session's RESERVED leases, and it may see the EOF before a still-queued publish.
-        publishing = "publish" in self._channel.unflushed
-        if not self._channel.flush(min(self.timeout, 2.0)) and publishing and self._session is not None:
-            log.warning("closing before the daemon confirmed the last publish; that feature may be reclaimed")
+        self._channel.flush(min(self.timeout, 2.0))
+        # Publishes went on the fd channel: the daemon reads them before it sees this close.
         if self._session is not None:
             self._session.close()
             self._session = None
@@ -129,58 +99,19 @@ class Client:
         (a server calls this at startup). Raises DaemonUnavailableError if the daemon is not there."""
         self._connect()
 
-    def _connect(self) -> _Session:
+    def _connect(self) -> Session:
         session = self._session
-        if session is not None and session.pid == os.getpid() and session.alive():
+        if session is not None and session.alive():
             return session
         with self._connect_lock:
-            return self._reconnect()
-
-    def _reconnect(self) -> _Session:
-        if self._session is not None:
-            if self._session.pid == os.getpid() and self._session.alive():
-                return self._session  # another thread reconnected first
-            # Closing our copies is safe after a fork too: the parent keeps its own.
-            self._session.close()
-            self._session = None
-        hello = self._channel.call("hello", name=self.name[:128], pid=os.getpid())
-        fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(self.runtime_dir), hello["session"], self.timeout)
-        try:
-            table = mapping_cache.map_lease_table(self.endpoint, hello["epoch"], table_fd, hello["table_slots"])
-        except BaseException:
-            fd_sock.close()
-            for fd in fds.values():
-                os.close(fd)
-            raise
-        pools = {p["pool"]: p for p in hello["pools"]}
-        session = _Session(hello["session"], hello["epoch"], hello["node"], fd_sock, pools, {}, fds, os.getpid(), table)
-        try:
-            for pool_id, info in pools.items():
-                if info["kind"] == "host":  # map host pools now; GPU pools on first use, on the caller's device
-                    self._mapping(session, pool_id)
-        except BaseException:
-            session.close()
-            raise
-        self._session = session
-        return session
-
-    def _mapping(self, session: _Session, pool_id: int) -> Any:
-        info = session.pools[pool_id]
-        if info["kind"] == "host":
-            key = (pool_id, -1)
-            if key not in session.mappings:
-                fd = session.fds.pop(pool_id, None)
-                if fd is None:
-                    raise MmfeatError(ErrorCode.INTERNAL, f"daemon sent no fd for host pool {pool_id}")
-                session.mappings[key] = mapping_cache.map_host_pool(self.endpoint, pool_id, info["epoch"], fd, info["size"])
-            return session.mappings[key]
-        key = (pool_id, torch.cuda.current_device())
-        if key not in session.mappings:
-            from .cuda_import import map_cuda_pool
-
-            fd = session.fds.get(pool_id)
-            session.mappings[key] = map_cuda_pool(self.endpoint, info, os.dup(fd) if fd is not None else None)
-        return session.mappings[key]
+            if self._session is not None:
+                if self._session.alive():
+                    return self._session  # another thread reconnected first
+                # Closing our copies is safe after a fork too: the parent keeps its own.
+                self._session.close()
+                self._session = None
+            self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout)
+            return self._session
 
     # --- producer ------------------------------------------------------------------------------
 
@@ -230,7 +161,7 @@ class Client:
         try:
             # A GPU pool is mapped (once) on the producer tensor's device.
             with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-                dst = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + nbytes]
+                dst = session.mapping(desc.pool, device).tensor[desc.offset : desc.offset + nbytes]
             tz.write_packed(dst, tensors, specs)
             if dst.is_cuda or device is not None:
                 # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the
@@ -238,19 +169,19 @@ class Client:
                 # ran on the current stream of the destination or of a source device: finish them all.
                 for dev in {t.device for t in tensors if t.is_cuda} | ({dst.device} if dst.is_cuda else set()):
                     torch.cuda.current_stream(dev).synchronize()
-            # Pipelined: nothing needs to wait for it (a consumer's table check and lookup accept a
-            # RESERVED lease, and its ack counts early). A failure is logged when its reply is read.
-            if not self._channel.cast("publish", lease=desc.lease_ref()):
-                self._channel.call("publish", lease=desc.lease_ref())
+            # On the fd channel: in the daemon's socket buffer when this returns, so it is handled even
+            # if this process dies now. Nothing waits for it (a consumer's table check and lookup accept
+            # a RESERVED lease, and its ack counts early); a failure is logged when its reply is read.
+            session.publish(desc.lease_ref())
         except BaseException:
-            self._release_quietly(desc)
+            self._release_quietly(session, desc)
             raise
         self._report_fallbacks()
         return desc
 
     def _reserve(
-        self, session: _Session, nbytes: int, consumers: int, device: Optional[int]
-    ) -> tuple[_Session, dict[str, Any]]:
+        self, session: Session, nbytes: int, consumers: int, device: Optional[int]
+    ) -> tuple[Session, dict[str, Any]]:
         """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
         fields: dict[str, Any] = {"session": session.token, "nbytes": nbytes, "consumers": consumers}
         if device is not None and any(p["device"] == device for p in session.pools.values()):
@@ -267,9 +198,9 @@ class Client:
         fields["session"] = session.token
         return session, self._channel.call("reserve", **fields)
 
-    def _release_quietly(self, desc: Descriptor) -> None:
+    def _release_quietly(self, session: Session, desc: Descriptor) -> None:
         try:
-            self._channel.call("release", lease=desc.lease_ref())
+            self._channel.call("release", session=session.token, lease=desc.lease_ref())
         except MmfeatError:
             pass  # it expires after reserve_ttl anyway
 
@@ -347,7 +278,7 @@ class Client:
             # The lease table says the lease is gone; ask the daemon, whose error says why (expired,
             # acked, reused slot, ...). The table spares live leases this round trip.
             self._channel.call("lookup", lease=desc.lease_ref())
-        base = self._mapping(session, desc.pool).tensor[desc.offset : desc.offset + desc.nbytes]
+        base = session.mapping(desc.pool).tensor[desc.offset : desc.offset + desc.nbytes]
         return _finish([tz.view(base, spec) for spec in desc.tensors], desc.many, copy, device)
 
     def ack(self, desc: DescLike, count: int = 1, after: Any = None, wait: bool = True) -> Optional[dict[str, Any]]:
@@ -382,7 +313,7 @@ class Client:
         """Producer only: cancel a feature that was never dispatched to its consumers."""
         desc = _as_descriptor(desc)
         if not desc.is_inline:
-            self._channel.call("release", lease=desc.lease_ref())
+            self._channel.call("release", session=self._connect().token, lease=desc.lease_ref())
 
     # --- operators -----------------------------------------------------------------------------
 

@@ -1,9 +1,17 @@
-"""Client side of the fd channel: present the session token, receive one fd per POSIX-fd pool."""
+"""Client side of the fd channel: check who serves it, present the session token, receive the fds.
+
+Before anything is sent, the daemon's credentials (SO_PEERCRED) must name a uid this process can
+trust: its own, root, or the owner of the runtime directory when that directory sits where other
+users cannot create entries. A directory squatted in /tmp by another user, or one that others may
+write, is refused, so a fake daemon never receives a session or serves a pool.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+import stat
+import struct
 from pathlib import Path
 
 import msgpack
@@ -12,6 +20,34 @@ from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.version import PROTOCOL_VERSION
 
 _MAX_FDS = 64
+
+
+def trusted_daemon_uids(runtime_dir: Path) -> set[int]:
+    """The uids a daemon serving ``runtime_dir`` may run as; FORBIDDEN when the directory is unsafe."""
+    try:
+        st, parent = os.stat(runtime_dir), os.stat(runtime_dir.parent)
+    except OSError as exc:
+        raise DaemonUnavailableError(f"runtime dir {runtime_dir}: {exc.strerror}") from None
+    if st.st_mode & stat.S_IWOTH:
+        raise MmfeatError(
+            ErrorCode.FORBIDDEN,
+            f"runtime dir {runtime_dir} is writable by every user, so its sockets cannot be trusted; chmod o-w it",
+        )
+    uids = {os.geteuid(), 0}
+    if not parent.st_mode & stat.S_IWOTH:
+        uids.add(st.st_uid)  # nobody but the parent's owners could have made it: its owner is the operator's choice
+    return uids
+
+
+def _check_daemon(sock: socket.socket, runtime_dir: Path) -> None:
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    trusted = trusted_daemon_uids(runtime_dir)
+    if uid not in trusted:
+        raise MmfeatError(
+            ErrorCode.FORBIDDEN,
+            f"the process serving {runtime_dir} (pid {pid}) runs as uid {uid}, not as one of {sorted(trusted)}: "
+            "it may be another user's fake daemon; nothing was sent to it. Check who owns the runtime dir",
+        )
 
 
 def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.socket, dict[int, int], int]:
@@ -23,6 +59,7 @@ def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.
     try:
         try:
             sock.connect(str(path))
+            _check_daemon(sock, path.parent)
             sock.sendall(msgpack.packb({"v": PROTOCOL_VERSION, "session": session}, use_bin_type=True))
             data, fds, flags, _ = socket.recv_fds(sock, 4096, _MAX_FDS)
         except (socket.timeout, ConnectionError, FileNotFoundError) as exc:

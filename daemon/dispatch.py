@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from mmfeat.protos.codec import DecodeError, decode, encode
 from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.messages import REQUEST_MODELS
+from mmfeat.protos.messages import FD_CHANNEL_OPS, REQUEST_MODELS
 from mmfeat.protos.version import PROTOCOL_VERSION
 
 from .core import DaemonCore
@@ -31,8 +31,12 @@ def _request_id(msg: dict) -> Optional[Any]:
     return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
 
 
-def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None) -> Optional[bytes]:
-    """The reply to ``frame``; None for a quiet request that succeeded (it is answered only if it fails)."""
+def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, session: Optional[bytes] = None) -> Optional[bytes]:
+    """The reply to ``frame``; None for a quiet request that succeeded (it is answered only if it fails).
+
+    ``session`` is set for a frame that came on a session's fd channel: only FD_CHANNEL_OPS are taken
+    there, and the connection's session stands in for any the frame names.
+    """
     now = time.monotonic() if now is None else now
     try:
         msg = decode(frame)
@@ -50,11 +54,17 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None) -> Opt
         return error_reply(req_id, ErrorCode.BAD_REQUEST, f"field quiet must be a bool, got {type(quiet).__name__}")
     op = msg.get("op")
     model = REQUEST_MODELS.get(op) if isinstance(op, str) else None
+    if session is not None and model is not None and op not in FD_CHANNEL_OPS:
+        core.counters.bad_requests += 1
+        return error_reply(req_id, ErrorCode.UNKNOWN_OP, f"op {op!r} is not taken on the fd channel; only {', '.join(sorted(FD_CHANNEL_OPS))}")
     if model is None:
         core.counters.bad_requests += 1
         return error_reply(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
     try:
-        req = model.model_validate({k: v for k, v in msg.items() if k not in _ENVELOPE})
+        fields = {k: v for k, v in msg.items() if k not in _ENVELOPE}
+        if session is not None and "session" in model.model_fields:
+            fields["session"] = session
+        req = model.model_validate(fields)
     except ValidationError as exc:
         core.counters.bad_requests += 1
         first = exc.errors()[0]

@@ -4,6 +4,9 @@ ZeroMQ cannot carry fds, and pidfd_getfd needs ptrace rights, so handles go here
 sends ``{v, session}`` (msgpack), and gets ``{v, ok, pools, table}`` with one fd per POSIX-fd pool and
 then the lease table's fd attached.
 The connection then stays open for the life of the client: its EOF is the signal that the process died.
+After the handshake the client may send request frames for the ops in FD_CHANNEL_OPS (publish, ping).
+A send there is a synchronous write into this socket's buffer, and the kernel delivers every datagram
+before the EOF, so a publish whose send returned is handled even if its producer dies at once.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ import msgpack
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.version import PROTOCOL_VERSION
 
+from .runtime_dir import SocketFile
 from .sessions import PeerCred
 
 log = logging.getLogger("mmfeatd.fds")
 
-_MAX_HELLO = 1024
+_MAX_DATAGRAM = 4096
+# Datagrams handled per readable event on one connection, so one busy client cannot starve the rest.
+_MAX_BATCH = 64
 _HANDSHAKE_TIMEOUT_S = 10.0
 # Connections that have not presented a session yet; past this the oldest is dropped.
 MAX_PENDING_HANDSHAKES = 256
@@ -35,6 +41,8 @@ MAX_PENDING_HANDSHAKES = 256
 # raises MmfeatError to refuse.
 Authorize = Callable[[bytes, PeerCred], tuple[list[int], list[int]]]
 OnClose = Callable[[bytes], None]
+# on_request(session_token, frame) -> reply frame, or None for a quiet request that succeeded.
+OnRequest = Callable[[bytes, bytes], Optional[bytes]]
 
 
 @dataclass
@@ -58,19 +66,16 @@ def peer_groups(pid: int) -> set[int]:
 
 
 class FdChannel:
-    def __init__(self, path: Path, mode: int, authorize: Authorize, on_close: OnClose) -> None:
+    def __init__(self, path: Path, mode: int, authorize: Authorize, on_close: OnClose, on_request: OnRequest) -> None:
         self.path = path
         self._authorize = authorize
         self._on_close = on_close
+        self._on_request = on_request
         self._conns: dict[int, _Conn] = {}
         self._last_accept_warning = 0.0
-        if path.exists() or path.is_symlink():
-            path.unlink()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._file = SocketFile(path, socket.SOCK_SEQPACKET, mode)
+        self.listener = self._file.sock
         self.listener.setblocking(False)
-        self.listener.bind(str(path))
-        os.chmod(path, mode)
-        self.listener.listen(128)
 
     def connections(self) -> list[socket.socket]:
         return [c.sock for c in self._conns.values()]
@@ -99,18 +104,25 @@ class FdChannel:
         conn = self._conns.get(fileno)
         if conn is None:
             return
-        try:
-            data = conn.sock.recv(_MAX_HELLO)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data or conn.session is not None:
-            # EOF, or bytes after the handshake (which the protocol does not allow): either way the
-            # client is done with us.
-            self._drop(fileno)
-            return
-        self._handshake(fileno, conn, data)
+        for _ in range(_MAX_BATCH):
+            try:
+                data = conn.sock.recv(_MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:  # EOF: the process exited or crashed, after everything it sent was read
+                self._drop(fileno)
+                return
+            if conn.session is None:
+                self._handshake(fileno, conn, data)
+                return
+            reply = self._on_request(conn.session, data)
+            if reply is not None:
+                try:
+                    conn.sock.send(reply, socket.MSG_DONTWAIT)
+                except OSError:
+                    pass  # a client that does not read its replies loses them, not the daemon's time
 
     def _handshake(self, fileno: int, conn: _Conn, data: bytes) -> None:
         try:
@@ -167,7 +179,4 @@ class FdChannel:
         for fileno in list(self._conns):
             self._drop(fileno, notify=False)
         self.listener.close()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        self._file.unlink()

@@ -82,7 +82,7 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> Reply:
 
 def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> Reply:
     """The producer finished writing: the lease becomes readable and its ack deadline starts."""
-    return _lease_reply(core, core.ledger.publish(req.lease, now))
+    return _lease_reply(core, core.ledger.publish(req.lease, req.session, now))
 
 
 def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Reply:
@@ -93,7 +93,7 @@ def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Reply:
 
 def release(core: DaemonCore, req: m.ReleaseRequest, now: float) -> Reply:
     """The producer cancels a lease it never dispatched; it is freed at once."""
-    core.ledger.release(req.lease, now)
+    core.ledger.release(req.lease, req.session, now)
     return {"freed": True}
 
 

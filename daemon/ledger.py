@@ -148,8 +148,8 @@ class Ledger:
         self.counters.reserves += 1
         return lease
 
-    def publish(self, ref: LeaseRef, now: float) -> Lease:
-        lease = self.resolve(ref)
+    def publish(self, ref: LeaseRef, session: bytes, now: float) -> Lease:
+        lease = self._producers_lease(ref, session, "publish")
         if lease.state is not LeaseState.RESERVED:
             raise MmfeatError(ErrorCode.BAD_STATE, f"lease {lease.lease_id} is already {lease.state.value}; publish once")
         self._account(lease, -1)
@@ -181,8 +181,8 @@ class Ledger:
             self._free(lease, EndReason.ACKED, now)
         return AckResult(remaining=lease.remaining, freed=freed, over_acked=over)
 
-    def release(self, ref: LeaseRef, now: float) -> None:
-        lease = self.resolve(ref)
+    def release(self, ref: LeaseRef, session: bytes, now: float) -> None:
+        lease = self._producers_lease(ref, session, "release")
         self.counters.releases += 1
         self._free(lease, EndReason.RELEASED, now)
 
@@ -274,6 +274,16 @@ class Ledger:
             raise MmfeatError(
                 ErrorCode.FORBIDDEN,
                 f"pool, offset or size do not match lease {ref.lease}: the descriptor is forged or corrupted",
+            )
+        return lease
+
+    def _producers_lease(self, ref: LeaseRef, session: bytes, op: str) -> Lease:
+        lease = self.resolve(ref)
+        if not hmac.compare_digest(session, lease.session):
+            self.counters.forbidden += 1
+            raise MmfeatError(
+                ErrorCode.FORBIDDEN,
+                f"only the session that reserved lease {ref.lease} may {op} it; a consumer acks instead",
             )
         return lease
 

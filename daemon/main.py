@@ -10,18 +10,13 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-import zmq
-
-from mmfeat.protos.codec import decode, encode
-from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint
-from mmfeat.protos.version import PROTOCOL_VERSION
-
 from .backends import create_pools
-from .config import HELP, RELOADABLE, ConfigError, load_settings, render_config
+from .config import HELP, RELOADABLE, ConfigError, Settings, load_settings, render_config
 from .core import DaemonCore
 from .logs import setup_logging
 from .metrics import Metrics
 from .pools import PoolCreateError
+from .runtime_dir import RuntimeDir, RuntimeDirError
 from .sd_notify import Notifier
 from .server import Server
 
@@ -47,23 +42,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _daemon_answers(runtime_dir: Path) -> bool:
-    """Is a live mmfeatd already serving this runtime dir?"""
-    if not (runtime_dir / CONTROL_SOCKET).exists():
-        return False
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    try:
-        sock.connect(control_endpoint(runtime_dir))
-        sock.send(encode({"v": PROTOCOL_VERSION, "op": "ping", "id": 0}))
-        if sock.poll(500):
-            return bool(decode(sock.recv()).get("ok"))
-        return False
-    finally:
-        sock.close()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
@@ -76,15 +54,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.write(render_config(settings, sources))
         return 0
     setup_logging(settings.log_level)
-    runtime = settings.runtime_dir
+    runtime = RuntimeDir(settings.runtime_dir)
     try:
-        runtime.mkdir(mode=0o750, parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"mmfeatd: cannot create runtime_dir {runtime}: {exc.strerror}", file=sys.stderr)
-        return 2
-    if _daemon_answers(runtime):
-        print(f"mmfeatd: another mmfeatd is already serving {runtime}", file=sys.stderr)
+        runtime.acquire()
+    except RuntimeDirError as exc:
+        print(f"mmfeatd: {exc}", file=sys.stderr)
         return 1
+    try:
+        return _serve(settings, args.config, flags)
+    finally:
+        runtime.release()
+
+
+def _serve(settings: Settings, config_file: Optional[Path], flags: dict) -> int:
     try:
         pools = create_pools(settings)
     except PoolCreateError as exc:
@@ -102,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     core = DaemonCore(settings, pools, observer=metrics.on_free if metrics else None)
     if metrics is not None:
         core.observe_reserve = metrics.reserve_latency.observe
-    server = Server(core, Notifier(), metrics, reload=lambda: reload_settings(core, args.config, flags))
+    server = Server(core, Notifier(), metrics, reload=lambda: reload_settings(core, config_file, flags))
     try:
         server.bind()
         log.info("serving %s (epoch %d, pid %d)%s", core.endpoint, core.epoch, os.getpid(),

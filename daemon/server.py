@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from typing import Callable, Optional
 
@@ -23,6 +24,7 @@ from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
 from .metrics import Metrics
+from .runtime_dir import SocketFile
 from .sd_notify import Notifier
 
 log = logging.getLogger("mmfeatd")
@@ -60,6 +62,7 @@ class Server:
         self._ctx: Optional[zmq.Context] = None
         self._router: Optional[zmq.Socket] = None
         self._fds: Optional[FdChannel] = None
+        self._control_file: Optional[SocketFile] = None
         self._registered: set[int] = set()
 
     @property
@@ -80,14 +83,17 @@ class Server:
         router.maxmsgsize = _HARD_FRAME_LIMIT
         router.sndhwm = router.rcvhwm = 10000
         endpoint = control_endpoint(runtime)
-        sock_path = runtime / CONTROL_SOCKET
-        if sock_path.exists():
-            sock_path.unlink()  # main() checked that no live daemon owns it
+        # Our own listening socket, handed to ZeroMQ: made with the right mode, and libzmq will not
+        # unlink the file at close (we do, only if it is still ours).
+        self._control_file = SocketFile(runtime / CONTROL_SOCKET, socket.SOCK_STREAM, self.settings.socket_mode)
+        router.setsockopt(zmq.USE_FD, self._control_file.sock.detach())
         router.bind(endpoint)
-        os.chmod(sock_path, self.settings.socket_mode)
         self._router = router
         self.core.endpoint = endpoint
-        self._fds = FdChannel(fd_socket_path(runtime), self.settings.socket_mode, self.core.authorize_fds, self._on_fd_close)
+        self._fds = FdChannel(
+            fd_socket_path(runtime), self.settings.socket_mode, self.core.authorize_fds, self._on_fd_close,
+            lambda session, frame: dispatch(self.core, frame, session=session),
+        )
 
     def _on_fd_close(self, token: bytes) -> None:
         n = self.core.end_session(token)
@@ -224,10 +230,9 @@ class Server:
         if self._router is not None:
             self._router.close(linger=_REPLY_LINGER_MS)
             self._router = None
-            try:
-                (self.settings.runtime_dir / CONTROL_SOCKET).unlink()
-            except FileNotFoundError:
-                pass
+        if self._control_file is not None:
+            self._control_file.unlink()
+            self._control_file = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -50,6 +50,8 @@ class ReserveRequest(_Message):
 
 
 class PublishRequest(_Message):
+    # The producer's session; on the fd channel the connection's own session is used instead.
+    session: Token
     lease: LeaseRef
 
 
@@ -59,6 +61,7 @@ class AckRequest(_Message):
 
 
 class ReleaseRequest(_Message):
+    session: Token
     lease: LeaseRef
 
 
@@ -83,6 +86,10 @@ class FallbackRequest(_Message):
 class EmptyRequest(_Message):
     """For ops that take no fields: ping, stats, pool_info."""
 
+
+# Ops a client may also send on its fd channel after the handshake (SPEC.md, section 4): there a send
+# is a synchronous write into the daemon's socket buffer, so it is read before the channel's EOF.
+FD_CHANNEL_OPS = frozenset({"publish", "ping"})
 
 # op name -> request model. The daemon's handler table (daemon/handlers.py) has the same keys;
 # tests/test_spec.py checks that SPEC.md documents each of them.

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from mmfeat.protos import Descriptor, ErrorCode, MmfeatError
+from mmfeat.protos import PROTOCOL_VERSION, Descriptor, ErrorCode, MmfeatError
 
 
 def _put(c, consumers: int, n: int = 4096) -> Descriptor:
@@ -75,7 +75,8 @@ def test_wrong_token_and_forged_fields_are_forbidden(daemon) -> None:
 def test_release_and_publish_states(daemon) -> None:
     with daemon.client(inline_threshold=0) as c:
         d = _put(c, consumers=3)
-        assert _code(lambda: c._channel.call("publish", lease=d.lease_ref())) is ErrorCode.BAD_STATE
+        token = c._connect().token
+        assert _code(lambda: c._channel.call("publish", session=token, lease=d.lease_ref())) is ErrorCode.BAD_STATE
         c.release(d)
         assert _code(lambda: c.ack(d)) is ErrorCode.NOT_FOUND
     s = daemon.stats()
@@ -93,10 +94,24 @@ def test_ack_that_overtakes_the_pipelined_publish(daemon) -> None:
         reply = c._channel.call("ack", lease=ref, count=2)
         assert (reply["remaining"], reply["freed"], reply["over_acked"]) == (0, False, 1)
         assert daemon.pool()["leases"] == {"RESERVED": 1, "PUBLISHED": 0}
-        c._channel.call("publish", lease=ref)
+        c._channel.call("publish", session=session.token, lease=ref)
         assert _code(lambda: c._channel.call("lookup", lease=ref)) is ErrorCode.NOT_FOUND
     s = daemon.stats()
     assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == 1 and s["counters"]["over_acks"] == 1
+
+
+def test_only_the_producer_may_release_or_publish(daemon) -> None:
+    with daemon.client(inline_threshold=0) as producer, daemon.client() as consumer:
+        d = _put(producer, consumers=2)
+        with pytest.raises(MmfeatError) as info:
+            consumer.release(d)
+        assert info.value.code is ErrorCode.FORBIDDEN and "only the session that reserved" in info.value.message
+        token = consumer._connect().token
+        assert _code(lambda: consumer._channel.call("publish", session=token, lease=d.lease_ref())) is ErrorCode.FORBIDDEN
+        assert torch.equal(consumer.get(d), torch.arange(4096, dtype=torch.float32))  # untouched
+        assert consumer.ack(d, count=2)["freed"]
+        assert daemon.stats()["counters"]["releases"] == 0
+    assert daemon.pool()["used"] == 0
 
 
 def test_background_acks_reach_the_daemon(daemon, caplog) -> None:
@@ -161,7 +176,7 @@ def test_clients_cannot_write_the_lease_table(daemon) -> None:
         s.connect(str(daemon.runtime_dir / "mmfeatd.fds.sock"))
         # A second session, to get our own copy of the table fd.
         hello = c._channel.call("hello")
-        s.send(msgpack.packb({"v": 1, "session": hello["session"]}))
+        s.send(msgpack.packb({"v": PROTOCOL_VERSION, "session": hello["session"]}))
         data, fds, _, _ = pysocket.recv_fds(s, 4096, 8)
         try:
             assert msgpack.unpackb(data)["table"] is True

@@ -44,7 +44,7 @@ CASES = [
     ((b"\xc1",), ErrorCode.BAD_REQUEST),
     ((b"not msgpack at all \xff\xfe",), ErrorCode.BAD_REQUEST),
     ((msgpack.packb([1, 2, 3]),), ErrorCode.BAD_REQUEST),
-    ((msgpack.packb({"v": 1, "op": "ping"}), b"extra frame"), ErrorCode.BAD_REQUEST),
+    ((msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping"}), b"extra frame"), ErrorCode.BAD_REQUEST),
     ((msgpack.packb({"v": 99, "op": "ping", "id": 1}),), ErrorCode.UNSUPPORTED_VERSION),
     ((msgpack.packb({"op": "ping", "id": 1}),), ErrorCode.UNSUPPORTED_VERSION),
     ((_req("format_disk"),), ErrorCode.UNKNOWN_OP),
@@ -69,7 +69,7 @@ CASES = [
     ((_req("hello", name="x" * 1000),), ErrorCode.BAD_REQUEST),
     ((b"\x81" + b"\xa1v" + b"\xce\xff\xff\xff\xff",), ErrorCode.UNSUPPORTED_VERSION),
     ((b"x" * (100 * 1024),), ErrorCode.TOO_LARGE),
-    ((msgpack.packb({"v": 1, "op": "ping", "id": 1, "pad": b"\x00" * (70 * 1024)}),), ErrorCode.TOO_LARGE),
+    ((msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "pad": b"\x00" * (70 * 1024)}),), ErrorCode.TOO_LARGE),
 ]
 
 
@@ -117,8 +117,8 @@ def test_fd_channel_garbage_and_strangers(daemon) -> None:
 
     assert exchange(b"\xc1\xc1")["error"]["code"] == "BAD_REQUEST"
     assert exchange(msgpack.packb({"v": 9}))["error"]["code"] == "UNSUPPORTED_VERSION"
-    assert exchange(msgpack.packb({"v": 1, "session": "str"}))["error"]["code"] == "BAD_REQUEST"
-    assert exchange(msgpack.packb({"v": 1, "session": b"x" * 16}))["error"]["code"] == "NOT_FOUND"
+    assert exchange(msgpack.packb({"v": PROTOCOL_VERSION, "session": "str"}))["error"]["code"] == "BAD_REQUEST"
+    assert exchange(msgpack.packb({"v": PROTOCOL_VERSION, "session": b"x" * 16}))["error"]["code"] == "NOT_FOUND"
     for _ in range(20):  # connect and vanish
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.connect(path)
@@ -138,7 +138,7 @@ def test_second_fd_channel_for_one_session_is_refused(daemon) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(5)
         s.connect(str(daemon.runtime_dir / "mmfeatd.fds.sock"))
-        s.send(msgpack.packb({"v": 1, "session": session.token}))
+        s.send(msgpack.packb({"v": PROTOCOL_VERSION, "session": session.token}))
         data, fds, _, _ = socket.recv_fds(s, 4096, 4)
         assert fds == [] and msgpack.unpackb(data)["error"]["code"] == "BAD_STATE"
         s.close()
@@ -179,7 +179,7 @@ def test_floods_of_hellos_and_silent_connections_are_bounded(daemon, raw) -> Non
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(5)
         s.connect(str(daemon.runtime_dir / "mmfeatd.fds.sock"))
-        s.send(msgpack.packb({"v": 1, "session": replies[0]["session"]}))
+        s.send(msgpack.packb({"v": PROTOCOL_VERSION, "session": replies[0]["session"]}))
         data, fds, _, _ = socket.recv_fds(s, 4096, 4)
         assert fds == [] and msgpack.unpackb(data)["error"]["code"] == "NOT_FOUND"
     with daemon.client(inline_threshold=0) as c:  # a real client gets in during the flood

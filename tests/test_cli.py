@@ -46,5 +46,5 @@ def test_health_fails_without_daemon(runtime_dir) -> None:
 
 def test_second_daemon_on_same_runtime_dir_refuses(daemon) -> None:
     r = _run("-m", "mmfeat.daemon", "--runtime-dir", str(daemon.runtime_dir), "--backend", "host", "--pool-mb", "8")
-    assert r.returncode == 1 and "already serving" in r.stderr
+    assert r.returncode == 1 and "another mmfeatd" in r.stderr and "holds" in r.stderr
     assert daemon.stats()["pools"][0]["capacity"] == 128 << 20

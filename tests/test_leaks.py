@@ -107,3 +107,29 @@ def test_forked_child_uses_its_own_session_and_acker(daemon) -> None:
         s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=5, what="the child's acks")
         assert s["counters"]["frees"] == 4
         c.ack(c.put(torch.ones(1000)))  # the parent's own session still works
+
+
+def test_a_process_with_more_than_1024_fds_open(daemon) -> None:
+    """Inference servers hold thousands of fds: nothing in the client may use select()."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        import pytest
+
+        pytest.skip(f"the hard fd limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) > 1024
+        with Client(daemon.runtime_dir, inline_threshold=0, fallback="error") as c:
+            for _ in range(3):
+                d = c.put(torch.arange(5000))
+                assert torch.equal(c.get(d), torch.arange(5000))
+                c.ack(d, wait=False)
+            assert c.flush(5.0)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert daemon.pool()["used"] == 0

@@ -147,11 +147,11 @@ def test_ledger_state_accounting_matches_a_walk() -> None:
             ref = LeaseRef(pool=lease.pool_id, epoch=9, lease=lease.lease_id, gen=lease.gen, token=lease.token,
                            offset=lease.offset, nbytes=lease.nbytes)
             if lease.state is LeaseState.RESERVED and op < 0.7:
-                ledger.publish(ref, now=step * 0.01)
+                ledger.publish(ref, b"s" * 16, now=step * 0.01)
             elif op < 0.9:
                 ledger.ack(ref, rng.randint(1, 2), now=step * 0.01)
             else:
-                ledger.release(ref, now=step * 0.01)
+                ledger.release(ref, b"s" * 16, now=step * 0.01)
         ledger.expire(now=step * 0.01)
         live = [x for x in live if ledger._slots[x.lease_id].lease is x]
         for pool in (0, 1):

@@ -58,7 +58,7 @@ def _mmfeat_worker(runtime_dir: str, seconds: float, start: Any, out: Any) -> No
         t0 = time.monotonic()
         lease = ch.call("reserve", session=hello["session"], nbytes=4096, consumers=1)["lease"]
         t1 = time.monotonic()
-        ch.call("publish", lease=lease)
+        ch.call("publish", session=hello["session"], lease=lease)
         t2 = time.monotonic()
         ch.call("ack", lease=lease, count=1)
         t3 = time.monotonic()

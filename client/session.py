@@ -1,0 +1,197 @@
+"""A client's session with its daemon: the hello, the fd channel that keeps the session alive, the
+pool mappings, and the requests that travel on the fd channel (publish, ping).
+
+The fd channel is a SOCK_SEQPACKET connection. Its EOF tells the daemon the process is gone; a send on
+it is a synchronous write into the daemon's socket buffer, which the daemon reads before that EOF. So a
+publish sent there is never lost to a crash right after ``put`` returns, as a ZeroMQ message still in
+this process's I/O thread would be. The daemon answers only what fails (and pings).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from mmfeat.protos.codec import decode, encode
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.paths import fd_socket_path
+from mmfeat.protos.version import PROTOCOL_VERSION
+
+from . import mapping as mapping_cache
+from .channel import ControlChannel
+from .fd_receiver import open_fd_channel
+
+log = logging.getLogger("mmfeat.client")
+
+_MAX_DATAGRAM = 4096
+
+
+class Session:
+    def __init__(
+        self,
+        hello: dict[str, Any],
+        endpoint: str,
+        fd_sock: socket.socket,
+        fds: dict[int, int],
+        table: mapping_cache.LeaseTableView,
+        timeout: float,
+    ) -> None:
+        self.token: bytes = hello["session"]
+        self.epoch: int = hello["epoch"]
+        self.node: str = hello["node"]
+        self.endpoint = endpoint
+        self.pools: dict[int, dict[str, Any]] = {p["pool"]: p for p in hello["pools"]}
+        self.mappings: dict[tuple[int, int], Any] = {}  # (pool id, device) -> HostMapping or CudaMapping
+        self.fds = fds  # pool fds kept for pools mapped lazily (GPU pools: once per device)
+        self.pid = os.getpid()  # the process that opened it: a forked child must open its own
+        self.table = table
+        self.timeout = timeout
+        self._sock = fd_sock
+        self._ids = itertools.count(1)
+        self._read_lock = threading.Lock()
+        self._answered = 0  # the highest ping id the daemon has answered on this channel
+        self._closed = False
+
+    # --- liveness and replies ------------------------------------------------------------------
+
+    def alive(self) -> bool:
+        """False once the daemon closed the channel (it exited or restarted). Reads and logs the error
+        replies of failed fd-channel requests on the way: they are the only other thing it sends."""
+        if self._closed or self.pid != os.getpid():
+            return False
+        with self._read_lock:
+            return self._drain()
+
+    def _drain(self) -> bool:
+        while True:
+            try:
+                data = self._sock.recv(_MAX_DATAGRAM, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            self._on_reply(data)
+
+    def _on_reply(self, data: bytes) -> None:
+        try:
+            reply = decode(data)
+        except ValueError:
+            log.warning("unreadable datagram from the daemon on the fd channel")
+            return
+        rid = reply.get("id")
+        if reply.get("ok") and isinstance(rid, int):
+            self._answered = max(self._answered, rid)
+            return
+        err = reply.get("error") or {}
+        log.warning("a pipelined request failed: %s: %s", err.get("code"), err.get("message"))
+
+    # --- requests on the fd channel ------------------------------------------------------------
+
+    def send(self, op: str, quiet: bool = True, req_id: Optional[int] = None, **fields: Any) -> None:
+        """One request on the fd channel; returns once the daemon's socket buffer holds it."""
+        frame = encode({"v": PROTOCOL_VERSION, "op": op, "id": req_id if req_id is not None else -next(self._ids),
+                        "quiet": quiet, **fields})
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self._sock.send(frame, socket.MSG_DONTWAIT)
+                return
+            except (BlockingIOError, InterruptedError):
+                pass  # the daemon is behind (or frozen): wait for room, within the timeout
+            except OSError as exc:
+                raise DaemonUnavailableError(f"fd channel to mmfeatd closed: {exc.strerror}") from None
+            left = deadline - time.monotonic()
+            if left <= 0 or not _wait(self._sock, select.POLLOUT, left):
+                raise DaemonUnavailableError(f"mmfeatd has not read its fd channel for {self.timeout:g} s ({op})")
+
+    def publish(self, lease: dict[str, Any]) -> None:
+        self.send("publish", lease=lease)
+
+    def sync(self, timeout: float) -> bool:
+        """Wait until the daemon has handled everything sent on the fd channel so far; False on timeout."""
+        n = next(self._ids)
+        try:
+            self.send("ping", quiet=False, req_id=n)
+        except DaemonUnavailableError:
+            return False
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._read_lock:
+                if not self._drain():
+                    return False
+                if self._answered >= n:
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0 or not _wait(self._sock, select.POLLIN, left):
+                return False
+
+    # --- mappings ------------------------------------------------------------------------------
+
+    def mapping(self, pool_id: int, device: Optional[int] = None) -> Any:
+        """The process-wide mapping of a pool: host pools once, GPU pools once per device (default: the
+        caller's current one)."""
+        info = self.pools[pool_id]
+        if info["kind"] == "host":
+            key = (pool_id, -1)
+            if key not in self.mappings:
+                fd = self.fds.pop(pool_id, None)
+                if fd is None:
+                    raise MmfeatError(ErrorCode.INTERNAL, f"daemon sent no fd for host pool {pool_id}")
+                self.mappings[key] = mapping_cache.map_host_pool(self.endpoint, pool_id, info["epoch"], fd, info["size"])
+            return self.mappings[key]
+        if device is None:
+            import torch
+
+            device = torch.cuda.current_device()
+        key = (pool_id, device)
+        if key not in self.mappings:
+            from .cuda_import import map_cuda_pool
+
+            fd = self.fds.get(pool_id)
+            self.mappings[key] = map_cuda_pool(self.endpoint, info, os.dup(fd) if fd is not None else None)
+        return self.mappings[key]
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _wait(sock: socket.socket, event: int, timeout: float) -> bool:
+    # poll, not select: select fails outright in a process with more than 1024 fds open.
+    poller = select.poll()
+    poller.register(sock.fileno(), event)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
+
+
+def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float) -> Session:
+    """hello, the fd channel handshake (which checks who serves it), the lease table and the host pools."""
+    hello = channel.call("hello", name=name[:128], pid=os.getpid())
+    fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(runtime_dir), hello["session"], timeout)
+    try:
+        table = mapping_cache.map_lease_table(channel.endpoint, hello["epoch"], table_fd, hello["table_slots"])
+    except BaseException:
+        fd_sock.close()
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    session = Session(hello, channel.endpoint, fd_sock, fds, table, timeout)
+    try:
+        for pool_id, info in session.pools.items():
+            if info["kind"] == "host":  # map host pools now; GPU pools on first use, on the caller's device
+                session.mapping(pool_id, None)
+    except BaseException:
+        session.close()
+        raise
+    return session

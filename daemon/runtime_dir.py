@@ -1,0 +1,126 @@
+"""The runtime directory: checked before use, locked for the daemon's lifetime, sockets made safely.
+
+Another user must not be able to squat the directory (and serve clients from a fake daemon), a
+second daemon must not start on it while the first lives (even stopped), and a daemon must never
+remove socket files it did not make. So: the directory must belong to the daemon's user and be
+writable by nobody else; an exclusive lock on ``mmfeatd.lock`` lasts as long as the process; socket
+files are created with the right mode by the umask (a chmod after bind would follow a swapped
+symlink), and each is unlinked only while it is still the inode this daemon bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import stat
+from pathlib import Path
+from typing import Iterator, Optional
+
+LOCK_FILE = "mmfeatd.lock"
+
+
+class RuntimeDirError(Exception):
+    """The runtime directory cannot be used safely; the message says why and what to do."""
+
+
+def check_owned_dir(path: Path) -> os.stat_result:
+    """lstat ``path`` and refuse it unless it is a real directory of ours that no one else may write."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise RuntimeDirError(f"runtime_dir {path}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise RuntimeDirError(f"runtime_dir {path} is not a directory (a symlink is refused); remove it or choose another")
+    if st.st_uid != os.geteuid():
+        raise RuntimeDirError(
+            f"runtime_dir {path} belongs to uid {st.st_uid}, not to this daemon's uid {os.geteuid()}: another user may "
+            "have made it to serve clients from a fake daemon; remove it or set runtime_dir to a directory of ours"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeDirError(
+            f"runtime_dir {path} has mode {stat.S_IMODE(st.st_mode):04o}: others may write it and replace the sockets; "
+            "chmod go-w it (0750 is the default)"
+        )
+    return st
+
+
+class RuntimeDir:
+    """A checked runtime directory and the lock that makes this daemon its only server."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock_fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        """Create (0750) and check the directory, then take the lock; RuntimeDirError if either fails."""
+        try:
+            self.path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeDirError(f"cannot create runtime_dir {self.path}: {exc.strerror}") from None
+        check_owned_dir(self.path)
+        lock_path = self.path / LOCK_FILE
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise RuntimeDirError(f"cannot open lock file {lock_path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RuntimeDirError(
+                    f"another mmfeatd (pid {holder}) holds {lock_path}: it is serving {self.path}, perhaps stopped; "
+                    "stop it first or choose another runtime_dir"
+                ) from None
+            raise RuntimeDirError(f"cannot lock {lock_path}: {exc.strerror}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        # The lock file stays: unlinking it would let a third daemon lock a new inode while a second
+        # still waits on the old one.
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+@contextlib.contextmanager
+def _umask(mode: int) -> Iterator[None]:
+    # Sockets are bound at start, before any thread of ours creates files, so the process-wide umask is safe.
+    old = os.umask(0o777 & ~mode)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+class SocketFile:
+    """A listening AF_UNIX socket whose file was created with ``mode`` and is unlinked only if still ours."""
+
+    def __init__(self, path: Path, kind: int, mode: int, backlog: int = 128) -> None:
+        self.path = path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a leftover of a dead daemon: the lock proves no live one serves this dir
+        self.sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
+        try:
+            with _umask(mode):
+                self.sock.bind(str(path))
+            self.sock.listen(backlog)
+            st = os.lstat(path)
+        except BaseException:
+            self.sock.close()
+            raise
+        self._inode = (st.st_dev, st.st_ino)
+
+    def unlink(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode:
+            os.unlink(self.path)

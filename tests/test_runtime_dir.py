@@ -1,0 +1,172 @@
+"""The runtime dir as a hostile user of the same machine would attack it: squatting, symlinks, a
+second daemon, a fake daemon. Tests that switch uids need root (CI runs as root)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import start_daemon
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
+OTHER_UID, CLIENT_UID = 12345, 54321
+
+
+def _run_daemon(runtime_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host", "--pool-mb", "8", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+@needs_root
+def test_a_runtime_dir_of_another_user_is_refused(runtime_dir) -> None:
+    squatted = runtime_dir / "squat"
+    squatted.mkdir(mode=0o750)
+    os.chown(squatted, OTHER_UID, OTHER_UID)
+    r = _run_daemon(squatted)
+    assert r.returncode == 1 and f"belongs to uid {OTHER_UID}" in r.stderr, r.stderr
+    assert not (squatted / "mmfeatd.sock").exists()
+
+
+def test_a_runtime_dir_others_may_write_is_refused(runtime_dir) -> None:
+    loose = runtime_dir / "loose"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    r = _run_daemon(loose)
+    assert r.returncode == 1 and "others may write it" in r.stderr, r.stderr
+    link = runtime_dir / "link"
+    target = runtime_dir / "target"
+    target.mkdir(mode=0o700)
+    link.symlink_to(target)
+    r = _run_daemon(link)
+    assert r.returncode == 1 and "symlink is refused" in r.stderr, r.stderr
+
+
+def test_socket_modes_are_set_without_following_a_planted_symlink(runtime_dir) -> None:
+    victim = runtime_dir / "victim"
+    victim.write_text("secret")
+    os.chmod(victim, 0o600)
+    (runtime_dir / "mmfeatd.sock").symlink_to(victim)
+    (runtime_dir / "mmfeatd.fds.sock").symlink_to(victim)
+    d = start_daemon(runtime_dir, "--pool-mb", "8")
+    try:
+        assert (victim.stat().st_mode & 0o777) == 0o600 and victim.read_text() == "secret"
+        for name in ("mmfeatd.sock", "mmfeatd.fds.sock"):
+            st = (runtime_dir / name).lstat()
+            assert (st.st_mode & 0o777) == 0o660, oct(st.st_mode)
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_second_daemon_cannot_start_beside_a_stopped_one(runtime_dir) -> None:
+    first = start_daemon(runtime_dir, "--pool-mb", "8")
+    first.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = _run_daemon(runtime_dir)
+        assert r.returncode == 1 and f"another mmfeatd (pid {first.pid})" in r.stderr, r.stderr
+    finally:
+        first.proc.send_signal(signal.SIGCONT)
+    with first.client(inline_threshold=0) as c:  # the first still serves, with its own sockets
+        desc = c.put(torch.ones(1000))
+        assert c.get(desc).sum().item() == 1000
+        c.ack(desc)
+    assert first.stop() == 0
+    assert not (runtime_dir / "mmfeatd.sock").exists()
+
+
+def test_a_daemon_unlinks_only_its_own_sockets(runtime_dir) -> None:
+    d = start_daemon(runtime_dir, "--pool-mb", "8")
+    # Someone replaces the socket file (as a second daemon would have, before the lock existed).
+    os.rename(runtime_dir / "mmfeatd.sock", runtime_dir / "old.sock")
+    (runtime_dir / "mmfeatd.sock").write_text("not ours")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(15) == 0
+    assert (runtime_dir / "mmfeatd.sock").read_text() == "not ours"
+    assert not (runtime_dir / "mmfeatd.fds.sock").exists()
+
+
+_FAKE_FD_SERVER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.bind(sys.argv[1]); s.listen(8)
+print("ready", flush=True)
+while True:
+    conn, _ = s.accept()
+    conn.settimeout(5)
+    try:
+        conn.recv(4096)
+        conn.send(bytes.fromhex(sys.argv[2]))
+    except OSError:
+        pass
+    conn.close()
+"""
+
+
+def _interpreter_for(uid: int) -> str:
+    """A Python another uid may run (the test's own may live under a private home)."""
+    for candidate in (sys.executable, "/usr/bin/python3"):
+        try:
+            if subprocess.run([candidate, "-c", "pass"], user=uid, group=uid, capture_output=True).returncode == 0:
+                return candidate
+        except OSError:
+            continue
+    pytest.skip(f"no Python interpreter that uid {uid} may run")
+
+
+def _fake_daemon_as(uid: int, runtime_dir: Path) -> subprocess.Popen:
+    """A stranger's fd channel: stdlib only, answers every handshake with a NOT_FOUND error."""
+    import msgpack
+
+    os.chown(runtime_dir, uid, uid)
+    reply = msgpack.packb({"v": 2, "ok": False, "error": {"code": "NOT_FOUND", "message": "fake"}}).hex()
+    proc = subprocess.Popen([_interpreter_for(uid), "-c", _FAKE_FD_SERVER, str(runtime_dir / "mmfeatd.fds.sock"), reply],
+                            user=uid, group=uid, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@needs_root
+def test_clients_refuse_a_daemon_of_another_user_in_a_squatted_dir() -> None:
+    from mmfeat.client.fd_receiver import open_fd_channel
+    from mmfeat.protos import ErrorCode, MmfeatError
+
+    # /tmp/mmfeat-<uid> made by someone else: the parent is world-writable, so only the client's own
+    # uid or root may serve it, and the session token is never sent to anyone else.
+    squat = Path(tempfile.mkdtemp(prefix="mmf-squat-", dir="/tmp"))
+    proc = _fake_daemon_as(OTHER_UID, squat)
+    try:
+        with pytest.raises(MmfeatError) as info:
+            open_fd_channel(squat / "mmfeatd.fds.sock", b"s" * 16, 5.0)
+        assert info.value.code is ErrorCode.FORBIDDEN and f"runs as uid {OTHER_UID}" in info.value.message
+    finally:
+        proc.kill()
+        proc.wait(15)
+        subprocess.run(["rm", "-rf", str(squat)])
+
+
+@needs_root
+def test_clients_trust_the_owner_of_a_dir_only_root_could_create() -> None:
+    from mmfeat.client.fd_receiver import open_fd_channel
+    from mmfeat.protos import ErrorCode, MmfeatError
+
+    # /run/mmfeat under systemd: owned by the daemon's user, in a parent only root may write. The
+    # check passes and the handshake goes on (to the fake's own refusal).
+    parent = Path(tempfile.mkdtemp(prefix="mmf-run-", dir="/tmp"))
+    os.chmod(parent, 0o755)
+    runtime = parent / "mmfeat"
+    runtime.mkdir(mode=0o750)
+    proc = _fake_daemon_as(OTHER_UID, runtime)
+    try:
+        with pytest.raises(MmfeatError) as info:
+            open_fd_channel(runtime / "mmfeatd.fds.sock", b"s" * 16, 5.0)
+        assert info.value.code is ErrorCode.NOT_FOUND and info.value.message == "fake"
+    finally:
+        proc.kill()
+        proc.wait(15)
+        subprocess.run(["rm", "-rf", str(parent)])
