@@ -274,12 +274,25 @@ class Client:
         pool = session.pools.get(desc.pool)
         if pool is None or desc.offset + desc.nbytes > pool["size"]:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
-        if verify and session.table.state(desc.lease, desc.gen) == mapping_cache.STATE_FREE:
-            # The lease table says the lease is gone; ask the daemon, whose error says why (expired,
-            # acked, reused slot, ...). The table spares live leases this round trip.
-            self._channel.call("lookup", lease=desc.lease_ref())
+        if verify:
+            self._verify(session, desc)
         base = session.mapping(desc.pool).tensor[desc.offset : desc.offset + desc.nbytes]
-        return _finish([tz.view(base, spec) for spec in desc.tensors], desc.many, copy, device)
+        out = _finish([tz.view(base, spec) for spec in desc.tensors], desc.many, copy, device)
+        if verify and (copy or device is not None):
+            # The lease may have ended while we copied; then the copy may hold someone else's bytes.
+            self._verify(session, desc)
+        return out
+
+    def _verify(self, session: Session, desc: Descriptor) -> None:
+        """Raise unless the lease table shows ``desc``'s lease live with exactly its pool, offset and size.
+        A live lease costs no round trip; otherwise ``lookup`` asks the daemon, whose error says why
+        (expired, acked, reused slot, a range that does not match)."""
+        state = session.table.state(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes)
+        if state > mapping_cache.STATE_FREE:
+            return
+        self._channel.call("lookup", lease=desc.lease_ref())
+        if state == mapping_cache.STATE_MISMATCH:  # the daemon found it fine: the table is the authority on ranges
+            raise MmfeatError(ErrorCode.FORBIDDEN, f"lease {desc.lease}'s range in the lease table differs from the descriptor's")
 
     def ack(self, desc: DescLike, count: int = 1, after: Any = None, wait: bool = True) -> Optional[dict[str, Any]]:
         """Tell the daemon ``count`` consumers are done with this feature. Views from get() must not be

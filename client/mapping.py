@@ -9,6 +9,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from mmfeat.protos.lease_table import ENTRY, FREE, HEADER, MAGIC, PUBLISHED, RESERVED, entry_offset, table_bytes
+
 
 @dataclass
 class HostMapping:
@@ -47,27 +49,40 @@ def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int) -
         os.close(fd)
 
 
-_TABLE_MAGIC = b"MMFTABL1"
-_TABLE_HEADER = 64
-STATE_FREE, STATE_RESERVED, STATE_PUBLISHED = 0, 1, 2
+STATE_FREE, STATE_RESERVED, STATE_PUBLISHED = FREE, RESERVED, PUBLISHED
+# state() for a live lease whose pool, offset or size differ from what the descriptor says.
+STATE_MISMATCH = -1
 
 
 class LeaseTableView:
-    """Read-only view of the daemon's lease table: ``state(lease, gen)`` without a round trip."""
+    """Read-only view of the daemon's lease table: is a descriptor's lease live, with exactly its
+    range, without a round trip."""
 
     def __init__(self, mm: mmap.mmap, slots: int) -> None:
         self._mm = mm
         self.slots = slots
 
-    def state(self, lease: int, gen: int) -> int:
-        """The lease's state if its slot still holds generation ``gen``; STATE_FREE otherwise."""
+    def state(self, lease: int, gen: int, pool: int, offset: int, nbytes: int) -> int:
+        """The lease's state if its slot holds generation ``gen`` with this range; STATE_FREE if the
+        generation is gone, STATE_MISMATCH if it is live with another range."""
         if lease >= self.slots:
             return STATE_FREE
-        # One aligned 8-byte load: generation and state always come from the same write.
-        (word,) = struct.unpack_from("<Q", self._mm, _TABLE_HEADER + 8 * lease)
-        return word & 3 if word >> 2 == gen else STATE_FREE
+        at = entry_offset(lease)
+        (word,) = _WORD.unpack_from(self._mm, at)
+        if word >> 2 != gen or not word & 3:
+            return STATE_FREE
+        # The range words were written before word 0 named this generation; reading word 0 again
+        # proves they still belong to it (generations only grow, so no ABA).
+        entry = ENTRY.unpack_from(self._mm, at)
+        (again,) = _WORD.unpack_from(self._mm, at)
+        if again != word:
+            return STATE_FREE
+        if entry[1:] != (pool, offset, nbytes):
+            return STATE_MISMATCH
+        return word & 3
 
 
+_WORD = struct.Struct("<Q")
 _tables: dict[tuple[str, int], LeaseTableView] = {}
 
 
@@ -80,10 +95,12 @@ def map_lease_table(endpoint: str, epoch: int, fd: int, slots: int) -> LeaseTabl
                 return hit
             for key in [k for k in _tables if k[0] == endpoint]:
                 del _tables[key]
-            size = _TABLE_HEADER + 8 * slots
+            size = table_bytes(slots)
+            if os.fstat(fd).st_size < size:
+                raise ValueError(f"lease table fd is {os.fstat(fd).st_size} B, daemon said {size} B")
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            magic, table_epoch, table_slots = struct.unpack_from("<8sQQ", mm, 0)
-            if magic != _TABLE_MAGIC or table_epoch != epoch or table_slots != slots:
+            magic, table_epoch, table_slots, entry_bytes = HEADER.unpack_from(mm, 0)
+            if magic != MAGIC or table_epoch != epoch or table_slots != slots or entry_bytes != ENTRY.size:
                 mm.close()
                 raise ValueError("the lease table's header does not match the daemon's hello")
             view = LeaseTableView(mm, slots)

@@ -9,7 +9,9 @@ from typing import Optional
 
 from sortedcontainers import SortedDict, SortedList
 
-ALIGNMENT = 256
+from mmfeat.protos.descriptor import LEASE_ALIGNMENT
+
+ALIGNMENT = LEASE_ALIGNMENT
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:

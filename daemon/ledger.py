@@ -20,7 +20,9 @@ from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 
 from .allocator import Allocator
 from .counters import Counters
-from .lease_table import FREE, PUBLISHED, RESERVED, LeaseTable
+from mmfeat.protos.lease_table import FREE, PUBLISHED, RESERVED
+
+from .lease_table import LeaseTable
 
 
 class LeaseState(str, Enum):
@@ -142,7 +144,8 @@ class Ledger:
         slot.lease, slot.ended = lease, None
         self.live += 1
         self._account(lease, +1)
-        self._mirror(lease_id, lease.gen, RESERVED)
+        if self._table is not None:
+            self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes)
         self._reserved_by_session.setdefault(session, set()).add(lease_id)
         heapq.heappush(self._deadlines, (lease.deadline, lease_id, lease.gen))
         self.counters.reserves += 1

@@ -1,8 +1,9 @@
 """The descriptor: the small record that names a feature and travels in the server's own messages.
 
 ``to_bytes()`` gives a msgpack array (about 150-250 bytes for one tensor); ``from_bytes()`` validates
-everything a consumer will later trust: known dtype, non-negative shape and strides, every tensor inside
-the lease. SPEC.md, "Descriptor", gives the layout.
+everything a consumer will later trust: known dtype, non-negative shape and strides that do not
+overlap, aligned offsets, every tensor (its extent and its element count) inside the lease. It raises
+DescriptorError and nothing else, whatever the bytes. SPEC.md, "Descriptor", gives the layout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ KINDS = (*POOL_KINDS, "inline")
 _MAX_DIMS = 16
 _MAX_TENSORS = 1024
 _MAX_DESCRIPTOR_BYTES = 1 << 31
+# Leases start on this boundary (the daemon's allocator aligns every range), so any dtype view is aligned.
+LEASE_ALIGNMENT = 256
 
 
 class DescriptorError(ValueError):
@@ -42,6 +45,13 @@ class TensorSpec:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
     def extent(self) -> int:
         """Bytes from ``offset`` to one past the last element the tensor can touch."""
         if any(d == 0 for d in self.shape):
@@ -57,7 +67,7 @@ class TensorSpec:
         if not (isinstance(raw, list) and len(raw) == 4):
             raise DescriptorError("tensor spec must be [dtype, shape, strides, offset]")
         dtype, shape, strides, offset = raw
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise DescriptorError(f"unknown dtype {dtype!r}")
         if not (isinstance(shape, list) and isinstance(strides, list)) or len(shape) != len(strides):
             raise DescriptorError("shape and strides must be lists of the same length")
@@ -68,6 +78,10 @@ class TensorSpec:
                 raise DescriptorError("shape, strides and offset must be non-negative integers")
         if offset % DTYPE_SIZES[dtype]:
             raise DescriptorError(f"tensor offset {offset} is not aligned to its {dtype} elements")
+        if any(d > 1 and s == 0 for d, s in zip(shape, strides)):
+            # A zero stride repeats one element: a tiny descriptor could then make copy=True allocate far
+            # more than the lease holds. Producers write contiguous tensors, so none is legitimate.
+            raise DescriptorError("a zero stride on a dimension larger than 1 is refused")
         return cls(dtype, tuple(shape), tuple(strides), offset)
 
 
@@ -131,6 +145,17 @@ class Descriptor:
     @classmethod
     def from_bytes(cls, data: bytes) -> "Descriptor":
         try:
+            return cls._parse(data)
+        except DescriptorError:
+            raise
+        except Exception as exc:  # any other failure on hostile bytes is still just a bad descriptor
+            raise DescriptorError(f"not a descriptor: {type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def _parse(cls, data: bytes) -> "Descriptor":
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise DescriptorError(f"a descriptor is bytes, not {type(data).__name__}")
+        try:
             raw = msgpack.unpackb(
                 data, raw=False, max_bin_len=_MAX_DESCRIPTOR_BYTES, max_array_len=_MAX_TENSORS * 4, max_ext_len=0
             )
@@ -141,7 +166,7 @@ class Descriptor:
         if raw[0] != FORMAT:
             raise DescriptorError(f"descriptor format {raw[0]!r} is not {FORMAT}; upgrade mmfeat")
         (_, kind, node, endpoint, device, pool, epoch, lease, gen, token, offset, nbytes, many, tensors, inline) = raw
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise DescriptorError(f"unknown descriptor kind {kind!r}")
         if not isinstance(node, str) or not isinstance(endpoint, str) or type(many) is not bool:
             raise DescriptorError("node and endpoint must be strings, many a bool")
@@ -163,10 +188,15 @@ class Descriptor:
                 raise DescriptorError(f"a pool descriptor carries a {TOKEN_BYTES}-byte token")
             if inline is not None:
                 raise DescriptorError("a pool descriptor carries no inline data")
+            if offset % LEASE_ALIGNMENT:
+                raise DescriptorError(f"lease offset {offset} is not {LEASE_ALIGNMENT}-byte aligned, as every lease is")
+            if nbytes == 0:
+                raise DescriptorError("a pool descriptor names at least one byte")
         for spec in specs:
-            if spec.offset + spec.extent > nbytes:
+            if spec.offset + spec.extent > nbytes or spec.offset + spec.numel * spec.itemsize > nbytes:
                 raise DescriptorError(
-                    f"tensor at offset {spec.offset} with extent {spec.extent} B overruns the {nbytes}-byte lease"
+                    f"tensor at offset {spec.offset} ({spec.numel} x {spec.itemsize} B, extent {spec.extent} B) "
+                    f"overruns the {nbytes}-byte lease"
                 )
         return cls(kind, specs, nbytes, many, node, endpoint, device, pool, epoch, lease, gen, token, offset, inline)
 

@@ -1,0 +1,137 @@
+"""Corrupted and forged descriptors: refused with a typed error, never read outside the lease they name."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import msgpack
+import pytest
+import torch
+
+from mmfeat.protos import Descriptor, DescriptorError, ErrorCode, MmfeatError, TensorSpec
+
+
+def _spec_bytes(dtype="float32", shape=(4,), strides=(1,), offset=0, nbytes=256, lease_offset=0) -> bytes:
+    d = Descriptor(kind="host", tensors=(TensorSpec(dtype, shape, strides, offset),), nbytes=nbytes,
+                   token=b"t" * 16, offset=lease_offset)
+    return d.to_bytes()
+
+
+def _mutate_raw(blob: bytes, path: tuple, value) -> bytes:
+    raw = msgpack.unpackb(blob, raw=False)
+    target = raw
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "blob,why",
+    [
+        (_mutate_raw(_spec_bytes(), (13, 0, 0), ["float32"]), "unknown dtype"),
+        (_mutate_raw(_spec_bytes(), (13, 0, 0), {"x": 1}), "unknown dtype"),
+        (_mutate_raw(_spec_bytes(), (1,), ["host"]), "unknown descriptor kind"),
+        (_spec_bytes(lease_offset=100), "256-byte aligned"),
+        (_spec_bytes(shape=(1 << 30, 1 << 30), strides=(0, 0)), "zero stride"),
+        (_spec_bytes(shape=(4, 100), strides=(1, 0)), "zero stride"),
+        (_spec_bytes(shape=(65,), nbytes=256), "overruns"),
+        (_spec_bytes(offset=2), "not aligned"),
+        (_mutate_raw(_spec_bytes(), (11,), 0), "at least one byte"),
+        (b"\x9f", "not a descriptor"),
+        ("a str, not bytes", "a descriptor is bytes"),
+    ],
+)
+def test_malformed_descriptors_raise_descriptor_error(blob, why) -> None:
+    with pytest.raises(DescriptorError, match=why):
+        Descriptor.from_bytes(blob)
+
+
+def test_get_refuses_a_live_lease_named_with_another_range(daemon) -> None:
+    with daemon.client(inline_threshold=0) as producer, daemon.client() as consumer:
+        victim = producer.put(torch.arange(2048, dtype=torch.float32))
+        d = producer.put(torch.arange(2048, dtype=torch.float32))
+        # The same live lease id and generation, but the range of the victim next to it: the table
+        # check must look at the range, not only the generation.
+        for forged in (replace(d, offset=victim.offset), replace(d, nbytes=d.nbytes - 256),
+                       replace(d, offset=d.offset + 256, nbytes=d.nbytes - 256)):
+            with pytest.raises(MmfeatError) as info:
+                consumer.get(forged)
+            assert info.value.code is ErrorCode.FORBIDDEN
+        assert torch.equal(consumer.get(d), torch.arange(2048, dtype=torch.float32))
+        consumer.ack(d)
+        consumer.ack(victim)
+    assert daemon.pool()["used"] == 0
+
+
+def _mutations(rng: random.Random, blob: bytes) -> bytes:
+    """One random mutation of a valid descriptor: raw bytes, or one field of its msgpack structure."""
+    choice = rng.random()
+    if choice < 0.3:
+        b = bytearray(blob)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.getrandbits(8)
+        return bytes(b)
+    if choice < 0.4:
+        return blob[: rng.randrange(len(blob))]
+    raw = msgpack.unpackb(blob, raw=False)
+    values = [0, 1, -1, 255, 256, 257, 1 << 20, 1 << 40, 1 << 62, (1 << 64) - 1, 2.5, "x", "float32", b"", b"y" * 16,
+              None, True, [], [1], {}, ["float32", [1], [1], 0]]
+    if rng.random() < 0.5:
+        raw[rng.randrange(len(raw))] = rng.choice(values)
+    else:
+        spec = raw[13][rng.randrange(len(raw[13]))]
+        field = rng.randrange(4)
+        if field in (1, 2) and spec[field] and rng.random() < 0.7:
+            spec[field][rng.randrange(len(spec[field]))] = rng.choice([0, 1, 2, 7, 1 << 20, 1 << 40, -1])
+        else:
+            spec[field] = rng.choice(values)
+    # Offsets and sizes near the real ones reach the table check instead of failing parsing.
+    if rng.random() < 0.3 and type(raw[10]) is int and type(raw[11]) is int:
+        raw[10] = max(0, raw[10] + rng.choice([-256, 256, 512, -512]))
+        raw[11] = max(0, raw[11] + rng.choice([-256, 256, 0]))
+    try:
+        return msgpack.packb(raw, use_bin_type=True)
+    except OverflowError:
+        return blob
+
+
+def test_ten_thousand_mutated_descriptors(daemon) -> None:
+    rng = random.Random(20261130)
+    with daemon.client(inline_threshold=0) as producer, daemon.client(timeout=5.0) as consumer:
+        originals = [
+            producer.put(torch.arange(1000 + 64 * k, dtype=torch.float32)) for k in range(4)
+        ] + [producer.put_many([torch.ones(300, dtype=torch.int16), torch.zeros(5, 7, dtype=torch.float64)])]
+        by_lease = {(d.lease, d.gen): d for d in originals}
+        session = consumer._connect()
+        base = session.mapping(0).tensor.data_ptr()
+        parsed = served = refused = 0
+        for i in range(10_000):
+            blob = _mutations(rng, rng.choice(originals).to_bytes())
+            try:
+                desc = Descriptor.from_bytes(blob)
+            except DescriptorError:
+                continue
+            parsed += 1
+            if desc.is_inline:
+                continue
+            try:
+                got = consumer.get(desc, copy=(i % 7 == 0))
+            except MmfeatError as exc:
+                assert exc.code is not None and exc.code is not ErrorCode.INTERNAL
+                refused += 1
+                continue
+            served += 1
+            # Served: the descriptor named a live lease exactly, so every view lies inside it.
+            real = by_lease[(desc.lease, desc.gen)]
+            assert (desc.pool, desc.offset, desc.nbytes) == (real.pool, real.offset, real.nbytes)
+            for t in got if isinstance(got, list) else [got]:
+                if t.numel() and t.device.type == "cpu" and t.untyped_storage().data_ptr() != 0 and i % 7:
+                    lo = t.data_ptr() - base
+                    assert real.offset <= lo and lo + t.numel() * t.element_size() <= real.offset + real.nbytes
+        assert parsed > 1000 and refused > 100 and served > 10, (parsed, refused, served)
+        for d in originals:
+            consumer.ack(d)
+    s = daemon.stats()
+    assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == len(originals)
