@@ -1,4 +1,10 @@
-"""The control channel: a ZMQ DEALER that sends one request and waits, with a deadline, for its reply."""
+"""The control channel: a ZMQ DEALER that sends one request and waits, with a deadline, for its reply.
+
+A request the client stopped waiting for must not take effect behind its back. Calls carry their
+deadline (once the daemon's clock is known to be ours), and the daemon drops a request that arrives
+after it. A reply that still comes late (the daemon acted just before the deadline) is read later:
+a late successful reserve is released at once, so the lease it made holds no memory.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from mmfeat.protos.version import PROTOCOL_VERSION
 
 log = logging.getLogger("mmfeat.client")
 
+_MAX_ABANDONED = 256
+
 
 class ControlChannel:
     """Request/reply over DEALER with id matching, so a reply that arrives after its timeout is dropped
@@ -30,6 +38,10 @@ class ControlChannel:
         self._sock: Optional[zmq.Socket] = None
         self._pid = os.getpid()
         self._unflushed: set[str] = set()  # ops of casts that no later answered call has proven handled
+        # Calls that timed out, by id, so their late replies can be undone (bounded: the oldest go first).
+        self._abandoned: dict[int, tuple[str, dict[str, Any]]] = {}
+        # Set once hello showed that the daemon's CLOCK_MONOTONIC is this process's.
+        self.send_deadlines = False
 
     def _socket(self) -> zmq.Socket:
         if self._sock is not None and self._pid != os.getpid():
@@ -56,15 +68,19 @@ class ControlChannel:
         with self._lock:
             sock = self._socket()
             req_id = next(self._ids)
+            deadline = time.monotonic() + timeout
+            envelope: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": op, "id": req_id}
+            if self.send_deadlines:
+                envelope["deadline"] = deadline
             try:
-                sock.send(encode({"v": PROTOCOL_VERSION, "op": op, "id": req_id, **fields}))
+                sock.send(encode({**envelope, **fields}))
             except zmq.Again:
                 raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} is not accepting requests ({op})") from None
-            deadline = time.monotonic() + timeout
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0 or not sock.poll(left_ms):
-                    self._reset()
+                    # Keep the socket: its late reply is read (and undone, for a reserve) later.
+                    self._abandon(req_id, op, fields)
                     raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} did not answer {op} within {timeout:g} s")
                 reply = decode(sock.recv())
                 if reply.get("id") == req_id:
@@ -96,13 +112,26 @@ class ControlChannel:
             except (zmq.Again, DaemonUnavailableError):
                 return False
 
-    @staticmethod
-    def _stray(reply: dict[str, Any]) -> None:
-        # A late reply to a request that already timed out, or the reply to a cast.
+    def _abandon(self, req_id: int, op: str, fields: dict[str, Any]) -> None:
+        self._abandoned[req_id] = (op, fields)
+        while len(self._abandoned) > _MAX_ABANDONED:
+            del self._abandoned[next(iter(self._abandoned))]
+
+    def _stray(self, reply: dict[str, Any]) -> None:
+        # A late reply to a request that already timed out, or the reply to a cast. Called with the lock held.
         rid = reply.get("id")
         if not reply.get("ok") and isinstance(rid, int) and rid < 0:
             err = reply.get("error") or {}
             log.warning("a pipelined request failed: %s: %s", err.get("code"), err.get("message"))
+        abandoned = self._abandoned.pop(rid, None) if isinstance(rid, int) else None
+        if abandoned is not None and abandoned[0] == "reserve" and reply.get("ok") and isinstance(reply.get("lease"), dict):
+            # The caller fell back inline long ago; nobody will publish this lease.
+            log.info("releasing lease %s, reserved after its request had timed out", reply["lease"].get("lease"))
+            try:
+                self._socket().send(encode({"v": PROTOCOL_VERSION, "op": "release", "id": -next(self._ids), "quiet": True,
+                                            "session": abandoned[1].get("session"), "lease": reply["lease"]}), zmq.NOBLOCK)
+            except (zmq.ZMQError, DaemonUnavailableError):
+                pass  # reserve_ttl frees it
 
     def _reset(self) -> None:
         # After a timeout the socket may hold a half-finished exchange; a fresh one is cheaper to reason about.

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections import Counter
@@ -27,6 +26,7 @@ from mmfeat.protos.paths import control_endpoint, default_runtime_dir
 from . import mapping as mapping_cache
 from . import tensors as tz
 from .channel import ControlChannel
+from .fallbacks import FallbackTracker
 from .session import Session, open_session
 
 log = logging.getLogger("mmfeat.client")
@@ -36,8 +36,14 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MMFEAT_TIMEOUT", "5"))
 # 2-core reference machine inline and pool cross between 256 KiB and 1 MiB (docs/benchmarks.md); 256 KiB
 # keeps the crossover's fast side and keeps messages that carry bytes small.
 DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(256 * 1024)))
-_FALLBACK_ERRORS = {ErrorCode.POOL_FULL: FallbackReason.POOL_FULL, ErrorCode.TOO_LARGE: FallbackReason.TOO_LARGE, ErrorCode.DRAINING: FallbackReason.DRAINING}
-_REPORT_EVERY_S = 1.0
+_FALLBACK_ERRORS = {
+    ErrorCode.POOL_FULL: FallbackReason.POOL_FULL,
+    ErrorCode.TOO_LARGE: FallbackReason.TOO_LARGE,
+    ErrorCode.DRAINING: FallbackReason.DRAINING,
+    ErrorCode.OVER_QUOTA: FallbackReason.OVER_QUOTA,
+}
+# Acks that timed out, remembered so that retrying one reuses its ack id (the daemon applies it once).
+_MAX_UNCONFIRMED_ACKS = 1024
 
 DescLike = Union[Descriptor, bytes]
 
@@ -60,17 +66,19 @@ class Client:
         self.inline_threshold = inline_threshold
         self.fallback = fallback
         self.name = name or f"pid{os.getpid()}"
-        self.fallbacks: Counter[str] = Counter()
-        self._unreported: Counter[str] = Counter()
-        self._last_report = 0.0
-        self._warned: set[str] = set()
+        self._fallbacks = FallbackTracker(self.endpoint, timeout)
         self._channel = ControlChannel(self.endpoint, timeout)
         self._session: Optional[Session] = None
         self._connect_lock = threading.Lock()
         self._acker: Optional[Any] = None
-        # A process that exits (or drops the client) without close() must still deliver its pipelined
-        # publishes: flush at exit or collection, before the sockets go.
-        self._flush_at_exit = weakref.finalize(self, ControlChannel.flush, self._channel, 1.0)
+        self._unconfirmed_acks: dict[tuple[int, int, int], bytes] = {}
+        # A process that exits (or drops the client) without close() still reports its fallbacks.
+        self._report_at_exit = weakref.finalize(self, self._fallbacks.close, 1.0)
+
+    @property
+    def fallbacks(self) -> Counter[str]:
+        """Features this client sent inline, by reason."""
+        return self._fallbacks.counts
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -82,12 +90,11 @@ class Client:
 
     def close(self) -> None:
         """Close the sockets. Pool mappings stay cached for the process; tensors already returned stay valid."""
-        self._flush_at_exit.detach()
+        self._report_at_exit.detach()
         if self._acker is not None:
             self._acker.close(self.timeout)
             self._acker = None
-        self._report_fallbacks(force=True)
-        self._channel.flush(min(self.timeout, 2.0))
+        self._fallbacks.close(min(self.timeout, 2.0))
         # Publishes went on the fd channel: the daemon reads them before it sees this close.
         if self._session is not None:
             self._session.close()
@@ -132,9 +139,15 @@ class Client:
         if nbytes < self.inline_threshold or nbytes == 0:
             return self._inline(tensors, specs, nbytes, many, FallbackReason.BELOW_THRESHOLD, "")
         device = next((t.device.index for t in tensors if t.is_cuda), None)
+        if self._fallbacks.daemon_down:
+            # Known down: inline at once instead of waiting out a timeout per put; a background probe
+            # notices when it answers again.
+            exc = DaemonUnavailableError(f"mmfeatd at {self.endpoint} stopped answering; probing it once a second")
+            return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
         try:
             session, reply = self._reserve(self._connect(), nbytes, consumers, device)
         except DaemonUnavailableError as exc:
+            self._fallbacks.mark_down()
             return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
         except MmfeatError as exc:
             reason = _FALLBACK_ERRORS.get(exc.code)
@@ -176,7 +189,6 @@ class Client:
         except BaseException:
             self._release_quietly(session, desc)
             raise
-        self._report_fallbacks()
         return desc
 
     def _reserve(
@@ -189,7 +201,7 @@ class Client:
         try:
             return session, self._channel.call("reserve", **fields)
         except MmfeatError as exc:
-            if exc.code is not ErrorCode.NOT_FOUND or "session" not in exc.message:
+            if exc.code is not ErrorCode.NOT_FOUND or session.alive():
                 raise
         # The daemon restarted between our hello and this reserve: one fresh session, one retry.
         session.close()
@@ -214,37 +226,12 @@ class Client:
     def _inline(
         self, tensors: list[torch.Tensor], specs: list[TensorSpec], nbytes: int, many: bool, reason: FallbackReason, detail: str
     ) -> Descriptor:
-        self.fallbacks[reason.value] += 1
-        self._unreported[reason.value] += 1
-        if reason.value not in self._warned:
-            self._warned.add(reason.value)
-            if reason is FallbackReason.BELOW_THRESHOLD:
-                log.info("features under %d B travel inline (inline_threshold); counted in stats", self.inline_threshold)
-            else:
-                log.warning("mmfeat pool unavailable (%s: %s); sending features inline. Warned once; counted in stats", reason.value, detail)
+        self._fallbacks.record(reason, detail, self.inline_threshold)
         # One copy into a bytearray that msgpack packs as-is.
         buf = bytearray(nbytes)
         if nbytes:
             tz.write_packed(torch.frombuffer(buf, dtype=torch.uint8), [t.cpu() for t in tensors], specs)
-        self._report_fallbacks()
         return Descriptor(kind="inline", tensors=tuple(specs), nbytes=nbytes, many=many, inline=buf)
-
-    def _report_fallbacks(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self._unreported or (not force and now - self._last_report < _REPORT_EVERY_S):
-            return
-        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
-            return  # keep counting; report once the daemon is back
-        for reason, n in self._unreported.items():
-            if force:  # closing: a cast would die with the socket
-                try:
-                    self._channel.call("fallback", timeout=min(self.timeout, 0.5), reason=reason, count=n)
-                except MmfeatError:
-                    pass
-            else:
-                self._channel.cast("fallback", reason=reason, count=n)
-        self._unreported.clear()
-        self._last_report = now
 
     # --- consumer ------------------------------------------------------------------------------
 
@@ -313,7 +300,17 @@ class Client:
                 self._acker = Acker(self.endpoint, self.timeout)
             self._acker.submit(desc.lease_ref(), count, event)
             return None
-        reply = self._channel.call("ack", lease=desc.lease_ref(), count=count)
+        # A retry of an ack that timed out reuses its id, so the daemon applies it once even if the first
+        # one did land; a deliberate second ack of the same descriptor gets a new id.
+        key = (desc.epoch, desc.lease, desc.gen)
+        ack_id = self._unconfirmed_acks.pop(key, None) or os.urandom(8)
+        try:
+            reply = self._channel.call("ack", lease=desc.lease_ref(), count=count, ack_id=ack_id)
+        except DaemonUnavailableError:
+            self._unconfirmed_acks[key] = ack_id
+            while len(self._unconfirmed_acks) > _MAX_UNCONFIRMED_ACKS:
+                del self._unconfirmed_acks[next(iter(self._unconfirmed_acks))]
+            raise
         if reply["over_acked"]:
             log.warning("lease %d was acked %d time(s) more than its consumer count", desc.lease, reply["over_acked"])
         return {k: reply[k] for k in ("remaining", "freed", "over_acked")}

@@ -177,7 +177,11 @@ def _wait(sock: socket.socket, event: int, timeout: float) -> bool:
 
 def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float) -> Session:
     """hello, the fd channel handshake (which checks who serves it), the lease table and the host pools."""
+    sent = time.monotonic()
     hello = channel.call("hello", name=name[:128], pid=os.getpid())
+    # Same kernel, same CLOCK_MONOTONIC (unless a time namespace shifts it): then deadlines mean the same.
+    clock = hello.get("clock")
+    channel.send_deadlines = isinstance(clock, (int, float)) and sent - 1.0 <= clock <= time.monotonic() + 1.0
     fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(runtime_dir), hello["session"], timeout)
     try:
         table = mapping_cache.map_lease_table(channel.endpoint, hello["epoch"], table_fd, hello["table_slots"])

@@ -32,6 +32,7 @@ HELP: dict[str, str] = {
     "reserve_ttl": "seconds a RESERVED lease may stay unpublished before it is freed",
     "ack_ttl": "seconds a PUBLISHED lease may wait for its acks before it is freed",
     "max_leases": "live leases at most, over all pools",
+    "max_session_mb": "MiB one session's live leases may hold (a stuck producer cannot fill the pool); 0: no limit",
     "allowed_uids": "uids that may receive pool handles; empty means the daemon's own uid and root",
     "allowed_gids": "gids whose members may receive pool handles; empty means the daemon's own primary group",
     "socket_mode": "file mode of both socket files (octal in TOML as a string, e.g. \"0660\")",
@@ -54,6 +55,7 @@ class Settings(BaseModel):
     reserve_ttl: float = Field(30.0, gt=0, le=86400)
     ack_ttl: float = Field(300.0, gt=0, le=7 * 86400)
     max_leases: int = Field(65536, ge=1, le=1 << 24)
+    max_session_mb: int = Field(0, ge=0, le=1 << 22)
     allowed_uids: list[int] = Field(default_factory=list)
     allowed_gids: list[int] = Field(default_factory=list)
     socket_mode: int = Field(0o660, ge=0, le=0o777)
@@ -92,7 +94,7 @@ class ConfigError(Exception):
 
 
 # Fields the daemon may change on SIGHUP without a restart.
-RELOADABLE = ("log_level", "reserve_ttl", "ack_ttl", "allowed_uids", "allowed_gids")
+RELOADABLE = ("log_level", "reserve_ttl", "ack_ttl", "allowed_uids", "allowed_gids", "max_session_mb")
 
 
 def _from_env(name: str, raw: str) -> Any:

@@ -43,6 +43,7 @@ class DaemonCore:
             settings.max_leases,
             observer,
             self.table,
+            settings.max_session_mb << 20,
         )
 
     def apply_settings(self, settings: Settings) -> None:
@@ -50,6 +51,7 @@ class DaemonCore:
         self.settings = settings
         self.ledger.reserve_ttl = settings.reserve_ttl
         self.ledger.ack_ttl = settings.ack_ttl
+        self.ledger.session_quota = settings.max_session_mb << 20
 
     def pool_for(self, device: Optional[int]) -> int:
         if device is None:
@@ -122,6 +124,7 @@ class DaemonCore:
             "clients": self.sessions.attached_count(),
             "sessions": len(self.sessions),
             "leases": self.ledger.count_by_state(),
+            "timers": self.ledger.timers,
             "pools": pools,
             "counters": self.counters.as_dict(),
         }

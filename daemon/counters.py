@@ -23,6 +23,9 @@ class Counters:
     stale: int = 0
     not_found: int = 0
     sessions_dropped: int = 0
+    over_quota: int = 0
+    duplicate_acks: int = 0
+    late_requests: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:

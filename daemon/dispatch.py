@@ -18,7 +18,7 @@ from .handlers import HANDLERS
 
 log = logging.getLogger("mmfeatd.dispatch")
 
-_ENVELOPE = ("v", "op", "id", "quiet")
+_ENVELOPE = ("v", "op", "id", "quiet", "deadline")
 
 
 def error_reply(req_id: Any, code: ErrorCode, message: str) -> bytes:
@@ -52,6 +52,16 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
     if type(quiet) is not bool:
         core.counters.bad_requests += 1
         return error_reply(req_id, ErrorCode.BAD_REQUEST, f"field quiet must be a bool, got {type(quiet).__name__}")
+    deadline = msg.get("deadline")
+    if deadline is not None:
+        if type(deadline) not in (int, float):
+            core.counters.bad_requests += 1
+            return error_reply(req_id, ErrorCode.BAD_REQUEST, f"field deadline must be a number, got {type(deadline).__name__}")
+        if now > deadline:
+            # The client stopped waiting (the daemon was frozen or swamped): acting now would apply a
+            # request it believes failed, such as an ack it will retry or a reserve it fell back from.
+            core.counters.late_requests += 1
+            return error_reply(req_id, ErrorCode.TIMED_OUT, f"reached the daemon {now - deadline:.3f} s after its deadline; not applied")
     op = msg.get("op")
     model = REQUEST_MODELS.get(op) if isinstance(op, str) else None
     if session is not None and model is not None and op not in FD_CHANNEL_OPS:

@@ -12,7 +12,6 @@ before the EOF, so a publish whose send returned is handled even if its producer
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import time

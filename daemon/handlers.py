@@ -60,6 +60,9 @@ def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> Reply:
         "ack_ttl": core.ledger.ack_ttl,
         "max_request_bytes": MAX_REQUEST_BYTES,
         "table_slots": core.table.slots,
+        # CLOCK_MONOTONIC here: a client on the same kernel sees the same clock and may then send
+        # request deadlines (SPEC.md, section 2).
+        "clock": now,
     }
 
 
@@ -87,8 +90,9 @@ def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> Reply:
 
 def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Reply:
     """``count`` consumers are done; acks beyond what the lease expects are counted, not applied."""
-    result = core.ledger.ack(req.lease, req.count, now)
-    return {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked}
+    result = core.ledger.ack(req.lease, req.count, now, req.ack_id)
+    return {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked,
+            "duplicate": result.duplicate}
 
 
 def release(core: DaemonCore, req: m.ReleaseRequest, now: float) -> Reply:

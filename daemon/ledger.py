@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 
-from .allocator import Allocator
+from .allocator import Allocator, align_up
 from .counters import Counters
 from mmfeat.protos.lease_table import FREE, PUBLISHED, RESERVED
 
@@ -54,6 +54,8 @@ class Lease:
     deadline: float
     reserved_at: float
     published_at: float = 0.0
+    # Ack ids already applied, so that a consumer's retry of an ack whose reply it lost counts once.
+    ack_ids: Optional[set[bytes]] = None
 
 
 @dataclass
@@ -68,6 +70,12 @@ class AckResult:
     remaining: int
     freed: bool
     over_acked: int
+    duplicate: bool = False
+
+
+# Expiry entries are dropped lazily; the heap is rebuilt from the live leases once it holds this many
+# more than twice their number, so its memory follows live leases, not throughput x ack_ttl.
+_HEAP_SLACK = 64
 
 
 # Called as observer(lease, reason, now) whenever a lease is freed; metrics hang off it.
@@ -85,6 +93,7 @@ class Ledger:
         max_leases: int,
         observer: Optional[FreeObserver] = None,
         table: Optional[LeaseTable] = None,
+        session_quota: int = 0,
     ) -> None:
         self.allocators = allocators
         self.epoch = epoch
@@ -98,6 +107,8 @@ class Ledger:
         self._free_slots: list[int] = []
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen); lazily invalidated
         self._reserved_by_session: dict[bytes, set[int]] = {}
+        self.session_quota = session_quota  # bytes a session's live leases may hold; 0: no limit
+        self._bytes_by_session: dict[bytes, int] = {}
         # Per pool and state: live leases and their allocated bytes, kept as they change so that stats
         # (and the metrics refresh) never walk the slot table.
         self._count = {p: {st: 0 for st in LeaseState} for p in allocators}
@@ -117,6 +128,15 @@ class Ledger:
         if self.live >= self.max_leases:
             self.counters.pool_full += 1
             raise MmfeatError(ErrorCode.POOL_FULL, f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
+        if self.session_quota:
+            held = self._bytes_by_session.get(session, 0)
+            if held + align_up(nbytes, alloc.alignment) > self.session_quota:
+                self.counters.over_quota += 1
+                raise MmfeatError(
+                    ErrorCode.OVER_QUOTA,
+                    f"this session's live leases hold {held} B and max_session_mb allows {self.session_quota} B; "
+                    "send inline, or ack and release features sooner",
+                )
         offset = alloc.alloc(nbytes)
         if offset is None:
             self.counters.pool_full += 1
@@ -147,7 +167,8 @@ class Ledger:
         if self._table is not None:
             self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes)
         self._reserved_by_session.setdefault(session, set()).add(lease_id)
-        heapq.heappush(self._deadlines, (lease.deadline, lease_id, lease.gen))
+        self._bytes_by_session[session] = self._bytes_by_session.get(session, 0) + alloc.size_of(offset)
+        self._push_deadline(lease)
         self.counters.reserves += 1
         return lease
 
@@ -167,11 +188,20 @@ class Ledger:
             # Every consumer acked before this publish arrived (it was pipelined): done already.
             self._free(lease, EndReason.ACKED, now)
         else:
-            heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id, lease.gen))
+            self._push_deadline(lease)
         return lease
 
-    def ack(self, ref: LeaseRef, count: int, now: float) -> AckResult:
+    def ack(self, ref: LeaseRef, count: int, now: float, ack_id: Optional[bytes] = None) -> AckResult:
         lease = self.resolve(ref)
+        if ack_id is not None:
+            if lease.ack_ids is None:
+                lease.ack_ids = set()
+            if ack_id in lease.ack_ids:
+                self.counters.duplicate_acks += 1
+                return AckResult(remaining=lease.remaining, freed=False, over_acked=0, duplicate=True)
+            # Bounded: one id per ack that took something, plus a few over-acks.
+            if len(lease.ack_ids) <= lease.consumers + 16:
+                lease.ack_ids.add(ack_id)
         taken = min(count, lease.remaining)
         over = count - taken
         lease.remaining -= taken
@@ -227,6 +257,19 @@ class Ledger:
                 self._free(slot.lease, EndReason.SHUTDOWN, now)
                 n += 1
         return n
+
+    @property
+    def timers(self) -> int:
+        """Entries in the expiry heap, stale ones included (stats shows it: it must follow live leases)."""
+        return len(self._deadlines)
+
+    def _push_deadline(self, lease: Lease) -> None:
+        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id, lease.gen))
+        if len(self._deadlines) > 2 * self.live + _HEAP_SLACK:
+            self._deadlines = [
+                (slot.lease.deadline, slot.lease.lease_id, slot.lease.gen) for slot in self._slots if slot.lease is not None
+            ]
+            heapq.heapify(self._deadlines)
 
     def count_by_state(self, pool_id: Optional[int] = None) -> dict[str, int]:
         pools = [pool_id] if pool_id is not None else list(self._count)
@@ -311,7 +354,10 @@ class Ledger:
         if lease.state is LeaseState.RESERVED:
             self._forget_reserved(lease)
         self._account(lease, -1)
-        self.allocators[lease.pool_id].release(lease.offset)
+        size = self.allocators[lease.pool_id].release(lease.offset)
+        left = self._bytes_by_session.pop(lease.session) - size
+        if left:
+            self._bytes_by_session[lease.session] = left
         slot.lease, slot.ended = None, reason
         self._mirror(lease.lease_id, lease.gen, FREE)
         self._free_slots.append(lease.lease_id)

@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-ttl", dest="reserve_ttl", type=float)
     p.add_argument("--ack-ttl", dest="ack_ttl", type=float)
     p.add_argument("--max-leases", dest="max_leases", type=int)
+    p.add_argument("--max-session-mb", dest="max_session_mb", type=int)
     p.add_argument("--log-level", dest="log_level")
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--metrics-host", dest="metrics_host")

@@ -29,6 +29,9 @@ _COUNTERS = {
     "forbidden": "Requests refused for a wrong token or forged lease reference",
     "stale": "Requests naming a lease from another epoch or a reused slot",
     "sessions_dropped": "Sessions dropped before attaching because too many were waiting for their fd channel",
+    "over_quota": "Reserves refused because the session's leases hold max_session_mb",
+    "duplicate_acks": "Retried acks recognised by their ack id and not applied again",
+    "late_requests": "Requests that reached the daemon after their client's deadline and were not applied",
 }
 
 

@@ -7,7 +7,6 @@ a second one stops at once. SIGHUP reloads what can change without a restart.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import time

@@ -18,6 +18,8 @@ class ErrorCode(str, Enum):
     FORBIDDEN = "FORBIDDEN"
     BAD_STATE = "BAD_STATE"
     DRAINING = "DRAINING"
+    OVER_QUOTA = "OVER_QUOTA"
+    TIMED_OUT = "TIMED_OUT"
     INTERNAL = "INTERNAL"
 
 

@@ -58,6 +58,8 @@ class PublishRequest(_Message):
 class AckRequest(_Message):
     lease: LeaseRef
     count: Consumers = 1
+    # Chosen by the consumer per logical ack and reused on a retry, so a retry is applied once.
+    ack_id: Optional[Annotated[bytes, Field(min_length=8, max_length=16)]] = None
 
 
 class ReleaseRequest(_Message):
@@ -75,6 +77,7 @@ class FallbackReason(str, Enum):
     UNREACHABLE = "unreachable"
     TOO_LARGE = "too_large"
     DRAINING = "draining"
+    OVER_QUOTA = "over_quota"
 
 
 class FallbackRequest(_Message):
