@@ -15,7 +15,6 @@ from .counters import Counters
 from .lease_table import LeaseTable
 from .ledger import FreeObserver, Ledger
 from .pools import Pool
-from .fd_channel import peer_groups
 from .sessions import ATTACH_GRACE_S, PeerCred, SessionTable
 
 
@@ -33,6 +32,8 @@ class DaemonCore:
         self.endpoint = ""
         # Set when metrics are on: called with the seconds each reserve took inside the daemon.
         self.observe_reserve: Optional[Callable[[float], None]] = None
+        # Set by the server: its connection counts and limits, for stats.
+        self.resource_stats: Callable[[], dict] = dict
         self.table = LeaseTable(settings.max_leases, self.epoch)
         self.ledger = Ledger(
             {p.pool_id: Allocator(p.size) for p in pools},
@@ -67,8 +68,7 @@ class DaemonCore:
 
     def authorize_fds(self, token: bytes, peer: PeerCred) -> tuple[list[int], list[int]]:
         """Called by the fd channel: check the peer and its session, attach it, return the fds to send."""
-        groups = peer_groups(peer.pid) | {peer.gid}
-        if not self.settings.uid_allowed(peer.uid, groups):
+        if not self.settings.uid_allowed(peer.uid, set(peer.groups) | {peer.gid}):
             raise MmfeatError(
                 ErrorCode.FORBIDDEN,
                 f"uid {peer.uid} may not use this daemon; add it to allowed_uids or its group to allowed_gids",
@@ -127,4 +127,5 @@ class DaemonCore:
             "timers": self.ledger.timers,
             "pools": pools,
             "counters": self.counters.as_dict(),
+            "limits": self.resource_stats(),
         }

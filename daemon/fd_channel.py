@@ -11,7 +11,9 @@ before the EOF, so a publish whose send returned is handled even if its producer
 
 from __future__ import annotations
 
+import errno
 import logging
+import select
 import socket
 import struct
 import time
@@ -52,55 +54,98 @@ class _Conn:
     session: Optional[bytes] = None
 
 
-def peer_groups(pid: int) -> set[int]:
-    """Primary and supplementary gids of a live process (SO_PEERCRED gives only the primary one)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
+
+
+def peer_creds(sock: socket.socket) -> PeerCred:
+    """The peer's pid, uid, gid and supplementary groups, as the kernel recorded them at connect time
+    (SO_PEERGROUPS, not /proc/<pid>/status later, where the pid may already be another process's)."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    groups: tuple[int, ...] = ()
+    size = 256
+    while size <= 1 << 18:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                size *= 4
+                continue
+            break  # kernel without SO_PEERGROUPS: primary gid only
+        groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+        break
+    return PeerCred(pid, uid, gid, frozenset(groups) | {gid})
 
 
 class FdChannel:
-    def __init__(self, path: Path, mode: int, authorize: Authorize, on_close: OnClose, on_request: OnRequest) -> None:
+    """The listener and every connection, watched by one epoll set whose fd the server loop polls, so a
+    loop iteration costs the same with three thousand idle clients as with three."""
+
+    def __init__(
+        self, path: Path, mode: int, authorize: Authorize, on_close: OnClose, on_request: OnRequest, max_clients: int
+    ) -> None:
         self.path = path
         self._authorize = authorize
         self._on_close = on_close
         self._on_request = on_request
-        self._conns: dict[int, _Conn] = {}
-        self._last_accept_warning = 0.0
+        self.max_clients = max_clients
+        self._pending: dict[int, _Conn] = {}  # no handshake yet, oldest first
+        self._attached: dict[int, _Conn] = {}
+        self.refused = 0
+        self._last_warning = float("-inf")
         self._file = SocketFile(path, socket.SOCK_SEQPACKET, mode)
         self.listener = self._file.sock
         self.listener.setblocking(False)
+        self._epoll = select.epoll()
+        self._epoll.register(self.listener.fileno(), select.EPOLLIN)
 
-    def connections(self) -> list[socket.socket]:
-        return [c.sock for c in self._conns.values()]
+    def fileno(self) -> int:
+        """The epoll fd: readable when the listener or any connection is."""
+        return self._epoll.fileno()
 
-    def accept(self) -> None:
-        try:
-            sock, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            # Out of fds (EMFILE/ENFILE), most likely from connections that never handshake: drop the
-            # oldest of those so the clients that do handshake can still get in.
-            now = time.monotonic()
-            if now - self._last_accept_warning > 10:
-                self._last_accept_warning = now
-                log.warning("fd channel accept failed (%s); dropping unauthenticated connections", exc.strerror)
-            self._drop_oldest_pending(max(1, len(self._conns) // 4))
-            return
-        sock.setblocking(False)
-        if self._pending() >= MAX_PENDING_HANDSHAKES:
-            self._drop_oldest_pending(1)
-        pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        self._conns[sock.fileno()] = _Conn(sock, PeerCred(pid, uid, gid), time.monotonic())
+    def owns(self, fd: int) -> bool:
+        return fd in self._pending or fd in self._attached or fd in (self.listener.fileno(), self._epoll.fileno())
+
+    def __len__(self) -> int:
+        return len(self._pending) + len(self._attached)
+
+    def on_events(self) -> None:
+        for fd, _ in self._epoll.poll(0, 256):
+            if fd == self.listener.fileno():
+                self._accept()
+            else:
+                self.on_readable(fd)
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # Out of fds (EMFILE/ENFILE), most likely from connections that never handshake: drop
+                # the oldest of those so the clients that do handshake can still get in.
+                self._warn(f"fd channel accept failed ({exc.strerror}); dropping unauthenticated connections")
+                self._drop_oldest_pending(max(1, len(self._pending) // 4))
+                return
+            if len(self._attached) >= self.max_clients:
+                self.refused += 1
+                self._warn(f"fd channel: {len(self._attached)} clients attached, the max_clients limit; refused a new one")
+                sock.close()
+                continue
+            if len(self._pending) >= min(MAX_PENDING_HANDSHAKES, max(8, self.max_clients)):
+                self._drop_oldest_pending(1)  # each costs an fd: at most as many as clients may attach
+            sock.setblocking(False)
+            self._pending[sock.fileno()] = _Conn(sock, peer_creds(sock), time.monotonic())
+            self._epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning > 10:
+            self._last_warning = now
+            log.warning("%s (%d refused so far)", message, self.refused)
 
     def on_readable(self, fileno: int) -> None:
-        conn = self._conns.get(fileno)
+        conn = self._attached.get(fileno) or self._pending.get(fileno)
         if conn is None:
             return
         for _ in range(_MAX_BATCH):
@@ -141,6 +186,7 @@ class FdChannel:
             self._drop(fileno, notify=False)
             return
         conn.session = token
+        self._attached[fileno] = self._pending.pop(fileno)
         if not self._send(conn, {"v": PROTOCOL_VERSION, "ok": True, "pools": pool_ids, "table": True}, fds):
             self._drop(fileno)
 
@@ -152,30 +198,30 @@ class FdChannel:
             log.info("fd channel send to pid %d failed: %s", conn.peer.pid, exc)
             return False
 
-    def _pending(self) -> int:
-        return sum(1 for c in self._conns.values() if c.session is None)
-
     def _drop_oldest_pending(self, n: int) -> None:
-        pending = sorted((c.opened, fileno) for fileno, c in self._conns.items() if c.session is None)
-        for _, fileno in pending[:n]:
+        for fileno in list(self._pending)[:n]:
             self._drop(fileno, notify=False)
 
     def close_stale_handshakes(self) -> None:
         cutoff = time.monotonic() - _HANDSHAKE_TIMEOUT_S
-        for fileno, conn in list(self._conns.items()):
-            if conn.session is None and conn.opened < cutoff:
-                self._drop(fileno, notify=False)
+        while self._pending:
+            fileno, conn = next(iter(self._pending.items()))
+            if conn.opened >= cutoff:
+                break
+            self._drop(fileno, notify=False)
 
     def _drop(self, fileno: int, notify: bool = True) -> None:
-        conn = self._conns.pop(fileno, None)
+        conn = self._pending.pop(fileno, None) or self._attached.pop(fileno, None)
         if conn is None:
             return
+        self._epoll.unregister(fileno)
         conn.sock.close()
         if notify and conn.session is not None:
             self._on_close(conn.session)
 
     def close(self) -> None:
-        for fileno in list(self._conns):
+        for fileno in [*self._pending, *self._attached]:
             self._drop(fileno, notify=False)
+        self._epoll.close()
         self.listener.close()
         self._file.unlink()

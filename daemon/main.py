@@ -16,6 +16,7 @@ from .core import DaemonCore
 from .logs import setup_logging
 from .metrics import Metrics
 from .pools import PoolCreateError
+from .resources import FdLimitError, raise_fd_limit
 from .runtime_dir import RuntimeDir, RuntimeDirError
 from .sd_notify import Notifier
 from .server import Server
@@ -35,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ack-ttl", dest="ack_ttl", type=float)
     p.add_argument("--max-leases", dest="max_leases", type=int)
     p.add_argument("--max-session-mb", dest="max_session_mb", type=int)
+    p.add_argument("--max-clients", dest="max_clients", type=int)
+    p.add_argument("--control-memory-mb", dest="control_memory_mb", type=int)
     p.add_argument("--log-level", dest="log_level")
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--metrics-host", dest="metrics_host")
@@ -68,6 +71,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _serve(settings: Settings, config_file: Optional[Path], flags: dict) -> int:
+    try:
+        raise_fd_limit()
+    except FdLimitError as exc:
+        print(f"mmfeatd: {exc}", file=sys.stderr)
+        return 1
     try:
         pools = create_pools(settings)
     except PoolCreateError as exc:

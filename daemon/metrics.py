@@ -66,6 +66,13 @@ class _StateCollector:
         yield GaugeMetricFamily("mmfeat_clients", "Clients with an attached fd channel", value=s["clients"])
         yield GaugeMetricFamily("mmfeat_draining", "1 while the daemon drains for shutdown", value=int(s["draining"]))
         yield GaugeMetricFamily("mmfeat_uptime_seconds", "Seconds since the daemon started", value=s["uptime_s"])
+        limits = s.get("limits") or {}
+        if limits:
+            yield GaugeMetricFamily("mmfeat_connections", "Connections to the control socket", value=limits["connections"])
+            yield CounterMetricFamily("mmfeat_connections_refused", "Connections shut down or closed past max_connections or max_clients",
+                                      value=limits["connections_refused"])
+            yield CounterMetricFamily("mmfeat_control_resets", "Control socket resets after peers made the daemon outgrow control_memory_mb",
+                                      value=limits["control_resets"])
         counters = s["counters"]
         for name, help_text in _COUNTERS.items():
             yield CounterMetricFamily(f"mmfeat_{name}", help_text, value=counters[name])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import time
 from typing import Callable, Optional
 
@@ -22,8 +21,9 @@ from .config import Settings
 from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
+from .control_socket import ControlSocket
 from .metrics import Metrics
-from .runtime_dir import SocketFile
+from .resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .sd_notify import Notifier
 
 log = logging.getLogger("mmfeatd")
@@ -31,14 +31,11 @@ log = logging.getLogger("mmfeatd")
 TICK_S = 0.1
 STATUS_EVERY_S = 5.0
 METRICS_EVERY_S = 0.5
-# Frames between MAX_REQUEST_BYTES and this get a TOO_LARGE reply; beyond it ZMQ drops the peer.
-_HARD_FRAME_LIMIT = 1 << 20
+TRIM_EVERY_S = 10.0
 _MAX_BATCH = 256
 # Plain ints: pyzmq's flag enums cost a few microseconds per operation on the per-request path.
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
-# Replies queued in ZMQ's I/O thread when the loop ends (the ack that finished a drain) still go out.
-_REPLY_LINGER_MS = 500
 
 Reload = Callable[[], None]
 
@@ -59,10 +56,10 @@ class Server:
         self._reload_requested = False
         self._drain_deadline: Optional[float] = None
         self._ctx: Optional[zmq.Context] = None
-        self._router: Optional[zmq.Socket] = None
+        self._control: Optional[ControlSocket] = None
         self._fds: Optional[FdChannel] = None
-        self._control_file: Optional[SocketFile] = None
-        self._registered: set[int] = set()
+        self._guard: Optional[MemoryGuard] = None
+        self._fd_limit = 0
 
     @property
     def settings(self) -> Settings:  # reload replaces core.settings; always read the current one
@@ -76,23 +73,33 @@ class Server:
 
     def bind(self) -> None:
         runtime = self.settings.runtime_dir
+        fd_limit = self._fd_limit = raise_fd_limit()
+        clients = client_budget(fd_limit, self.settings.max_clients)
         self._ctx = zmq.Context()
-        router = self._ctx.socket(zmq.ROUTER)
-        router.linger = 0
-        router.maxmsgsize = _HARD_FRAME_LIMIT
-        router.sndhwm = router.rcvhwm = 10000
-        endpoint = control_endpoint(runtime)
-        # Our own listening socket, handed to ZeroMQ: made with the right mode, and libzmq will not
-        # unlink the file at close (we do, only if it is still ours).
-        self._control_file = SocketFile(runtime / CONTROL_SOCKET, socket.SOCK_STREAM, self.settings.socket_mode)
-        router.setsockopt(zmq.USE_FD, self._control_file.sock.detach())
-        router.bind(endpoint)
-        self._router = router
-        self.core.endpoint = endpoint
+        self._ctx.set(zmq.MAX_SOCKETS, 64)  # the daemon's own sockets only; connections are not sockets
         self._fds = FdChannel(
             fd_socket_path(runtime), self.settings.socket_mode, self.core.authorize_fds, self._on_fd_close,
-            lambda session, frame: dispatch(self.core, frame, session=session),
+            lambda session, frame: dispatch(self.core, frame, session=session), clients,
         )
+        self._control = ControlSocket(
+            self._ctx, runtime / CONTROL_SOCKET, control_endpoint(runtime), self.settings.socket_mode,
+            max(1, (fd_limit - FD_RESERVE) // 2 - clients), self._fds.owns,
+        )
+        self.core.endpoint = self._control.endpoint
+        self.core.resource_stats = self._resource_stats
+        self._guard = MemoryGuard(self.settings.control_memory_mb << 20)
+        log.info("fd limit %d: up to %d clients and %d control connections", fd_limit, clients, self._control.max_connections)
+
+    def _resource_stats(self) -> dict:
+        assert self._control is not None and self._fds is not None
+        return {
+            "fd_limit": self._fd_limit,
+            "max_clients": self._fds.max_clients,
+            "max_connections": self._control.max_connections,
+            "connections": self._control.connections,
+            "connections_refused": self._control.refused + self._fds.refused,
+            "control_resets": self._control.resets,
+        }
 
     def _on_fd_close(self, token: bytes) -> None:
         n = self.core.end_session(token)
@@ -108,18 +115,17 @@ class Server:
 
     def serve(self) -> int:
         """Run until stopped; returns the exit status."""
-        assert self._router is not None and self._fds is not None
+        assert self._control is not None and self._fds is not None and self._guard is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_stop_signal)
         signal.signal(signal.SIGHUP, self._on_hup)
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._fds.listener, zmq.POLLIN)
+        poller = self._poller()
         self.notifier.ready(self._status())
         now = time.monotonic()
         next_tick = now + TICK_S
         next_status = now + STATUS_EVERY_S
         next_metrics = now
+        next_trim = now + TRIM_EVERY_S
         wd = self.notifier.watchdog_interval
         next_watchdog = now + wd if wd else None
         while True:
@@ -131,25 +137,22 @@ class Server:
                     self.notifier.reloading()
                     self._reload()
                     self.notifier.ready(self._status())
-            self._sync_registrations(poller)
             timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
             events = dict(poller.poll(timeout_ms))  # pyzmq retries EINTR after running signal handlers
-            if self._router in events:
+            if self._control.router in events:
                 self._serve_requests()
-            for key in events:
-                if key is self._router:
-                    continue
-                # pyzmq may hand a plain socket back as the object or as its fileno.
-                fileno = key if isinstance(key, int) else key.fileno()
-                if fileno == self._fds.listener.fileno():
-                    self._fds.accept()
-                else:
-                    self._fds.on_readable(fileno)
+            if self._fds.fileno() in events:
+                self._fds.on_events()
             now = time.monotonic()
             if now >= next_tick:
                 self.core.tick(now)
                 self._fds.close_stale_handshakes()
+                if self._check_memory():
+                    poller = self._poller()
                 next_tick = now + TICK_S
+            if now >= next_trim:
+                malloc_trim()  # what a burst of connections or requests left in the heap goes back
+                next_trim = now + TRIM_EVERY_S
             if next_watchdog is not None and now >= next_watchdog:
                 self.notifier.watchdog()
                 next_watchdog = now + (wd or 1.0)
@@ -160,6 +163,24 @@ class Server:
                 self.metrics.update(self.core.stats())
                 next_metrics = now + METRICS_EVERY_S
         return 0
+
+    def _poller(self) -> zmq.Poller:
+        assert self._control is not None and self._fds is not None
+        poller = zmq.Poller()
+        poller.register(self._control.router, zmq.POLLIN)
+        poller.register(self._fds.fileno(), zmq.POLLIN)
+        return poller
+
+    def _check_memory(self) -> bool:
+        """Reset the control socket if peers made the daemon outgrow its budget; True if it did."""
+        assert self._control is not None and self._guard is not None
+        over = self._guard.over(self._control.connections + len(self._fds or ()))
+        if over is None:
+            return False
+        self._control.reset(f"the daemon holds {over >> 20} MiB more than control_memory_mb and its connections allow "
+                            "(a peer queued a message that never ends, or requests it never reads the replies to)")
+        self._guard.settle()
+        return True
 
     def _drain_step(self) -> bool:
         """Called each loop while a stop is requested: True to keep serving, False to stop now."""
@@ -178,23 +199,9 @@ class Server:
             return False
         return self.core.ledger.live > 0 and now < self._drain_deadline
 
-    def _sync_registrations(self, poller: zmq.Poller) -> None:
-        assert self._fds is not None
-        live = {s.fileno() for s in self._fds.connections()}
-        if live == self._registered:
-            return
-        for fileno in self._registered - live:
-            try:
-                poller.unregister(fileno)
-            except KeyError:
-                pass
-        for fileno in live - self._registered:
-            poller.register(fileno, zmq.POLLIN)
-        self._registered = live
-
     def _serve_requests(self) -> None:
-        assert self._router is not None
-        router = self._router
+        assert self._control is not None and self._control.router is not None
+        router = self._control.router
         for _ in range(_MAX_BATCH):
             # Ask before reading: ending each batch on a zmq.Again exception costs more than a request.
             if not router.getsockopt(_EVENTS) & _POLLIN:
@@ -226,12 +233,9 @@ class Server:
         if self._fds is not None:
             self._fds.close()
             self._fds = None
-        if self._router is not None:
-            self._router.close(linger=_REPLY_LINGER_MS)
-            self._router = None
-        if self._control_file is not None:
-            self._control_file.unlink()
-            self._control_file = None
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

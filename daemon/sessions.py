@@ -25,6 +25,7 @@ class PeerCred:
     pid: int
     uid: int
     gid: int
+    groups: frozenset[int] = frozenset()  # primary and supplementary gids at connect time
 
 
 @dataclass

@@ -18,6 +18,12 @@ import pytest
 from mmfeat.client import Client
 
 
+def anon_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        fields = f.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+
+
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -70,10 +76,19 @@ class Daemon:
         return self.proc.wait(timeout)
 
 
-def start_daemon(runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True, backend: str = "host") -> Daemon:
+def start_daemon(
+    runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True, backend: str = "host", nofile: int | None = None
+) -> Daemon:
     cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", backend, *args]
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def limit_fds() -> None:  # as systemd's LimitNOFILE would
+        if nofile is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit_fds)
     d = Daemon(runtime_dir, proc, list(args))
     if wait:
         deadline = time.monotonic() + 20
@@ -107,8 +122,8 @@ def runtime_dir() -> Iterator[Path]:
 def daemon_factory(runtime_dir: Path) -> Iterator:
     started: list[Daemon] = []
 
-    def make(*args: str, env: dict | None = None) -> Daemon:
-        d = start_daemon(runtime_dir, *args, env=env)
+    def make(*args: str, env: dict | None = None, nofile: int | None = None) -> Daemon:
+        d = start_daemon(runtime_dir, *args, env=env, nofile=nofile)
         started.append(d)
         return d
 

@@ -170,3 +170,43 @@ def test_clients_trust_the_owner_of_a_dir_only_root_could_create() -> None:
         proc.kill()
         proc.wait(15)
         subprocess.run(["rm", "-rf", str(parent)])
+
+
+_FD_HANDSHAKE = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.send(bytes.fromhex(sys.argv[2]))
+data, fds, _, _ = socket.recv_fds(s, 4096, 8)
+for fd in fds:
+    os.close(fd)
+print(data.hex(), len(fds))
+"""
+
+
+@needs_root
+def test_supplementary_groups_come_from_the_socket_not_from_proc(daemon_factory, runtime_dir) -> None:
+    import msgpack
+
+    from mmfeat.protos import PROTOCOL_VERSION
+
+    os.chmod(runtime_dir, 0o755)
+    d = daemon_factory("--pool-mb", "8", env={"MMFEAT_ALLOWED_GIDS": "4242", "MMFEAT_SOCKET_MODE": "0666"})
+    with d.client() as c:
+        hello = c._channel.call("hello")
+    payload = msgpack.packb({"v": PROTOCOL_VERSION, "session": hello["session"]}).hex()
+
+    def handshake(groups: list[int]) -> tuple[dict, int]:
+        r = subprocess.run([_interpreter_for(CLIENT_UID), "-c", _FD_HANDSHAKE, str(d.runtime_dir / "mmfeatd.fds.sock"), payload],
+                           user=CLIENT_UID, group=CLIENT_UID, extra_groups=groups, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        reply_hex, nfds = r.stdout.split()
+        return msgpack.unpackb(bytes.fromhex(reply_hex)), int(nfds)
+
+    refused, nfds = handshake([])
+    assert refused["ok"] is False and refused["error"]["code"] == "FORBIDDEN" and nfds == 0
+    with d.client() as c:
+        hello = c._channel.call("hello")
+    payload = msgpack.packb({"v": PROTOCOL_VERSION, "session": hello["session"]}).hex()
+    accepted, nfds = handshake([4242])  # a member of an allowed group only through a supplementary gid
+    assert accepted["ok"] is True and nfds == 2

@@ -1,0 +1,151 @@
+"""The control socket: a ZeroMQ ROUTER on our own listening socket, with its connections counted and
+capped, and a reset for when what peers queue in it grows past the memory budget.
+
+libzmq (4.3) aborts the whole process when accept() on an ipc listener fails with EMFILE, and it
+offers no limit on connections, nor on the frames of a message that never ends (they pile up in the
+pipe until the last one arrives). So the daemon keeps its own books: a socket monitor reports every
+accepted and closed connection with its fd, and a thread of its own (so that a busy loop never
+delays it) shuts down each connection past ``max_connections`` at once; libzmq then closes it
+itself. The cap sits at half the fd limit, so a burst has the other half to outrun that thread. And
+when the daemon's anonymous memory outgrows its budget, the ROUTER is replaced by a fresh one: every
+connection and whatever it queued is dropped, and clients reconnect on their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .runtime_dir import SocketFile
+
+log = logging.getLogger("mmfeatd")
+
+# Frames between the request limit and this get a TOO_LARGE reply; beyond it ZMQ drops the peer.
+HARD_FRAME_LIMIT = 256 << 10
+# Per peer: a client waits for each call and pipelines only quiet requests, so a few hundred is
+# plenty; a peer that never reads its replies loses them instead of growing the daemon.
+SEND_HWM = 128
+RECV_HWM = 1024
+_MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+# Replies queued in ZMQ's I/O thread when the loop ends (the ack that finished a drain) still go out.
+REPLY_LINGER_MS = 500
+
+IsOurs = Callable[[int], bool]
+
+
+class ControlSocket:
+    def __init__(self, ctx: zmq.Context, path: Path, endpoint: str, mode: int, max_connections: int, is_ours: IsOurs) -> None:
+        self._ctx = ctx
+        self._path = path
+        self.endpoint = endpoint
+        self._mode = mode
+        self.max_connections = max_connections
+        self._is_ours = is_ours  # fds the daemon itself owns: never shut one of those down
+        self.router: Optional[zmq.Socket] = None
+        self._file: Optional[SocketFile] = None
+        self._conns: set[int] = set()  # the monitor thread's; others only read its size
+        self.refused = 0
+        self.resets = 0
+        self._monitor_addr = ""
+        self._generation = 0  # bumped by reset: the monitor thread follows the new ROUTER
+        self._stop = threading.Event()
+        self._bind()
+        self._thread = threading.Thread(target=self._watch, name="mmfeatd-connections", daemon=True)
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def _bind(self) -> None:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.linger = 0
+        router.maxmsgsize = HARD_FRAME_LIMIT
+        router.sndhwm, router.rcvhwm = SEND_HWM, RECV_HWM
+        # Our own listening socket, handed to ZeroMQ: made with the right mode, and libzmq will not
+        # unlink the file at close (we do, only if it is still ours).
+        self._file = SocketFile(self._path, socket.SOCK_STREAM, self._mode)
+        router.setsockopt(zmq.USE_FD, self._file.sock.detach())
+        self._monitor_addr = f"inproc://mmfeatd-monitor-{self.resets}"
+        router.monitor(self._monitor_addr, _MONITOR_EVENTS)
+        router.bind(self.endpoint)
+        self.router = router
+        self._generation += 1
+
+    def _watch(self) -> None:
+        generation, monitor = 0, None
+        try:
+            while not self._stop.is_set():
+                if generation != self._generation:
+                    if monitor is not None:
+                        monitor.close()
+                    generation = self._generation
+                    self._conns = set()
+                    monitor = self._ctx.socket(zmq.PAIR)
+                    monitor.linger = 0
+                    monitor.connect(self._monitor_addr)
+                assert monitor is not None
+                if not monitor.poll(100):
+                    continue
+                event = recv_monitor_message(monitor)
+                fd = event["value"]
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._conns.discard(fd)
+                elif event["event"] == zmq.EVENT_ACCEPTED:
+                    self._conns.add(fd)
+                    if len(self._conns) > self.max_connections:
+                        self._refuse(fd)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            if monitor is not None:
+                monitor.close()
+
+    def _refuse(self, fd: int) -> None:
+        # The event is read after the fact: the fd may already belong to something else. Ours are
+        # skipped; any other is a libzmq connection, and shutting one down only disconnects a peer.
+        if self._is_ours(fd):
+            return
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            return  # closed meanwhile, or not a socket
+        try:
+            s.shutdown(socket.SHUT_RDWR)  # libzmq sees the end of the connection and closes the fd itself
+            self.refused += 1
+        except OSError:
+            pass
+        finally:
+            s.detach()
+        if self.refused & (self.refused - 1) == 0:  # log at 1, 2, 4, 8, ... refusals
+            log.warning(
+                "control socket: %d connections, the max_connections limit; refused a new one (%d so far). "
+                "Raise LimitNOFILE and max_connections, or find the process that opens them", len(self._conns), self.refused,
+            )
+
+    def reset(self, why: str) -> None:
+        """Drop every connection and what it queued, and listen again on a fresh socket."""
+        self.resets += 1
+        log.warning("control socket reset: %s; every client reconnects and repeats the request in flight", why)
+        self._close(linger=0)
+        self._bind()
+
+    def _close(self, linger: int) -> None:
+        if self.router is not None:
+            self.router.disable_monitor()
+            self.router.close(linger=linger)
+            self.router = None
+        if self._file is not None:
+            self._file.unlink()
+            self._file = None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+        self._close(linger=REPLY_LINGER_MS)

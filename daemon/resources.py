@@ -1,0 +1,102 @@
+"""The daemon's own resources: its fd limit, its anonymous memory, and the budgets that follow.
+
+Peers can make the daemon hold fds (connections) and memory (what libzmq queues for them). The
+daemon raises its fd limit as far as it may at start, derives how many connections fit, and watches
+its anonymous memory against a budget that grows with its connections.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import resource
+from typing import Optional
+
+log = logging.getLogger("mmfeatd")
+
+# Below this fd limit a burst of connections can exhaust the fds before the daemon sheds them, and
+# libzmq 4.3 aborts the process when accept() on an ipc listener fails with EMFILE. So the daemon
+# refuses to start instead of dying later from a client.
+MIN_FD_LIMIT = 4096
+# fds kept for everything that is not a client connection: pools, lease table, listeners, libzmq's
+# own, the metrics server, log files.
+FD_RESERVE = 64
+# What one client process may hold: its control DEALER, its background acker's and its fallback
+# probe's, and its fd channel. Connections may use half the fd limit; the other half is headroom for
+# a burst of connections that libzmq accepts before the daemon can shut them down.
+FDS_PER_CLIENT = 4
+_HEADROOM = 2
+# libzmq holds about 28 KiB per idle connection (measured on 4.3.5); twice that per allowed connection,
+# plus a fixed allowance, is what peers may make the daemon hold before the control socket is reset.
+BYTES_PER_CONNECTION = 64 << 10
+
+
+class FdLimitError(Exception):
+    """The fd limit is too low to survive a connection flood."""
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one; return the limit in force, or raise FdLimitError."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):
+            pass
+    if soft < MIN_FD_LIMIT:
+        raise FdLimitError(
+            f"the fd limit is {soft} (hard {hard}); mmfeatd needs at least {MIN_FD_LIMIT}: libzmq aborts the whole "
+            "process when a flood of connections exhausts it. Raise LimitNOFILE (the shipped unit sets 65536) or ulimit -Hn"
+        )
+    return soft
+
+
+def client_budget(fd_limit: int, max_clients: int) -> int:
+    """Clients that fit: ``max_clients`` when set, else what the fd limit allows (at least 1)."""
+    fit = max(1, (fd_limit - FD_RESERVE) // (FDS_PER_CLIENT * _HEADROOM))
+    if max_clients and max_clients > fit:
+        log.warning("max_clients %d needs %d fds but the limit is %d: using %d; raise LimitNOFILE",
+                    max_clients, max_clients * FDS_PER_CLIENT * _HEADROOM + FD_RESERVE, fd_limit, fit)
+    return min(max_clients, fit) if max_clients else fit
+
+
+def anon_bytes() -> int:
+    """Resident anonymous memory of this process (RSS less file-backed and shared pages)."""
+    with open("/proc/self/statm") as f:
+        fields = f.read().split()
+    return (int(fields[1]) - int(fields[2])) * resource.getpagesize()
+
+
+_libc: Optional[ctypes.CDLL] = None
+
+
+def malloc_trim() -> None:
+    """Give freed heap pages back to the kernel (glibc keeps them otherwise, after a flood)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+class MemoryGuard:
+    """Is the daemon holding more than its budget? ``base`` plus a fixed allowance plus a share per
+    connection. After a reset the base moves to what memory settled at, so a heap the allocator cannot
+    shrink does not make the guard reset again and again."""
+
+    def __init__(self, allowance: int) -> None:
+        self.allowance = allowance
+        self.base = anon_bytes()
+
+    def over(self, connections: int) -> Optional[int]:
+        """The bytes over budget, or None."""
+        used = anon_bytes() - self.base
+        budget = self.allowance + connections * BYTES_PER_CONNECTION
+        return used - budget if used > budget else None
+
+    def settle(self) -> None:
+        malloc_trim()
+        self.base = max(self.base, anon_bytes() - self.allowance // 4)
