@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU build of torch; any torch >= 2.1 works, this one installs quickly where it is cached.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo run clean
+.PHONY: setup test demo run chaos clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,13 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# Minutes, not part of make test: random SIGKILLs under load with every byte checked, then a fuzzer
+# of the control socket and the fd channel. docs/reliability.md records a run.
+CHAOS_SECONDS ?= 120
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS)
+	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000
 
 run: $(STAMP)
 	$(BIN)/mmfeatd

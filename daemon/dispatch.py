@@ -42,7 +42,7 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
         msg = decode(frame)
     except DecodeError as exc:
         core.counters.bad_requests += 1
-        code = ErrorCode.TOO_LARGE if "exceeds" in str(exc) else ErrorCode.BAD_REQUEST
+        code = ErrorCode.TOO_LARGE if exc.too_large else ErrorCode.BAD_REQUEST
         return error_reply(None, code, str(exc))
     req_id = _request_id(msg)
     if msg.get("v") != PROTOCOL_VERSION:

@@ -76,6 +76,13 @@ def peer_creds(sock: socket.socket) -> PeerCred:
     return PeerCred(pid, uid, gid, frozenset(groups) | {gid})
 
 
+def _peer_gone(sock: socket.socket) -> bool:
+    """After recv() returned no bytes: did the peer close, or did it send an empty datagram?"""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+
+
 class FdChannel:
     """The listener and every connection, watched by one epoll set whose fd the server loop polls, so a
     loop iteration costs the same with three thousand idle clients as with three."""
@@ -91,6 +98,7 @@ class FdChannel:
         self._pending: dict[int, _Conn] = {}  # no handshake yet, oldest first
         self._attached: dict[int, _Conn] = {}
         self.refused = 0
+        self.handshakes_refused = 0
         self._last_warning = float("-inf")
         self._file = SocketFile(path, socket.SOCK_SEQPACKET, mode)
         self.listener = self._file.sock
@@ -129,7 +137,8 @@ class FdChannel:
                 return
             if len(self._attached) >= self.max_clients:
                 self.refused += 1
-                self._warn(f"fd channel: {len(self._attached)} clients attached, the max_clients limit; refused a new one")
+                self._warn(f"fd channel: {len(self._attached)} clients attached, the max_clients limit; refused a new one "
+                           f"({self.refused} so far)")
                 sock.close()
                 continue
             if len(self._pending) >= min(MAX_PENDING_HANDSHAKES, max(8, self.max_clients)):
@@ -139,10 +148,12 @@ class FdChannel:
             self._epoll.register(sock.fileno(), select.EPOLLIN)
 
     def _warn(self, message: str) -> None:
+        # At most one line per 10 s: a peer must not be able to flood the log (or block a daemon whose
+        # stderr is a pipe nobody drains).
         now = time.monotonic()
         if now - self._last_warning > 10:
             self._last_warning = now
-            log.warning("%s (%d refused so far)", message, self.refused)
+            log.warning("%s", message)
 
     def on_readable(self, fileno: int) -> None:
         conn = self._attached.get(fileno) or self._pending.get(fileno)
@@ -154,8 +165,10 @@ class FdChannel:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                data = b""
-            if not data:  # EOF: the process exited or crashed, after everything it sent was read
+                self._drop(fileno)  # reset by the peer
+                return
+            if not data and _peer_gone(conn.sock):
+                # EOF: the process exited or crashed, after everything it sent was read.
                 self._drop(fileno)
                 return
             if conn.session is None:
@@ -181,7 +194,9 @@ class FdChannel:
                 raise MmfeatError(ErrorCode.BAD_REQUEST, "fd channel hello needs 'session' (bytes from the hello reply)")
             pool_ids, fds = self._authorize(token, conn.peer)
         except MmfeatError as exc:
-            log.info("refused fd channel from pid %d uid %d: %s", conn.peer.pid, conn.peer.uid, exc)
+            self.handshakes_refused += 1
+            self._warn(f"refused an fd channel from pid {conn.peer.pid} uid {conn.peer.uid}: {exc} "
+                       f"({self.handshakes_refused} handshakes refused so far)")
             self._send(conn, {"v": PROTOCOL_VERSION, "ok": False, "error": exc.to_wire()}, [])
             self._drop(fileno, notify=False)
             return
@@ -195,7 +210,7 @@ class FdChannel:
             socket.send_fds(conn.sock, [msgpack.packb(reply, use_bin_type=True)], fds)
             return True
         except OSError as exc:
-            log.info("fd channel send to pid %d failed: %s", conn.peer.pid, exc)
+            log.debug("fd channel send to pid %d failed: %s", conn.peer.pid, exc)
             return False
 
     def _drop_oldest_pending(self, n: int) -> None:

@@ -12,7 +12,12 @@ _MAX_ITEMS = 4096
 
 
 class DecodeError(ValueError):
-    """The bytes are not one msgpack map within the limits."""
+    """The bytes are not one msgpack map within the limits. ``too_large``: the frame itself is over
+    MAX_REQUEST_BYTES (TOO_LARGE on the wire; anything else is BAD_REQUEST)."""
+
+    def __init__(self, message: str, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.too_large = too_large
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -21,7 +26,7 @@ def encode(message: dict[str, Any]) -> bytes:
 
 def decode(data: bytes) -> dict[str, Any]:
     if len(data) > MAX_REQUEST_BYTES:
-        raise DecodeError(f"frame of {len(data)} bytes exceeds the {MAX_REQUEST_BYTES}-byte limit")
+        raise DecodeError(f"frame of {len(data)} bytes exceeds the {MAX_REQUEST_BYTES}-byte limit", too_large=True)
     try:
         obj = msgpack.unpackb(
             data,

@@ -77,7 +77,8 @@ class Daemon:
 
 
 def start_daemon(
-    runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True, backend: str = "host", nofile: int | None = None
+    runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True, backend: str = "host", nofile: int | None = None,
+    log: Path | None = None,
 ) -> Daemon:
     cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", backend, *args]
     full_env = {**os.environ, **(env or {})}
@@ -88,7 +89,9 @@ def start_daemon(
 
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit_fds)
+    # A long run logs to a file: a pipe nobody reads would block the daemon once full.
+    err = open(log, "a") if log is not None else subprocess.PIPE
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=limit_fds)
     d = Daemon(runtime_dir, proc, list(args))
     if wait:
         deadline = time.monotonic() + 20

@@ -62,3 +62,16 @@ def test_a_producer_killed_while_it_writes_leaves_no_lease(daemon) -> None:
         assert subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)], timeout=60).returncode == -signal.SIGKILL
     s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=5, what="reclaim on disconnect")
     assert s["counters"]["reclaimed_on_disconnect"] == 3
+
+
+def test_an_empty_datagram_on_the_fd_channel_is_not_an_end_of_session(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c:
+        d = c.put(torch.ones(1000))
+        session = c._connect()
+        session._sock.send(b"")  # zero bytes read like EOF; the session must survive it
+        assert session.sync(5.0)
+        d2 = c.put(torch.ones(1000))
+        assert c._connect() is session
+        c.ack(d)
+        c.ack(d2)
+    assert daemon.stats()["counters"]["bad_requests"] >= 1

@@ -1,0 +1,157 @@
+"""Producer and consumer processes for the chaos run (tests/chaos/chaos.py), killed at random.
+
+Every feature's bytes follow from its seed, so a consumer checks every byte it reads. A wrong byte is
+appended to the run's WRONG file at once (an O_APPEND write survives the SIGKILL that may follow);
+counts go to a per-process JSON file twice a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import torch
+import zmq
+
+from mmfeat.client import Client, MmfeatError
+
+DTYPES = [torch.uint8, torch.float32, torch.int64, torch.bfloat16, torch.float16]
+
+
+def pattern(seed: int, nbytes: int) -> torch.Tensor:
+    """The bytes of feature ``seed``: cheap to make, different for every seed and offset."""
+    i = torch.arange(nbytes, dtype=torch.int64)
+    return ((i * 131 + (seed * 7919) % 251 + (i >> 8) * 17) % 251).to(torch.uint8)
+
+
+def feature(seed: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    n = max(1, nbytes // size)
+    return pattern(seed, n * size).view(dtype).reshape(-1)
+
+
+class Counts:
+    def __init__(self, run: Path, role: str) -> None:
+        self.path = run / f"{role}-{os.getpid()}.json"
+        self.values: dict[str, int] = {}
+        self._last = 0.0
+
+    def add(self, key: str, n: int = 1) -> None:
+        self.values[key] = self.values.get(key, 0) + n
+        now = time.monotonic()
+        if now - self._last > 0.5:
+            self.flush()
+            self._last = now
+
+    def flush(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.values))
+        os.replace(tmp, self.path)
+
+
+def produce(runtime_dir: str, run: Path, endpoints: list[str], seconds: float) -> None:
+    rng = random.Random(os.getpid())
+    counts = Counts(run, "producer")
+    ctx = zmq.Context()
+    pushes = []
+    for ep in endpoints:
+        s = ctx.socket(zmq.PUSH)
+        s.linger = 0
+        s.sndhwm = 64
+        s.connect(ep)
+        pushes.append(s)
+    seq = 0
+    end = time.monotonic() + seconds
+    with Client(runtime_dir, inline_threshold=0, timeout=2.0) as c:
+        while time.monotonic() < end:
+            seq += 1
+            seed = (os.getpid() << 24) | seq
+            nbytes = int(2 ** rng.uniform(6, 22))  # 64 B to 4 MiB
+            dtype = rng.choice(DTYPES)
+            k = rng.choice([1, 2])
+            try:
+                if rng.random() < 0.2:
+                    tensors = [feature(seed + j, nbytes // 3 + 1, dtype) for j in range(3)]
+                    desc = c.put_many(tensors, consumers=k)
+                    spec = [[seed + j, t.numel(), str(dtype)] for j, t in enumerate(tensors)]
+                else:
+                    t = feature(seed, nbytes, dtype)
+                    desc = c.put(t, consumers=k)
+                    spec = [[seed, t.numel(), str(dtype)]]
+            except MmfeatError as exc:
+                counts.add(f"put_error_{exc.code.value if exc.code else 'unavailable'}")
+                time.sleep(0.05)
+                continue
+            counts.add("inline" if desc.is_inline else "put")
+            blob = msgpack.packb([spec, desc.to_bytes()])
+            for s in rng.sample(pushes, k):
+                try:
+                    s.send(blob, zmq.NOBLOCK)
+                except zmq.Again:
+                    counts.add("undelivered")  # that consumer is down: the lease waits for ack_ttl
+    counts.flush()
+
+
+def consume(runtime_dir: str, run: Path, endpoint: str) -> None:
+    rng = random.Random(os.getpid())
+    counts = Counts(run, "consumer")
+    wrong = os.open(run / "WRONG", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.linger = 0
+    pull.bind(endpoint)
+    with Client(runtime_dir, timeout=2.0) as c:
+        while True:
+            if not pull.poll(200):
+                counts.add("idle")
+                continue
+            spec, blob = msgpack.unpackb(pull.recv())
+            copy = rng.random() < 0.5
+            try:
+                got = c.get(blob, copy=copy)
+            except MmfeatError as exc:
+                counts.add(f"refused_{exc.code.value if exc.code else 'unavailable'}")
+                continue
+            for (seed, numel, dtype), t in zip(spec, got if isinstance(got, list) else [got]):
+                expect = feature(seed, numel * t.element_size(), getattr(torch, dtype.split(".")[1]))
+                if not torch.equal(t.view(torch.uint8), expect.view(torch.uint8)):
+                    os.write(wrong, f"seed {seed} numel {numel} {dtype} copy={copy}\n".encode())
+                    counts.add("wrong")
+                else:
+                    counts.add("checked_bytes", t.numel() * t.element_size())
+            counts.add("checked")
+            try:
+                c.ack(blob, wait=rng.random() < 0.5)
+                counts.add("acked")
+            except MmfeatError:
+                counts.add("ack_failed")
+
+
+def main() -> None:
+    """A supervisor: forks the worker (torch already imported, so a restart costs milliseconds, not
+    the seconds of an import), writes its pid for the chaos driver to kill, and forks a new one each
+    time it dies."""
+    role, runtime_dir, run, name = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                if role == "producer":
+                    produce(runtime_dir, run, sys.argv[6].split(","), float(sys.argv[5]))
+                else:
+                    consume(runtime_dir, run, sys.argv[5])
+            finally:
+                os._exit(0)
+        tmp = run / f"{name}.pid.tmp"
+        tmp.write_text(str(pid))
+        os.replace(tmp, run / f"{name}.pid")
+        os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    main()
