@@ -20,6 +20,18 @@ from .channel import ControlChannel
 log = logging.getLogger("mmfeat.client")
 
 
+def _wait_for(event: Any) -> None:
+    """Until ``event`` completes, without spinning a core: a blocking event sleeps in synchronize(); a
+    caller's own (busy-waiting) event is polled with a growing sleep."""
+    if getattr(event, "blocking", False):
+        event.synchronize()
+        return
+    delay = 0.00005
+    while not event.query():
+        time.sleep(delay)
+        delay = min(delay * 2, 0.002)
+
+
 class Acker:
     def __init__(self, endpoint: str, timeout: float) -> None:
         self._channel = ControlChannel(endpoint, timeout)
@@ -41,7 +53,7 @@ class Acker:
             lease, count, event = item
             try:
                 if event is not None:
-                    event.synchronize()  # the consumer's GPU work that read the feature is done
+                    _wait_for(event)  # the consumer's GPU work that read the feature is done
                 # A cast: the daemon handles one channel's requests in order and the reply only
                 # matters if it is an error, which the channel logs when it reads it.
                 if not self._channel.cast("ack", lease=lease, count=count):

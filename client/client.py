@@ -173,8 +173,12 @@ class Client:
         )
         try:
             # A GPU pool is mapped (once) on the producer tensor's device.
-            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-                dst = session.mapping(desc.pool, device).tensor[desc.offset : desc.offset + nbytes]
+            try:
+                with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                    dst = session.mapping(desc.pool, device).tensor[desc.offset : desc.offset + nbytes]
+            except (RuntimeError, OSError) as exc:  # CudaError too: no IMEX channel, no peer access, ...
+                self._release_quietly(session, desc)
+                return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.MAP_FAILED, exc)
             tz.write_packed(dst, tensors, specs)
             if dst.is_cuda or device is not None:
                 # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the
@@ -196,8 +200,9 @@ class Client:
     ) -> tuple[Session, dict[str, Any]]:
         """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
         fields: dict[str, Any] = {"session": session.token, "nbytes": nbytes, "consumers": consumers}
-        if device is not None and any(p["device"] == device for p in session.pools.values()):
-            fields["device"] = device
+        pool = session.pool_on_local_device(device) if device is not None else None
+        if pool is not None:
+            fields["device"] = pool["device"]  # the daemon's ordinal of the GPU this tensor is on
         try:
             return session, self._channel.call("reserve", **fields)
         except MmfeatError as exc:
@@ -336,11 +341,21 @@ class Client:
 
 
 def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> Union[torch.Tensor, list[torch.Tensor]]:
+    sources = {t.device for t in views if t.is_cuda}
     if device is not None:
         target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        views = [t.to(target, copy=True) for t in views]  # on the target device's current stream
+        views = [t.to(target, copy=True) for t in views]
+        if target.type == "cuda":
+            sources.add(target)
     elif copy:
         views = [t.clone() for t in views]
+    else:
+        return views if many else views[0]
+    # A private copy must be complete before get() returns: the caller may ack at once, and the pool
+    # range can then be reused. torch queues a copy on the current stream of the source device (and,
+    # across devices, may involve the target's), so finish both.
+    for dev in sources:
+        torch.cuda.current_stream(dev).synchronize()
     return views if many else views[0]
 
 
@@ -351,7 +366,8 @@ def _completion_event(after: Any) -> Optional[Any]:
     if isinstance(after, torch.cuda.Event):
         return after
     if isinstance(after, torch.cuda.Stream):
-        event = torch.cuda.Event()
+        # blocking: the acker thread sleeps in synchronize() instead of spinning a core on it.
+        event = torch.cuda.Event(blocking=True)
         event.record(after)
         return event
     raise TypeError(f"after must be a torch.cuda.Stream or torch.cuda.Event, not {type(after).__name__}")

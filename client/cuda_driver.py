@@ -1,4 +1,5 @@
-"""The CUDA driver API through cuda-python, and the checks that say why it cannot be used here.
+"""The CUDA driver API through cuda-python, the NVLink fabric checks (NVML, IMEX channels), and the
+checks that say why they cannot be used here.
 
 Shared by the daemon (pools) and the client (imports); imports nothing from torch. Importing this module
 never fails: a missing package or driver is reported by ``driver_unavailable_reason()``.
@@ -6,7 +7,10 @@ never fails: a missing package or driver is reported by ``driver_unavailable_rea
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
+from pathlib import Path
 from typing import Any, Optional
 
 try:  # cuda-bindings 12.8+ and 13.x
@@ -96,6 +100,41 @@ def retain_primary_context(ordinal: int) -> Any:
     return ctx
 
 
+def release_primary_context(ordinal: int) -> None:
+    """Undo retain_primary_context. Unset it first: releasing the last reference destroys the context,
+    and one left current after that breaks the next driver call on this thread."""
+    cu.cuCtxSetCurrent(cu.CUcontext(0))
+    cu.cuDevicePrimaryCtxRelease(device(ordinal))
+
+
+def device_uuid(ordinal: int) -> str:
+    """The GPU's UUID as nvidia-smi prints it (GPU-xxxxxxxx-...): the same in every process, whatever
+    CUDA_VISIBLE_DEVICES renumbers."""
+    raw = bytes(ck("cuDeviceGetUuid", cu.cuDeviceGetUuid(device(ordinal))).bytes)
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+_uuid_to_local: dict[str, Optional[int]] = {}
+
+
+def local_ordinal(pool_info: dict[str, Any]) -> Optional[int]:
+    """This process's ordinal of the GPU a pool lives on (by its UUID), or None if it is not visible
+    here. Without a UUID (an older daemon) the daemon's ordinal is taken as ours."""
+    uuid = pool_info.get("uuid")
+    if not uuid:
+        return pool_info.get("device")
+    if uuid not in _uuid_to_local:
+        found = None
+        if driver_unavailable_reason() is None:
+            for ordinal in range(device_count()):
+                if device_uuid(ordinal) == uuid:
+                    found = ordinal
+                    break
+        _uuid_to_local[uuid] = found
+    return _uuid_to_local[uuid]
+
+
 def handle_type(kind: str) -> Any:
     t = cu.CUmemAllocationHandleType
     return t.CU_MEM_HANDLE_TYPE_FABRIC if kind == "fabric" else t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -122,3 +161,50 @@ def access_desc(ordinal: int) -> Any:
     d.location.id = ordinal
     d.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     return d
+
+
+IMEX_CHANNELS = Path("/dev/nvidia-caps-imex-channels")
+
+
+def nvml_fabric_state(ordinal: int) -> tuple[bool, str]:
+    """NVML fabric state COMPLETED with a non-zero cluster UUID for the CUDA device ``ordinal``."""
+    try:
+        import pynvml
+    except ImportError:
+        return False, "nvidia-ml-py is not installed, so the NVLink fabric state is unknown"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return False, f"NVML is unavailable ({exc})"
+    try:
+        # NVML numbers devices ignoring CUDA_VISIBLE_DEVICES; the PCI bus id is the same in both.
+        bus_id = ck("cuDeviceGetPCIBusId", cu.cuDeviceGetPCIBusId(32, device(ordinal)))
+        bus_id = bus_id.split(b"\0")[0].decode() if isinstance(bus_id, bytes) else str(bus_id)
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        info = pynvml.c_nvmlGpuFabricInfoV_t()
+        pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+        state = int(info.state)
+        uuid = bytes(info.clusterUuid)
+    except Exception as exc:
+        return False, f"NVML reports no GPU fabric for device {ordinal} ({exc})"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    if state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED:
+        return False, f"NVML fabric state is {state}, not COMPLETED (3)"
+    if not any(uuid):
+        return False, "NVML fabric is COMPLETED but the cluster UUID is zero"
+    return True, "NVML fabric COMPLETED"
+
+
+def imex_channel_present(channels: Path = IMEX_CHANNELS) -> tuple[bool, str]:
+    """Any IMEX channel this user can open (a ComputeDomain may hand a pod channel N, not channel0)."""
+    found = sorted(channels.glob("channel*")) if channels.is_dir() else []
+    if not found:
+        return False, f"no IMEX channel in {channels}: configure the MNNVL compute domain"
+    usable = [c for c in found if os.access(c, os.R_OK | os.W_OK)]
+    if not usable:
+        return False, f"{', '.join(str(c) for c in found)} exist(s) but this user cannot open any"
+    return True, f"IMEX channel {usable[0].name} present"

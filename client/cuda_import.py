@@ -15,32 +15,34 @@ from typing import Any, Optional
 import torch
 
 from . import cuda_driver as drv
+from . import dlpack
 
 _lock = threading.Lock()
-_cache: dict[tuple[str, int, int, int], "CudaMapping"] = {}
+_cache: dict[tuple[int, str, int, int, int], "CudaMapping"] = {}
 
 
 class _DeviceRange:
-    """Owns one mapped VA range; exposes it through __cuda_array_interface__ so torch can wrap it.
-    Tensors made from it hold a reference, so the range is unmapped only after the last view is gone."""
+    """Owns one mapped VA range and the primary context it was mapped in. The tensors over it keep it
+    alive (dlpack.uint8_tensor), so the range is unmapped only after the last view is gone, and then
+    only after the GPUs that can reach it have finished their work: a kernel may still read it."""
 
-    def __init__(self, va: Any, size: int) -> None:
+    def __init__(self, va: Any, size: int, devices: list[int]) -> None:
         self.va = va
         self.size = size
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        # stream None: no synchronisation implied; the producer synchronised before publishing.
-        return {"shape": (self.size,), "typestr": "|u1", "data": (int(self.va), False), "version": 3, "stream": None}
+        self.devices = devices  # local ordinals with access; devices[0] is the one it was mapped for
 
     def __del__(self) -> None:
-        if self.va is not None and drv.cu is not None:
-            try:
-                drv.cu.cuMemUnmap(self.va, self.size)
-                drv.cu.cuMemAddressFree(self.va, self.size)
-            except Exception:
-                pass  # interpreter shutdown: the process exit frees it anyway
-            self.va = None
+        if self.va is None or drv.cu is None:
+            return
+        try:
+            for ordinal in self.devices:
+                torch.cuda.synchronize(ordinal)  # as PyTorch does before it unmaps VMM memory
+            drv.cu.cuMemUnmap(self.va, self.size)
+            drv.cu.cuMemAddressFree(self.va, self.size)
+            drv.release_primary_context(self.devices[0])
+        except Exception:
+            pass  # interpreter shutdown: the process exit frees it anyway
+        self.va = None
 
 
 @dataclass
@@ -63,15 +65,23 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> Cud
         if reason is not None:
             raise RuntimeError(f"cannot map GPU pool {info['pool']}: {reason}")
         device = torch.cuda.current_device()
-        key = (endpoint, info["pool"], info["epoch"], device)
+        # Keyed by pid too: a forked child must import the pool itself, not reuse the parent's mapping.
+        key = (os.getpid(), endpoint, info["pool"], info["epoch"], device)
         with _lock:
             hit = _cache.get(key)
             if hit is not None:
                 return hit
-            for old in [k for k in _cache if k[0] == endpoint and k[2] != info["epoch"]]:
+            for old in [k for k in _cache if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info["epoch"])]:
                 del _cache[old]  # a daemon restart: the old pool goes once its last view is gone
-            handle = _import_handle(info, owned)
-            mapping = _map(info, handle, device)
+            # The VMM calls take no context but need one current: retain ours explicitly (the mapping
+            # keeps it) rather than rely on torch having made one current.
+            drv.retain_primary_context(device)
+            try:
+                handle = _import_handle(info, owned)
+                mapping = _map(info, handle, device)
+            except BaseException:
+                drv.release_primary_context(device)
+                raise
             _cache[key] = mapping
             return mapping
     finally:
@@ -80,9 +90,6 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> Cud
 
 
 def _import_handle(info: dict[str, Any], fd: Optional[int]) -> Any:
-    # torch made its primary context current on this thread; the VMM calls below use it.
-    torch.cuda.init()
-    torch.empty(1, device=f"cuda:{torch.cuda.current_device()}")
     if info["handle"] == "fabric":
         raw: Any = bytes(info["fabric"])
         kind = "fabric"
@@ -100,13 +107,13 @@ def _map(info: dict[str, Any], handle: Any, device: int) -> CudaMapping:
     va = None
     mapped = False
     try:
-        prop = drv.ck("cuMemGetAllocationPropertiesFromHandle", cu.cuMemGetAllocationPropertiesFromHandle(handle))
-        gran = drv.granularity(prop)
+        # Built here, not read from the imported handle (which may not say, for a remote FABRIC handle).
+        gran = drv.granularity(drv.allocation_prop(device, info["handle"]))
         va = drv.ck("cuMemAddressReserve", cu.cuMemAddressReserve(size, gran, 0, 0))
         drv.ck("cuMemMap", cu.cuMemMap(va, size, 0, handle, 0))  # whole allocation at offset 0
         mapped = True
         drv.ck("cuMemSetAccess", cu.cuMemSetAccess(va, size, [drv.access_desc(device)], 1))
-        _grant_owner_access(va, size, info, device)
+        devices = [device] + _grant_owner_access(va, size, info, device)
     except BaseException:
         if mapped:
             cu.cuMemUnmap(va, size)
@@ -115,29 +122,20 @@ def _map(info: dict[str, Any], handle: Any, device: int) -> CudaMapping:
         raise
     finally:
         cu.cuMemRelease(handle)  # the mapping keeps the memory alive
-    holder = _DeviceRange(va, size)
-    return CudaMapping(info["pool"], info["epoch"], size, device, _wrap(holder, device))
+    holder = _DeviceRange(va, size, devices)
+    tensor = dlpack.uint8_tensor(int(va), size, dlpack.KDL_CUDA, device, holder)
+    return CudaMapping(info["pool"], info["epoch"], size, device, tensor)
 
 
-def _wrap(holder: _DeviceRange, device: int) -> torch.Tensor:
-    """A uint8 tensor over the mapped range, never a copy. torch infers the device of a
-    __cuda_array_interface__ pointer from its attributes, which for VMM memory may name the GPU that
-    owns the allocation rather than ours; if asking for ours would copy, take what torch infers."""
-    ptr = int(holder.va)
-    for want in (f"cuda:{device}", None):
-        tensor = torch.as_tensor(holder, device=want) if want else torch.as_tensor(holder)
-        if tensor.data_ptr() == ptr:
-            return tensor
-    raise RuntimeError("torch copied the pool instead of wrapping it; this torch build cannot view imported VMM memory")
-
-
-def _grant_owner_access(va: Any, size: int, info: dict[str, Any], device: int) -> None:
-    """Best effort: also let the pool's own GPU reach this mapping, so a copy torch runs on that GPU's
-    stream (a staged get from a view torch placed there) can read it. Ordinals are this process's."""
-    owner = int(info.get("device", -1))
-    if owner < 0 or owner == device or owner >= torch.cuda.device_count():
-        return
+def _grant_owner_access(va: Any, size: int, info: dict[str, Any], device: int) -> list[int]:
+    """Best effort: also let the pool's own GPU reach this mapping, so that work queued on it can read
+    the pool. The owner is found by UUID among this process's GPUs (ordinals differ between processes).
+    Returns the extra local ordinals granted."""
+    owner = drv.local_ordinal(info)
+    if owner is None or owner == device:
+        return []
     try:
         drv.ck("cuMemSetAccess", drv.cu.cuMemSetAccess(va, size, [drv.access_desc(owner)], 1))
     except drv.CudaError:
-        pass  # no peer access between the two: staged copies go through the consumer's own device
+        return []  # no peer access between the two: staged copies go through the consumer's own device
+    return [owner]

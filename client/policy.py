@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
+
+from .cuda_driver import IMEX_CHANNELS
 
 log = logging.getLogger("mmfeat.policy")
 
-IMEX_CHANNEL = Path("/dev/nvidia-caps-imex-channels/channel0")
 REQUESTS = ("auto", "cpu", "cuda_vmm")
 _logged: set[tuple[str, Optional[str], str]] = set()
 
@@ -47,20 +47,15 @@ def supports_cuda_vmm_feature_transport(model_cls: Any) -> bool:
     return bool(getattr(model_cls, "supports_cuda_vmm_feature_transport", False))
 
 
-def _nvml_fabric_completed() -> bool:
-    """NVML fabric state COMPLETED with a non-zero cluster UUID on the first visible GPU."""
+def _nvml_fabric_completed(ordinal: int) -> bool:
+    """NVML fabric state COMPLETED with a non-zero cluster UUID on this process's CUDA device
+    ``ordinal``, found by PCI bus id (NVML's own index ignores CUDA_VISIBLE_DEVICES)."""
+    from . import cuda_driver as drv
+
+    if drv.driver_unavailable_reason() is not None:
+        return False
     try:
-        import ctypes
-
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            info = pynvml.c_nvmlGpuFabricInfoV_t()
-            pynvml.nvmlDeviceGetGpuFabricInfoV(pynvml.nvmlDeviceGetHandleByIndex(0), ctypes.byref(info))
-            return int(info.state) == pynvml.NVML_GPU_FABRIC_STATE_COMPLETED and any(bytes(info.clusterUuid))
-        finally:
-            pynvml.nvmlShutdown()
+        return drv.nvml_fabric_state(ordinal)[0]
     except Exception:
         return False
 
@@ -68,10 +63,15 @@ def _nvml_fabric_completed() -> bool:
 def detect_topology(nnodes: Optional[int] = None) -> Topology:
     """What this node has: CUDA devices, node count (argument, else ``$MMFEAT_NNODES``, else 1), NVML
     fabric state, and the IMEX channel device."""
+    from . import cuda_driver as drv
+
+    ordinal = 0
     try:
         import torch
 
         cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        if cuda:
+            ordinal = torch.cuda.current_device()
     except Exception:
         cuda = False
     if nnodes is None:
@@ -79,8 +79,8 @@ def detect_topology(nnodes: Optional[int] = None) -> Topology:
     return Topology(
         cuda=cuda,
         nnodes=nnodes,
-        mnnvl_fabric=cuda and _nvml_fabric_completed(),
-        imex_channel=IMEX_CHANNEL.exists(),
+        mnnvl_fabric=cuda and _nvml_fabric_completed(ordinal),
+        imex_channel=drv.imex_channel_present()[0],
     )
 
 
@@ -101,7 +101,7 @@ def _decide(requested: str, topo: Topology, model_opt_in: bool) -> TransportDeci
             )
         if not topo.imex_channel:
             raise TransportConfigError(
-                f"cuda_vmm across nodes needs an IMEX channel at {IMEX_CHANNEL}; configure the MNNVL compute domain "
+                f"cuda_vmm across nodes needs an IMEX channel in {IMEX_CHANNELS}; configure the MNNVL compute domain "
                 "(ComputeDomain on Kubernetes) or use cpu"
             )
         return TransportDecision("pool", "fabric", "cuda_vmm requested on a multi-node MNNVL domain: CUDA FABRIC sharing")

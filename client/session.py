@@ -136,6 +136,16 @@ class Session:
 
     # --- mappings ------------------------------------------------------------------------------
 
+    def pool_on_local_device(self, ordinal: int) -> Optional[dict[str, Any]]:
+        """The GPU pool on this process's CUDA device ``ordinal``, matched by GPU UUID: the daemon and
+        this process may number GPUs differently (CUDA_VISIBLE_DEVICES in a pod)."""
+        from .cuda_driver import local_ordinal
+
+        for info in self.pools.values():
+            if info["kind"] == "cuda" and local_ordinal(info) == ordinal:
+                return info
+        return None
+
     def mapping(self, pool_id: int, device: Optional[int] = None) -> Any:
         """The process-wide mapping of a pool: host pools once, GPU pools once per device (default: the
         caller's current one)."""

@@ -78,6 +78,7 @@ class FallbackReason(str, Enum):
     TOO_LARGE = "too_large"
     DRAINING = "draining"
     OVER_QUOTA = "over_quota"
+    MAP_FAILED = "map_failed"
 
 
 class FallbackRequest(_Message):

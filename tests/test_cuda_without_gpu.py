@@ -199,3 +199,75 @@ def test_every_nvml_name_the_fabric_checks_use_exists() -> None:
         assert hasattr(pynvml, name), name
     info = pynvml.c_nvmlGpuFabricInfoV_t()
     assert len(bytes(info.clusterUuid)) == 16 and int(info.state) == 0
+
+
+def test_dlpack_view_has_no_copy_and_keeps_its_owner_until_the_last_view() -> None:
+    """The path GPU pools take, exercised on host memory: same code, DLPack device kDLCPU."""
+    import ctypes
+    import gc
+    import mmap
+
+    import torch
+
+    from mmfeat.client import dlpack
+
+    released = []
+
+    class Owner:
+        def __del__(self) -> None:
+            released.append(True)
+
+    mm = mmap.mmap(-1, 1 << 16)
+    ptr = ctypes.addressof((ctypes.c_uint8 * (1 << 16)).from_buffer(mm))
+    before = dlpack.live_capsules()
+    t = dlpack.uint8_tensor(ptr, 1 << 16, dlpack.KDL_CPU, 0, Owner())
+    assert t.data_ptr() == ptr and t.dtype == torch.uint8 and t.shape == (1 << 16,)
+    t[100] = 42
+    assert mm[100] == 42  # a view, not a copy
+    view = t[64:128].view(torch.float32)
+    del t
+    gc.collect()
+    assert not released, "the owner (the mapping) went while a view still used it"
+    del view
+    gc.collect()
+    assert released and dlpack.live_capsules() == before
+
+
+def test_any_openable_imex_channel_counts(tmp_path) -> None:
+    assert drv.imex_channel_present(tmp_path / "absent")[0] is False
+    channels = tmp_path / "nvidia-caps-imex-channels"
+    channels.mkdir()
+    assert drv.imex_channel_present(channels)[0] is False
+    (channels / "channel7").write_text("")  # a ComputeDomain may hand a pod channel 7, not channel0
+    ok, why = drv.imex_channel_present(channels)
+    assert ok and "channel7" in why
+
+
+def test_the_acker_waits_on_a_busy_waiting_event_without_spinning() -> None:
+    import time
+
+    from mmfeat.client.acker import _wait_for
+
+    class SlowEvent:  # what a caller's torch.cuda.Event() (not blocking) looks like to the acker
+        blocking = False
+        queries = 0
+
+        def __init__(self) -> None:
+            self.done_at = time.monotonic() + 0.3
+
+        def query(self) -> bool:
+            SlowEvent.queries += 1
+            return time.monotonic() >= self.done_at
+
+    cpu0 = time.process_time()
+    _wait_for(SlowEvent())
+    # A spin would query millions of times and burn the whole 0.3 s; polling with a growing sleep
+    # queries a few hundred times at most.
+    assert SlowEvent.queries < 500, SlowEvent.queries
+    assert time.process_time() - cpu0 < 0.15
+
+
+def test_gpu_pools_are_matched_by_uuid_not_ordinal() -> None:
+    # An older daemon without uuids: its ordinal stands. A uuid no local GPU has: not visible here.
+    assert drv.local_ordinal({"device": 3}) == 3
+    assert drv.local_ordinal({"device": 3, "uuid": "GPU-00000000-0000-0000-0000-000000000000"}) is None

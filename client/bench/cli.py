@@ -100,14 +100,16 @@ def _daemon_facts(runtime_dir: Path) -> tuple[str, int]:
 
     ch = ControlChannel(control_endpoint(runtime_dir), 5.0)
     try:
-        stats = ch.call("stats")
+        stats, pools = ch.call("stats"), ch.call("pool_info")["pools"]
     finally:
         ch.close()
-    pools = stats["pools"]
     if pools and pools[0]["kind"] == "cuda":
-        import torch
+        from mmfeat.client.cuda_driver import local_ordinal
 
-        return f"cuda:{torch.cuda.current_device()}", stats["pid"]
+        ordinal = local_ordinal(pools[0])  # the pool's GPU as this process numbers it
+        if ordinal is None:
+            raise SystemExit(f"the daemon's GPU pool is on {pools[0].get('uuid')}, which this process cannot see")
+        return f"cuda:{ordinal}", stats["pid"]
     return "cpu", stats["pid"]
 
 

@@ -18,6 +18,7 @@ class Pool(ABC):
     device: int  # CUDA ordinal, -1 for host memory
     size: int
     handle: str  # "posix_fd" or "fabric"
+    uuid: Optional[str] = None  # the GPU's UUID: ordinals differ between processes, UUIDs do not
 
     @abstractmethod
     def export_fd(self) -> Optional[int]:
@@ -39,4 +40,5 @@ class Pool(ABC):
             "size": self.size,
             "handle": self.handle,
             "fabric": self.fabric_handle(),
+            "uuid": self.uuid,
         }

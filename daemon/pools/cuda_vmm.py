@@ -55,6 +55,7 @@ class CudaVmmPool(Pool):
         self._fabric: Optional[bytes] = None
         self._ctx_retained = False
         try:
+            self.uuid = drv.device_uuid(ordinal)
             drv.retain_primary_context(ordinal)
             self._ctx_retained = True
             prop = drv.allocation_prop(ordinal, handle)
@@ -90,7 +91,7 @@ class CudaVmmPool(Pool):
             drv.cu.cuMemRelease(self._alloc)
             self._alloc = None
         if self._ctx_retained:
-            drv.cu.cuDevicePrimaryCtxRelease(drv.device(self.device))
+            drv.release_primary_context(self.device)
             self._ctx_retained = False
 
 
@@ -116,7 +117,16 @@ def create_cuda_pools(settings: Settings) -> list[Pool]:
     try:
         for pool_id, ordinal in enumerate(settings.devices):
             handle, why = choose_handle(settings, ordinal)
-            pool = CudaVmmPool(pool_id, ordinal, settings.pool_mb << 20, handle)
+            try:
+                pool = CudaVmmPool(pool_id, ordinal, settings.pool_mb << 20, handle)
+            except PoolCreateError as exc:
+                if handle != "fabric":
+                    raise
+                # The probe passed but the real pool's export failed: still serve this node.
+                log.warning("GPU %d: %s; sharing as POSIX FD instead, so consumers on other nodes will receive "
+                            "features inline", ordinal, exc)
+                handle, why = "posix_fd", f"the FABRIC pool failed ({exc})"
+                pool = CudaVmmPool(pool_id, ordinal, settings.pool_mb << 20, handle)
             pools.append(pool)
             log.info(
                 "CUDA VMM pool %d with %s sharing (%s): reserving %d MiB of HBM on GPU %d; this reduces KV cache "

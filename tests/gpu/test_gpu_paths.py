@@ -1,0 +1,127 @@
+"""On a GPU: the import itself, acks after GPU work, and what the daemon's CUDA context costs.
+Each prints the numbers the first GPU run reports (pytest -rA shows them)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from ..conftest import start_daemon
+
+pytestmark = pytest.mark.gpu
+POOL_MB = 256
+
+
+@pytest.fixture
+def gpu_daemon(runtime_dir):
+    d = start_daemon(runtime_dir, "--pool-mb", str(POOL_MB), backend="cuda_vmm")
+    yield d
+    rc = d.stop()
+    _, err = d.proc.communicate()
+    assert rc == 0, err
+
+
+def test_a_posix_fd_export_imported_twice_in_one_process(gpu_daemon) -> None:
+    from mmfeat.client import cuda_import
+
+    torch.cuda.set_device(0)
+    with gpu_daemon.client() as c:
+        session = c._connect()
+        info = next(p for p in session.pools.values() if p["kind"] == "cuda")
+        before = torch.cuda.memory_allocated(0)
+        # Two imports under two cache keys: two VA ranges over the same physical pool.
+        a = cuda_import.map_cuda_pool("first", info, os.dup(session.fds[info["pool"]]))
+        b = cuda_import.map_cuda_pool("second", info, os.dup(session.fds[info["pool"]]))
+        assert a.tensor.data_ptr() != b.tensor.data_ptr(), "one VA for two imports"
+        assert a.tensor.device == b.tensor.device == torch.device("cuda", 0)
+        a.tensor[:4096].fill_(0x5A)
+        torch.cuda.synchronize(0)
+        assert int(b.tensor[:4096].sum()) == 0x5A * 4096, "a write through one mapping is not seen through the other"
+        grown = torch.cuda.memory_allocated(0) - before
+        print(f"two imports of a {POOL_MB} MiB pool: VAs {a.tensor.data_ptr():#x} and {b.tensor.data_ptr():#x}; "
+              f"torch's caching allocator grew by {grown} B")
+        assert grown < info["size"], "the pool was copied into torch's allocator instead of viewed"
+
+
+def _acker_cpu_seconds() -> float:
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip().startswith("mmfeat-acker"):
+                with open(f"/proc/self/task/{tid}/stat") as g:
+                    fields = g.read().rsplit(")", 1)[1].split()
+                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+def test_ack_after_stream_waits_for_the_kernel_that_reads(gpu_daemon) -> None:
+    torch.cuda.set_device(0)
+    with gpu_daemon.client(inline_threshold=0, fallback="error") as producer, gpu_daemon.client() as consumer:
+        desc = producer.put(torch.ones(1 << 20, device="cuda:0"), consumers=1)
+        view = consumer.get(desc)
+        stream = torch.cuda.Stream(0)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(2e9))  # about a second of GPU time before the read
+            total = view.sum()
+        consumer.ack(desc, after=stream)
+        t0, cpu0 = time.monotonic(), _acker_cpu_seconds()
+        time.sleep(0.2)
+        s = gpu_daemon.stats()
+        assert s["pools"][0]["leases"]["PUBLISHED"] == 1, "the lease was freed while a kernel still read it"
+        assert consumer.flush(30.0)
+        waited, cpu = time.monotonic() - t0, _acker_cpu_seconds() - cpu0
+        assert int(total.item()) == 1 << 20
+        s = gpu_daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the ack after the kernel")
+        print(f"ack(after=stream): lease held {waited:.2f} s until the kernel ended; the acker thread used {cpu:.3f} s of CPU")
+        assert cpu < 0.5 * waited + 0.05, "the acker spun a core while it waited"
+
+
+def test_staged_copy_is_complete_before_a_plain_ack(gpu_daemon) -> None:
+    torch.cuda.set_device(0)
+    with gpu_daemon.client(inline_threshold=0, fallback="error") as c:
+        for k in range(20):
+            src = torch.full((4 << 20,), float(k), device="cuda:0")
+            d = c.put(src)
+            mine = c.get(d, device=0)
+            c.ack(d)  # frees at once: the next put may take the same range
+            c.ack(c.put(torch.full((4 << 20,), -1.0, device="cuda:0")))
+            assert torch.equal(mine, src), f"round {k}: the staged copy read a reused range"
+
+
+def test_hbm_taken_by_the_daemons_cuda_context(gpu_daemon) -> None:
+    pynvml = pytest.importorskip("pynvml")
+    pynvml.nvmlInit()
+    try:
+        from mmfeat.client import cuda_driver as drv
+
+        uuid = drv.device_uuid(0)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        used = None
+        deadline = time.monotonic() + 10
+        while used is None and time.monotonic() < deadline:
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid == gpu_daemon.pid:
+                    used = p.usedGpuMemory
+            time.sleep(0.2)
+    finally:
+        pynvml.nvmlShutdown()
+    if used is None:
+        pytest.skip("NVML does not list the daemon's process here (a container hides pids)")
+    pool = gpu_daemon.pool()["capacity"]
+    print(f"mmfeatd on {uuid}: {used >> 20} MiB of HBM for a {pool >> 20} MiB pool: "
+          f"{(used - pool) >> 20} MiB beyond the pool (its CUDA context)")
+    assert used >= pool
+
+
+def test_the_daemon_logs_the_fabric_verdict_on_a_multinode_setting(runtime_dir) -> None:
+    d = start_daemon(runtime_dir, "--pool-mb", "64", "--nnodes", "2", backend="cuda_vmm")
+    try:
+        handle = d.pool()["handle"]
+    finally:
+        d.stop()
+        _, err = d.proc.communicate()
+    verdict = [line for line in err.splitlines() if "FABRIC" in line or "fabric" in line]
+    print("daemon's fabric verdict:", *verdict, sep="\n  ")
+    assert verdict and handle in ("posix_fd", "fabric")
