@@ -1,7 +1,8 @@
-"""Background acknowledgements: ``ack(desc, after=...)`` or ``ack(desc, wait=False)`` return at once and
-a thread sends the ack once the consumer's work is done (for CUDA: once its event completes).
+"""Acknowledgements that must wait: ``ack(desc, after=stream_or_event)`` returns at once and a thread
+sends the ack once the consumer's GPU work is done; a ``wait=False`` ack whose fd channel is full (the
+daemon is behind) is handed over here too, so the caller never blocks.
 
-The thread has its own control channel, so it never waits behind the caller's requests.
+The thread sends on the client's fd channel, like every background ack.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from mmfeat.protos.errors import MmfeatError
 
-from .channel import ControlChannel
 
 log = logging.getLogger("mmfeat.client")
 
@@ -32,9 +32,14 @@ def _wait_for(event: Any) -> None:
         delay = min(delay * 2, 0.002)
 
 
+Send = Callable[[dict[str, Any], int, bytes], None]
+Sync = Callable[[float], bool]
+
+
 class Acker:
-    def __init__(self, endpoint: str, timeout: float) -> None:
-        self._channel = ControlChannel(endpoint, timeout)
+    def __init__(self, send: Send, sync: Sync) -> None:
+        self._send = send
+        self._sync = sync
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._cond = threading.Condition()
@@ -43,21 +48,18 @@ class Acker:
         self._thread = threading.Thread(target=self._run, name="mmfeat-acker", daemon=True)
         self._thread.start()
 
-    def submit(self, lease: dict[str, Any], count: int, event: Optional[Any]) -> None:
+    def submit(self, lease: dict[str, Any], count: int, ack_id: bytes, event: Optional[Any]) -> None:
         with self._cond:
             self._pending += 1
-        self._queue.put((lease, count, event))
+        self._queue.put((lease, count, ack_id, event))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            lease, count, event = item
+            lease, count, ack_id, event = item
             try:
                 if event is not None:
                     _wait_for(event)  # the consumer's GPU work that read the feature is done
-                # A cast: the daemon handles one channel's requests in order and the reply only
-                # matters if it is an error, which the channel logs when it reads it.
-                if not self._channel.cast("ack", lease=lease, count=count):
-                    self._channel.call("ack", lease=lease, count=count)
+                self._send(lease, count, ack_id)
             except MmfeatError as exc:
                 self.failed += 1
                 log.warning("background ack of lease %s failed: %s", lease.get("lease"), exc)
@@ -69,7 +71,7 @@ class Acker:
                 self._cond.notify_all()
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every submitted ack has been sent and answered; False on timeout."""
+        """Wait until every submitted ack has been sent and the daemon has handled it; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._pending:
@@ -77,15 +79,10 @@ class Acker:
                 if left <= 0:
                     return False
                 self._cond.wait(left)
-        try:
-            self._channel.call("ping")  # the daemon handles a channel in order: all acks are in
-        except MmfeatError:
-            return False
-        return True
+        return self._sync(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float) -> None:
         if not self.flush(timeout):
             log.warning("closing with %d acknowledgement(s) unsent; those leases will expire after ack_ttl", self._pending)
         self._queue.put(None)
         self._thread.join(timeout)
-        self._channel.close()

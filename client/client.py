@@ -290,20 +290,20 @@ class Client:
         """Tell the daemon ``count`` consumers are done with this feature. Views from get() must not be
         read afterwards: the memory may be reused at once.
 
-        Plain ``ack`` waits for the daemon's answer and returns it. ``after`` (a torch.cuda.Stream or
-        Event) or ``wait=False`` returns None at once; a background thread sends the ack once the event
-        completes (CUDA: once the GPU work that read the feature is done). ``flush()`` waits for them.
+        Plain ``ack`` waits for the daemon's answer and returns it. ``wait=False`` returns None at once:
+        the ack is one write on the fd channel, no round trip, handled even if this process dies next.
+        ``after`` (a torch.cuda.Stream or Event) also returns at once; a background thread sends the ack
+        once the event completes (the GPU work that read the feature is done). ``flush()`` waits for both.
         """
         desc = _as_descriptor(desc)
         if desc.is_inline:
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
         if after is not None or not wait:
-            event = _completion_event(after)
-            if self._acker is None or self._acker.pid != os.getpid():
-                from .acker import Acker
-
-                self._acker = Acker(self.endpoint, self.timeout)
-            self._acker.submit(desc.lease_ref(), count, event)
+            ack_id = os.urandom(8)
+            if after is None and self._connect().try_send("ack", lease=desc.lease_ref(), count=count, ack_id=ack_id):
+                return None
+            # A GPU event to wait for, or a full fd channel (the daemon is behind): the caller must not wait.
+            self._background_acker().submit(desc.lease_ref(), count, ack_id, _completion_event(after))
             return None
         # A retry of an ack that timed out reuses its id, so the daemon applies it once even if the first
         # one did land; a deliberate second ack of the same descriptor gets a new id.
@@ -321,8 +321,22 @@ class Client:
         return {k: reply[k] for k in ("remaining", "freed", "over_acked")}
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every background ack has reached the daemon; False on timeout."""
-        return self._acker.flush(self.timeout if timeout is None else timeout) if self._acker is not None else True
+        """Wait until the daemon has handled every background ack; False on timeout."""
+        timeout = self.timeout if timeout is None else timeout
+        if self._acker is not None and self._acker.pid == os.getpid():
+            return self._acker.flush(timeout)
+        session = self._session
+        return session.sync(timeout) if session is not None and session.alive() else True
+
+    def _background_acker(self) -> Any:
+        if self._acker is None or self._acker.pid != os.getpid():
+            from .acker import Acker
+
+            def send(lease: dict[str, Any], count: int, ack_id: bytes) -> None:
+                self._connect().send("ack", lease=lease, count=count, ack_id=ack_id)
+
+            self._acker = Acker(send, lambda timeout: self._connect().sync(timeout))
+        return self._acker
 
     def release(self, desc: DescLike) -> None:
         """Producer only: cancel a feature that was never dispatched to its consumers."""

@@ -116,6 +116,17 @@ class Session:
     def publish(self, lease: dict[str, Any]) -> None:
         self.send("publish", lease=lease)
 
+    def try_send(self, op: str, **fields: Any) -> bool:
+        """A quiet request on the fd channel if the daemon's socket buffer has room now; False if not."""
+        frame = encode({"v": PROTOCOL_VERSION, "op": op, "id": -next(self._ids), "quiet": True, **fields})
+        try:
+            self._sock.send(frame, socket.MSG_DONTWAIT)
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise DaemonUnavailableError(f"fd channel to mmfeatd closed: {exc.strerror}") from None
+
     def sync(self, timeout: float) -> bool:
         """Wait until the daemon has handled everything sent on the fd channel so far; False on timeout."""
         n = next(self._ids)

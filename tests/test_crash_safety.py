@@ -75,3 +75,22 @@ def test_an_empty_datagram_on_the_fd_channel_is_not_an_end_of_session(daemon) ->
         c.ack(d)
         c.ack(d2)
     assert daemon.stats()["counters"]["bad_requests"] >= 1
+
+
+def test_a_background_ack_survives_the_consumer_dying_right_after(daemon) -> None:
+    code = (
+        "import os, signal, sys\n"
+        "from mmfeat.client import Client\n"
+        "c = Client(sys.argv[1])\n"
+        "c.get(bytes.fromhex(sys.argv[2]))\n"
+        "c.ack(bytes.fromhex(sys.argv[2]), wait=False)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    with daemon.client(inline_threshold=0) as producer:
+        descs = [producer.put(torch.ones(10_000), consumers=1) for _ in range(5)]
+    for d in descs:
+        r = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir), d.to_bytes().hex()], timeout=60)
+        assert r.returncode == -signal.SIGKILL
+    # ack_ttl is 300 s: an empty pool within seconds proves every ack was applied.
+    s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=10, what="the dead consumers' acks")
+    assert s["counters"]["acks"] == 5 and s["counters"]["expired"] == 0
