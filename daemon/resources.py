@@ -30,6 +30,8 @@ _HEADROOM = 2
 # libzmq holds about 28 KiB per idle connection (measured on 4.3.5); twice that per allowed connection,
 # plus a fixed allowance, is what peers may make the daemon hold before the control socket is reset.
 BYTES_PER_CONNECTION = 64 << 10
+# The ledger's own record of a live lease (with its slot and expiry entry) is a few hundred bytes.
+BYTES_PER_LEASE = 1 << 10
 
 
 class FdLimitError(Exception):
@@ -84,17 +86,18 @@ def malloc_trim() -> None:
 
 class MemoryGuard:
     """Is the daemon holding more than its budget? ``base`` plus a fixed allowance plus a share per
-    connection. After a reset the base moves to what memory settled at, so a heap the allocator cannot
+    connection and per live lease. After a reset the base moves to what memory settled at, so a heap the allocator cannot
     shrink does not make the guard reset again and again."""
 
     def __init__(self, allowance: int) -> None:
         self.allowance = allowance
         self.base = anon_bytes()
 
-    def over(self, connections: int) -> Optional[int]:
-        """The bytes over budget, or None."""
+    def over(self, connections: int, leases: int) -> Optional[int]:
+        """The bytes over budget, or None. Live leases grow the budget too: a large max_leases is the
+        operator's choice, not a peer's attack."""
         used = anon_bytes() - self.base
-        budget = self.allowance + connections * BYTES_PER_CONNECTION
+        budget = self.allowance + connections * BYTES_PER_CONNECTION + leases * BYTES_PER_LEASE
         return used - budget if used > budget else None
 
     def settle(self) -> None:

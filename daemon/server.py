@@ -174,7 +174,7 @@ class Server:
     def _check_memory(self) -> bool:
         """Reset the control socket if peers made the daemon outgrow its budget; True if it did."""
         assert self._control is not None and self._guard is not None
-        over = self._guard.over(self._control.connections + len(self._fds or ()))
+        over = self._guard.over(self._control.connections + len(self._fds or ()), self.core.ledger.live)
         if over is None:
             return False
         self._control.reset(f"the daemon holds {over >> 20} MiB more than control_memory_mb and its connections allow "

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from mmfeat.client import Client
+from mmfeat.client.daemon_process import DaemonStartError, spawn_daemon
 
 N_IMAGES = 24
 
@@ -56,19 +57,12 @@ def consumer(rank: int, runtime_dir: str, q) -> None:
 
 def main() -> int:
     runtime_dir = Path(tempfile.mkdtemp(prefix="mmfeat-demo-", dir="/tmp"))
-    daemon = subprocess.Popen([sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--pool-mb", "256"])
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with Client(runtime_dir, timeout=0.5) as c:
-                    c.ping()
-                break
-            except Exception:
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    print("demo: mmfeatd did not start", file=sys.stderr)
-                    return 1
-                time.sleep(0.1)
+        daemon = spawn_daemon(runtime_dir, ["--pool-mb", "256"])
+    except DaemonStartError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+    try:
         ctx = mp.get_context("spawn")
         queues = [ctx.Queue(), ctx.Queue()]
         procs = [ctx.Process(target=consumer, args=(r, str(runtime_dir), q)) for r, q in enumerate(queues)]

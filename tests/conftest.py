@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from mmfeat.client import Client
+from mmfeat.client.daemon_process import spawn_daemon
 
 
 def anon_bytes(pid: int) -> int:
@@ -91,26 +92,11 @@ def start_daemon(
 
     # A long run logs to a file: a pipe nobody reads would block the daemon once full.
     err = open(log, "a") if log is not None else subprocess.PIPE
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=limit_fds)
-    d = Daemon(runtime_dir, proc, list(args))
-    if wait:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                out, err = proc.communicate()
-                raise RuntimeError(f"mmfeatd exited {proc.returncode}: {err}")
-            if (runtime_dir / "mmfeatd.sock").exists() and (runtime_dir / "mmfeatd.fds.sock").exists():
-                try:
-                    with Client(runtime_dir, timeout=1.0) as c:
-                        c.ping()
-                    break
-                except Exception:
-                    pass
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("mmfeatd did not come up within 20 s")
-            time.sleep(0.05)
-    return d
+    popen = dict(env=full_env, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=limit_fds)
+    if not wait:
+        return Daemon(runtime_dir, subprocess.Popen(cmd, **popen), list(args))
+    proc = spawn_daemon(runtime_dir, ["--backend", backend, *args], **popen)
+    return Daemon(runtime_dir, proc, list(args))
 
 
 @pytest.fixture

@@ -49,24 +49,12 @@ def _progress(text: str) -> None:
 
 
 def _start_daemon(runtime_dir: Path, pool_mb: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host",
-           "--pool-mb", str(pool_mb), "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 30
-    from mmfeat.client.channel import ControlChannel
-    from mmfeat.protos.paths import control_endpoint
+    from mmfeat.client.daemon_process import DaemonStartError, spawn_daemon
 
-    while True:
-        try:
-            ch = ControlChannel(control_endpoint(runtime_dir), 0.5)
-            ch.call("ping")
-            ch.close()
-            return proc
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise SystemExit("mmfeat bench: could not start a private mmfeatd") from None
-            time.sleep(0.1)
+    try:
+        return spawn_daemon(runtime_dir, ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"], timeout=30)
+    except DaemonStartError as exc:
+        raise SystemExit(f"mmfeat bench: could not start a private mmfeatd: {exc}") from None
 
 
 def _memcpy_row(size: int, count: int, threads: int, device: str) -> dict[str, Any]:
