@@ -101,6 +101,17 @@ class Client:
             self._session = None
         self._channel.close()
 
+    @property
+    def session(self) -> Session:
+        """The session with the daemon, opened on first use: its token, pools, lease table and fd
+        channel. For tools and protocol tests; put, get and ack need none of it."""
+        return self._connect()
+
+    def request(self, op: str, timeout: Optional[float] = None, **fields: Any) -> dict[str, Any]:
+        """One request on the control socket exactly as SPEC.md section 3 defines it, for tools and
+        protocol tests; raises MmfeatError for an error reply."""
+        return self._channel.call(op, timeout=timeout, **fields)
+
     def connect(self) -> None:
         """Open the session and map the host pools now, so the first put or get does not pay for it
         (a server calls this at startup). Raises DaemonUnavailableError if the daemon is not there."""

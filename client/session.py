@@ -113,6 +113,10 @@ class Session:
             if left <= 0 or not _wait(self._sock, select.POLLOUT, left):
                 raise DaemonUnavailableError(f"mmfeatd has not read its fd channel for {self.timeout:g} s ({op})")
 
+    def send_frame(self, frame: bytes) -> None:
+        """Raw bytes as one datagram on the fd channel (protocol tests); replies are read by sync()."""
+        self._sock.send(frame)
+
     def publish(self, lease: dict[str, Any]) -> None:
         self.send("publish", lease=lease)
 

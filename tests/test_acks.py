@@ -75,8 +75,8 @@ def test_wrong_token_and_forged_fields_are_forbidden(daemon) -> None:
 def test_release_and_publish_states(daemon) -> None:
     with daemon.client(inline_threshold=0) as c:
         d = _put(c, consumers=3)
-        token = c._connect().token
-        assert _code(lambda: c._channel.call("publish", session=token, lease=d.lease_ref())) is ErrorCode.BAD_STATE
+        token = c.session.token
+        assert _code(lambda: c.request("publish", session=token, lease=d.lease_ref())) is ErrorCode.BAD_STATE
         c.release(d)
         assert _code(lambda: c.ack(d)) is ErrorCode.NOT_FOUND
     s = daemon.stats()
@@ -87,15 +87,15 @@ def test_ack_that_overtakes_the_pipelined_publish(daemon) -> None:
     """Producers pipeline publish, so a consumer's ack may arrive first: it counts, and the lease is
     freed when the publish lands, not before."""
     with daemon.client() as c:
-        session = c._connect()
-        ref = c._channel.call("reserve", session=session.token, nbytes=1000, consumers=2)["lease"]
-        assert c._channel.call("lookup", lease=ref)["state"] == "RESERVED"
-        assert c._channel.call("ack", lease=ref, count=1)["freed"] is False
-        reply = c._channel.call("ack", lease=ref, count=2)
+        session = c.session
+        ref = c.request("reserve", session=session.token, nbytes=1000, consumers=2)["lease"]
+        assert c.request("lookup", lease=ref)["state"] == "RESERVED"
+        assert c.request("ack", lease=ref, count=1)["freed"] is False
+        reply = c.request("ack", lease=ref, count=2)
         assert (reply["remaining"], reply["freed"], reply["over_acked"]) == (0, False, 1)
         assert daemon.pool()["leases"] == {"RESERVED": 1, "PUBLISHED": 0}
-        c._channel.call("publish", session=session.token, lease=ref)
-        assert _code(lambda: c._channel.call("lookup", lease=ref)) is ErrorCode.NOT_FOUND
+        c.request("publish", session=session.token, lease=ref)
+        assert _code(lambda: c.request("lookup", lease=ref)) is ErrorCode.NOT_FOUND
     s = daemon.stats()
     assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == 1 and s["counters"]["over_acks"] == 1
 
@@ -106,8 +106,8 @@ def test_only_the_producer_may_release_or_publish(daemon) -> None:
         with pytest.raises(MmfeatError) as info:
             consumer.release(d)
         assert info.value.code is ErrorCode.FORBIDDEN and "only the session that reserved" in info.value.message
-        token = consumer._connect().token
-        assert _code(lambda: consumer._channel.call("publish", session=token, lease=d.lease_ref())) is ErrorCode.FORBIDDEN
+        token = consumer.session.token
+        assert _code(lambda: consumer.request("publish", session=token, lease=d.lease_ref())) is ErrorCode.FORBIDDEN
         assert torch.equal(consumer.get(d), torch.arange(4096, dtype=torch.float32))  # untouched
         assert consumer.ack(d, count=2)["freed"]
         assert daemon.stats()["counters"]["releases"] == 0
@@ -171,11 +171,11 @@ def test_clients_cannot_write_the_lease_table(daemon) -> None:
     import msgpack
 
     with daemon.client() as c:
-        session = c._connect()
+        session = c.session
         s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_SEQPACKET)
         s.connect(str(daemon.runtime_dir / "mmfeatd.fds.sock"))
         # A second session, to get our own copy of the table fd.
-        hello = c._channel.call("hello")
+        hello = c.request("hello")
         s.send(msgpack.packb({"v": PROTOCOL_VERSION, "session": hello["session"]}))
         data, fds, _, _ = pysocket.recv_fds(s, 4096, 8)
         try:

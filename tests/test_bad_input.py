@@ -134,7 +134,7 @@ def test_fd_channel_garbage_and_strangers(daemon) -> None:
 
 def test_second_fd_channel_for_one_session_is_refused(daemon) -> None:
     with daemon.client() as c:
-        session = c._connect()
+        session = c.session
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(5)
         s.connect(str(daemon.runtime_dir / "mmfeatd.fds.sock"))
@@ -148,7 +148,7 @@ def test_uid_not_allowed_is_refused(daemon_factory) -> None:
     d = daemon_factory("--pool-mb", "16", env={"MMFEAT_ALLOWED_UIDS": "54321", "MMFEAT_ALLOWED_GIDS": "54321"})
     with d.client(inline_threshold=0, fallback="error") as c:
         with pytest.raises(MmfeatError) as info:
-            c._connect()
+            c.session
         assert info.value.code is ErrorCode.FORBIDDEN and "allowed_uids" in info.value.message
 
 

@@ -54,8 +54,8 @@ def test_a_producer_killed_while_it_writes_leaves_no_lease(daemon) -> None:
         "import os, signal, sys\n"
         "from mmfeat.client import Client\n"
         "c = Client(sys.argv[1])\n"
-        "s = c._connect()\n"
-        "c._channel.call('reserve', session=s.token, nbytes=1 << 20, consumers=1)\n"
+        "s = c.session\n"
+        "c.request('reserve', session=s.token, nbytes=1 << 20, consumers=1)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     for _ in range(3):
@@ -67,11 +67,11 @@ def test_a_producer_killed_while_it_writes_leaves_no_lease(daemon) -> None:
 def test_an_empty_datagram_on_the_fd_channel_is_not_an_end_of_session(daemon) -> None:
     with daemon.client(inline_threshold=0) as c:
         d = c.put(torch.ones(1000))
-        session = c._connect()
-        session._sock.send(b"")  # zero bytes read like EOF; the session must survive it
+        session = c.session
+        session.send_frame(b"")  # zero bytes read like EOF; the session must survive it
         assert session.sync(5.0)
         d2 = c.put(torch.ones(1000))
-        assert c._connect() is session
+        assert c.session is session
         c.ack(d)
         c.ack(d2)
     assert daemon.stats()["counters"]["bad_requests"] >= 1

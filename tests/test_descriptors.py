@@ -104,7 +104,7 @@ def test_ten_thousand_mutated_descriptors(daemon) -> None:
             producer.put(torch.arange(1000 + 64 * k, dtype=torch.float32)) for k in range(4)
         ] + [producer.put_many([torch.ones(300, dtype=torch.int16), torch.zeros(5, 7, dtype=torch.float64)])]
         by_lease = {(d.lease, d.gen): d for d in originals}
-        session = consumer._connect()
+        session = consumer.session
         base = session.mapping(0).tensor.data_ptr()
         parsed = served = refused = 0
         for i in range(10_000):

@@ -14,8 +14,8 @@ from . import workers
 def test_reserve_ttl_frees_unpublished(daemon_factory) -> None:
     d = daemon_factory("--pool-mb", "16", "--reserve-ttl", "0.3")
     with d.client() as c:
-        session = c._connect()
-        c._channel.call("reserve", session=session.token, nbytes=4096, consumers=1)
+        session = c.session
+        c.request("reserve", session=session.token, nbytes=4096, consumers=1)
         assert d.pool()["leases"]["RESERVED"] == 1
         s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="reserve_ttl expiry")
         assert s["pools"][0]["used"] == 0

@@ -193,7 +193,7 @@ def test_supplementary_groups_come_from_the_socket_not_from_proc(daemon_factory,
     os.chmod(runtime_dir, 0o755)
     d = daemon_factory("--pool-mb", "8", env={"MMFEAT_ALLOWED_GIDS": "4242", "MMFEAT_SOCKET_MODE": "0666"})
     with d.client() as c:
-        hello = c._channel.call("hello")
+        hello = c.request("hello")
     payload = msgpack.packb({"v": PROTOCOL_VERSION, "session": hello["session"]}).hex()
 
     def handshake(groups: list[int]) -> tuple[dict, int]:
@@ -206,7 +206,7 @@ def test_supplementary_groups_come_from_the_socket_not_from_proc(daemon_factory,
     refused, nfds = handshake([])
     assert refused["ok"] is False and refused["error"]["code"] == "FORBIDDEN" and nfds == 0
     with d.client() as c:
-        hello = c._channel.call("hello")
+        hello = c.request("hello")
     payload = msgpack.packb({"v": PROTOCOL_VERSION, "session": hello["session"]}).hex()
     accepted, nfds = handshake([4242])  # a member of an allowed group only through a supplementary gid
     assert accepted["ok"] is True and nfds == 2

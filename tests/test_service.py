@@ -180,7 +180,7 @@ def test_the_ack_that_ends_a_drain_is_answered(runtime_dir) -> None:
     d = start_daemon(runtime_dir, "--pool-mb", "8", "--drain-timeout", "20")
     with d.client(inline_threshold=0) as producer:
         desc = producer.put(torch.arange(10), consumers=1)
-        channel = ControlChannel(producer._channel.endpoint, timeout=5.0)
+        channel = ControlChannel(producer.endpoint, timeout=5.0)
         channel.call("ping")
         d.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 5

@@ -41,8 +41,8 @@ def test_an_ack_retried_with_its_id_is_applied_once(daemon) -> None:
     # The window deadlines cannot close: the daemon applied the ack, the reply was lost.
     with daemon.client(inline_threshold=0) as c:
         desc = c.put(torch.ones(5000), consumers=3)
-        first = c._channel.call("ack", lease=desc.lease_ref(), count=1, ack_id=b"retry-me")
-        again = c._channel.call("ack", lease=desc.lease_ref(), count=1, ack_id=b"retry-me")
+        first = c.request("ack", lease=desc.lease_ref(), count=1, ack_id=b"retry-me")
+        again = c.request("ack", lease=desc.lease_ref(), count=1, ack_id=b"retry-me")
         assert (first["remaining"], first["duplicate"]) == (2, False)
         assert (again["remaining"], again["duplicate"], again["freed"]) == (2, True, False)
         assert c.ack(desc, count=2)["freed"]  # plain acks get fresh ids
@@ -63,7 +63,7 @@ def test_a_late_reserve_reply_is_released(daemon) -> None:
     # Without deadlines (a client whose clock differs), the daemon applies the reserve when it thaws;
     # the client reads the late reply and releases the lease nobody will publish.
     with daemon.client() as c:
-        session = c._connect()
+        session = c.session
         channel = ControlChannel(c.endpoint, 0.5)
         with _frozen(daemon):
             with pytest.raises(DaemonUnavailableError):

@@ -59,7 +59,7 @@ def test_zero_copy_view_shares_pool_memory(daemon) -> None:
         view = consumer.get(desc)
         copy = consumer.get(desc, copy=True)
         # The producer's mapping and the consumer's are the same pages: a write through one shows in the other.
-        producer._session.mappings[(desc.pool, -1)].tensor[desc.offset : desc.offset + 4].view(torch.float32).fill_(-1.0)
+        producer.session.mapping(desc.pool).tensor[desc.offset : desc.offset + 4].view(torch.float32).fill_(-1.0)
         assert view[0].item() == -1.0 and copy[0].item() == 0.0
         consumer.ack(desc)
     assert daemon.pool()["used"] == 0

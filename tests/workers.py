@@ -75,8 +75,8 @@ def consume(runtime_dir: str, in_q: Any, result_q: Any, copy: bool) -> None:
 def reserve_and_hang(runtime_dir: str, n: int, nbytes: int, ready_q: Any) -> None:
     """Hold ``n`` RESERVED leases and wait to be killed."""
     c = Client(runtime_dir)
-    session = c._connect()
+    session = c.session
     for _ in range(n):
-        c._channel.call("reserve", session=session.token, nbytes=nbytes, consumers=1)
+        c.request("reserve", session=session.token, nbytes=nbytes, consumers=1)
     ready_q.put(os.getpid())
     time.sleep(600)

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Client(root, inline_threshold=0) as c:
             real_desc = c.put(torch.ones(1000), consumers=1)
-            real = {"session": c._connect().token, "lease": real_desc.lease_ref()}
+            real = {"session": c.session.token, "lease": real_desc.lease_ref()}
             c.ack(real_desc)
         fds0, anon0 = fd_count(d.pid), anon_bytes(d.pid)
         ctx = zmq.Context()
@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
         session_requests = 0
         with Client(root) as c:
-            sess = c._connect()
+            sess = c.session
             for _ in range(args.handshakes):
-                sess._sock.send(_frame(rng, real))
+                sess.send_frame(_frame(rng, real))
                 session_requests += 1
             assert sess.sync(10.0), "the daemon did not answer a ping on the fd channel after the fuzzing"
         time.sleep(1.0)

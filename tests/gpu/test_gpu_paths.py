@@ -29,7 +29,7 @@ def test_a_posix_fd_export_imported_twice_in_one_process(gpu_daemon) -> None:
 
     torch.cuda.set_device(0)
     with gpu_daemon.client() as c:
-        session = c._connect()
+        session = c.session
         info = next(p for p in session.pools.values() if p["kind"] == "cuda")
         before = torch.cuda.memory_allocated(0)
         # Two imports under two cache keys: two VA ranges over the same physical pool.
