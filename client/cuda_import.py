@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import cuda_driver as drv
+from mmfeat import cuda_driver as drv
 from . import dlpack
 
 _lock = threading.Lock()

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .cuda_driver import IMEX_CHANNELS
+from mmfeat.cuda_driver import IMEX_CHANNELS
 
 log = logging.getLogger("mmfeat.policy")
 
@@ -50,7 +50,7 @@ def supports_cuda_vmm_feature_transport(model_cls: Any) -> bool:
 def _nvml_fabric_completed(ordinal: int) -> bool:
     """NVML fabric state COMPLETED with a non-zero cluster UUID on this process's CUDA device
     ``ordinal``, found by PCI bus id (NVML's own index ignores CUDA_VISIBLE_DEVICES)."""
-    from . import cuda_driver as drv
+    from mmfeat import cuda_driver as drv
 
     if drv.driver_unavailable_reason() is not None:
         return False
@@ -63,7 +63,7 @@ def _nvml_fabric_completed(ordinal: int) -> bool:
 def detect_topology(nnodes: Optional[int] = None) -> Topology:
     """What this node has: CUDA devices, node count (argument, else ``$MMFEAT_NNODES``, else 1), NVML
     fabric state, and the IMEX channel device."""
-    from . import cuda_driver as drv
+    from mmfeat import cuda_driver as drv
 
     ordinal = 0
     try:

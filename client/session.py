@@ -154,7 +154,7 @@ class Session:
     def pool_on_local_device(self, ordinal: int) -> Optional[dict[str, Any]]:
         """The GPU pool on this process's CUDA device ``ordinal``, matched by GPU UUID: the daemon and
         this process may number GPUs differently (CUDA_VISIBLE_DEVICES in a pod)."""
-        from .cuda_driver import local_ordinal
+        from mmfeat.cuda_driver import local_ordinal
 
         for info in self.pools.values():
             if info["kind"] == "cuda" and local_ordinal(info) == ordinal:

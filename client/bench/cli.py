@@ -92,7 +92,7 @@ def _daemon_facts(runtime_dir: Path) -> tuple[str, int]:
     finally:
         ch.close()
     if pools and pools[0]["kind"] == "cuda":
-        from mmfeat.client.cuda_driver import local_ordinal
+        from mmfeat.cuda_driver import local_ordinal
 
         ordinal = local_ordinal(pools[0])  # the pool's GPU as this process numbers it
         if ordinal is None:

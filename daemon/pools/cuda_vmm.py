@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Optional
 
-from mmfeat.client import cuda_driver as drv
+from mmfeat import cuda_driver as drv
 
 from ..config import Settings
 from .base import Pool, PoolCreateError

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mmfeat.client import cuda_driver as drv
+from mmfeat import cuda_driver as drv
 
 
 

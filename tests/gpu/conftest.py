@@ -12,7 +12,7 @@ def _gpu_missing_reason() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA device visible to torch"
-    from mmfeat.client import cuda_driver as drv
+    from mmfeat import cuda_driver as drv
 
     return drv.driver_unavailable_reason()
 

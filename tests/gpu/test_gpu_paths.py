@@ -94,7 +94,7 @@ def test_hbm_taken_by_the_daemons_cuda_context(gpu_daemon) -> None:
     pynvml = pytest.importorskip("pynvml")
     pynvml.nvmlInit()
     try:
-        from mmfeat.client import cuda_driver as drv
+        from mmfeat import cuda_driver as drv
 
         uuid = drv.device_uuid(0)
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)

@@ -1,7 +1,8 @@
 """The CUDA driver API through cuda-python, the NVLink fabric checks (NVML, IMEX channels), and the
 checks that say why they cannot be used here.
 
-Shared by the daemon (pools) and the client (imports); imports nothing from torch. Importing this module
+Shared by the daemon (pools) and the client (imports), so it lives in the top package that both may
+import (the daemon never imports client/); imports nothing from torch. Importing this module
 never fails: a missing package or driver is reported by ``driver_unavailable_reason()``.
 """
 
