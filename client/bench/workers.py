@@ -17,7 +17,10 @@ import zmq
 
 from mmfeat.protos.descriptor import Descriptor
 
-MODES = ("pool_view", "pool_copy", "inline", "zmq_bytes", "torch_mp", "client_default")
+# floor: the descriptor-sized message and the read of a local tensor, no transport at all; what any
+# transport adds is its distance from this row.
+MODES = ("floor", "pool_view", "pool_copy", "inline", "zmq_bytes", "torch_mp", "client_default")
+_FLOOR_MESSAGE = bytes(200)  # about a one-tensor descriptor
 POOL_MODES = {"pool_view", "pool_copy", "client_default"}
 
 
@@ -70,9 +73,14 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
         client = None
         if job.mode in POOL_MODES or job.mode == "inline":
             client = clients.get(job.mode) or clients.setdefault(job.mode, _client(runtime_dir, job.mode))
+        local = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device) if job.mode == "floor" else None
         cpu0 = time.process_time()  # all threads: ZeroMQ's I/O thread and the background acker too
         for _ in range(total):
-            if job.mode == "torch_mp":
+            if job.mode == "floor":
+                header, _ = pull.recv_multipart()
+                idx = msgpack.unpackb(header)
+                read_every_byte(local)
+            elif job.mode == "torch_mp":
                 idx, t = mp_queue.get()
                 read_every_byte(t)
                 del t
@@ -144,6 +152,10 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
                 for q in mp_queues:
                     q.put((i, fresh[i]))
                 fresh[i] = None
+            elif job.mode == "floor":
+                header = msgpack.packb(i)
+                for s in pushes:
+                    s.send_multipart([header, _FLOOR_MESSAGE])
             elif job.mode == "zmq_bytes":
                 header = msgpack.packb(i)
                 host = payload.cpu().numpy()  # the device-to-host copy a server pays without a GPU path
