@@ -37,7 +37,6 @@ class ControlChannel:
         self._lock = threading.Lock()
         self._sock: Optional[zmq.Socket] = None
         self._pid = os.getpid()
-        self._unflushed: set[str] = set()  # ops of casts that no later answered call has proven handled
         # Calls that timed out, by id, so their late replies can be undone (bounded: the oldest go first).
         self._abandoned: dict[int, tuple[str, dict[str, Any]]] = {}
         # Set once hello showed that the daemon's CLOCK_MONOTONIC is this process's.
@@ -54,8 +53,8 @@ class ControlChannel:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.linger = 0
             # Not ZMQ_IMMEDIATE: with it, a reply still unread when the daemon closes the connection is
-            # dropped (the ack that ends a drain would time out). A call queued for an absent daemon is
-            # discarded with the socket when it times out; a queued cast reaches a restart as STALE.
+            # dropped (the ack that ends a drain would time out). A call still queued for an absent
+            # daemon reaches its successor past its deadline and is dropped there (TIMED_OUT).
             sock.sndtimeo = int(self.timeout * 1000)
             sock.connect(self.endpoint)
             self._sock, self._pid = sock, os.getpid()
@@ -84,7 +83,6 @@ class ControlChannel:
                     raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} did not answer {op} within {timeout:g} s")
                 reply = decode(sock.recv())
                 if reply.get("id") == req_id:
-                    self._unflushed.clear()  # handled in order: every earlier cast is in
                     break
                 self._stray(reply)
         if reply.get("ok"):
@@ -96,29 +94,14 @@ class ControlChannel:
             code = ErrorCode.INTERNAL
         raise MmfeatError(code, str(err.get("message", "no message")))
 
-    def cast(self, op: str, **fields: Any) -> bool:
-        """Send without waiting. The request is quiet: the daemon answers only if it fails, and that
-        error is read later and logged.
-        Requests on one channel are handled in order, so a cast followed by a call is still ordered.
-        Returns False when the request could not be sent within the timeout."""
-        with self._lock:
-            try:
-                sock = self._socket()
-                while sock.poll(0):  # errors from earlier casts, late replies: read them so they never pile up
-                    self._stray(decode(sock.recv()))
-                sock.send(encode({"v": PROTOCOL_VERSION, "op": op, "id": -next(self._ids), "quiet": True, **fields}))
-                self._unflushed.add(op)
-                return True
-            except (zmq.Again, DaemonUnavailableError):
-                return False
-
     def _abandon(self, req_id: int, op: str, fields: dict[str, Any]) -> None:
         self._abandoned[req_id] = (op, fields)
         while len(self._abandoned) > _MAX_ABANDONED:
             del self._abandoned[next(iter(self._abandoned))]
 
     def _stray(self, reply: dict[str, Any]) -> None:
-        # A late reply to a request that already timed out, or the reply to a cast. Called with the lock held.
+        # A late reply to a call that already timed out, or the error reply to a quiet release sent from
+        # here. Called with the lock held.
         rid = reply.get("id")
         if not reply.get("ok") and isinstance(rid, int) and rid < 0:
             err = reply.get("error") or {}
@@ -138,22 +121,6 @@ class ControlChannel:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-
-    @property
-    def unflushed(self) -> frozenset[str]:
-        """The ops of casts sent since the last answered call."""
-        return frozenset(self._unflushed)
-
-    def flush(self, timeout: float) -> bool:
-        """Wait until the daemon has handled every cast sent so far (it handles a channel in order, so
-        one answered ping proves it). True if there was nothing to flush or the ping came back."""
-        if not self._unflushed:
-            return True
-        try:
-            self.call("ping", timeout=timeout)
-            return True
-        except MmfeatError:
-            return False
 
     def close(self) -> None:
         with self._lock:
