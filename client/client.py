@@ -228,7 +228,7 @@ class Client:
 
     def _release_quietly(self, session: Session, desc: Descriptor) -> None:
         try:
-            self._channel.call("release", session=session.token, lease=desc.lease_ref())
+            session.call("release", lease=desc.lease_ref())
         except MmfeatError:
             pass  # it expires after reserve_ttl anyway
 
@@ -321,7 +321,8 @@ class Client:
         key = (desc.epoch, desc.lease, desc.gen)
         ack_id = self._unconfirmed_acks.pop(key, None) or os.urandom(8)
         try:
-            reply = self._channel.call("ack", lease=desc.lease_ref(), count=count, ack_id=ack_id)
+            # On the fd channel: ordered after this process's own publishes, which travel there too.
+            reply = self._connect().call("ack", lease=desc.lease_ref(), count=count, ack_id=ack_id)
         except DaemonUnavailableError:
             self._unconfirmed_acks[key] = ack_id
             while len(self._unconfirmed_acks) > _MAX_UNCONFIRMED_ACKS:
@@ -353,7 +354,7 @@ class Client:
         """Producer only: cancel a feature that was never dispatched to its consumers."""
         desc = _as_descriptor(desc)
         if not desc.is_inline:
-            self._channel.call("release", session=self._connect().token, lease=desc.lease_ref())
+            self._connect().call("release", lease=desc.lease_ref())
 
     # --- operators -----------------------------------------------------------------------------
 

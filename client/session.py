@@ -57,6 +57,9 @@ class Session:
         self._ids = itertools.count(1)
         self._read_lock = threading.Lock()
         self._answered = 0  # the highest ping id the daemon has answered on this channel
+        self._waiting: set[int] = set()  # ids of calls waiting for their reply
+        self._replies: dict[int, dict[str, Any]] = {}
+        self.send_deadlines = False  # set by open_session once the daemon's clock is known to be ours
         self._closed = False
 
     # --- liveness and replies ------------------------------------------------------------------
@@ -88,6 +91,9 @@ class Session:
             log.warning("unreadable datagram from the daemon on the fd channel")
             return
         rid = reply.get("id")
+        if isinstance(rid, int) and rid in self._waiting:
+            self._replies[rid] = reply
+            return
         if reply.get("ok") and isinstance(rid, int):
             self._answered = max(self._answered, rid)
             return
@@ -130,6 +136,42 @@ class Session:
             return False
         except OSError as exc:
             raise DaemonUnavailableError(f"fd channel to mmfeatd closed: {exc.strerror}") from None
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """A request on the fd channel that waits for its answer. It is ordered after everything this
+        process sent there before (a plain ack after its own publish cannot overtake it); raises
+        MmfeatError for an error reply and DaemonUnavailableError after the timeout."""
+        n = next(self._ids)
+        deadline = time.monotonic() + self.timeout
+        if self.send_deadlines:
+            fields["deadline"] = deadline
+        with self._read_lock:
+            self._waiting.add(n)
+        try:
+            self.send(op, quiet=False, req_id=n, **fields)
+            while True:
+                with self._read_lock:
+                    alive = self._drain()
+                    reply = self._replies.pop(n, None)
+                if reply is not None:
+                    break
+                if not alive:
+                    raise DaemonUnavailableError(f"mmfeatd closed the fd channel before answering {op}")
+                left = deadline - time.monotonic()
+                if left <= 0 or not _wait(self._sock, select.POLLIN, left):
+                    raise DaemonUnavailableError(f"mmfeatd did not answer {op} within {self.timeout:g} s")
+        finally:
+            with self._read_lock:
+                self._waiting.discard(n)
+                self._replies.pop(n, None)
+        if reply.get("ok"):
+            return reply
+        err = reply.get("error") or {}
+        try:
+            code = ErrorCode(err.get("code"))
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        raise MmfeatError(code, str(err.get("message", "no message")))
 
     def sync(self, timeout: float) -> bool:
         """Wait until the daemon has handled everything sent on the fd channel so far; False on timeout."""
@@ -216,6 +258,7 @@ def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout:
             os.close(fd)
         raise
     session = Session(hello, channel.endpoint, fd_sock, fds, table, timeout)
+    session.send_deadlines = channel.send_deadlines
     try:
         for pool_id, info in session.pools.items():
             if info["kind"] == "host":  # map host pools now; GPU pools on first use, on the caller's device

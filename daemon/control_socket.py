@@ -55,7 +55,7 @@ class ControlSocket:
         self._monitor_addr = ""
         self._generation = 0  # bumped by reset: the monitor thread follows the new ROUTER
         self._stop = threading.Event()
-        self._bind()
+        self._bind(SocketFile(self._path, socket.SOCK_STREAM, self._mode))
         self._thread = threading.Thread(target=self._watch, name="mmfeatd-connections", daemon=True)
         self._thread.start()
 
@@ -63,14 +63,14 @@ class ControlSocket:
     def connections(self) -> int:
         return len(self._conns)
 
-    def _bind(self) -> None:
+    def _bind(self, file: SocketFile) -> None:
         router = self._ctx.socket(zmq.ROUTER)
         router.linger = 0
         router.maxmsgsize = HARD_FRAME_LIMIT
         router.sndhwm, router.rcvhwm = SEND_HWM, RECV_HWM
         # Our own listening socket, handed to ZeroMQ: made with the right mode, and libzmq will not
         # unlink the file at close (we do, only if it is still ours).
-        self._file = SocketFile(self._path, socket.SOCK_STREAM, self._mode)
+        self._file = file
         router.setsockopt(zmq.USE_FD, self._file.sock.detach())
         self._monitor_addr = f"inproc://mmfeatd-monitor-{self.resets}"
         router.monitor(self._monitor_addr, _MONITOR_EVENTS)
@@ -133,8 +133,9 @@ class ControlSocket:
         """Drop every connection and what it queued, and listen again on a fresh socket."""
         self.resets += 1
         log.warning("control socket reset: %s; every client reconnects and repeats the request in flight", why)
-        self._close(linger=0)
-        self._bind()
+        fresh = SocketFile(self._path, socket.SOCK_STREAM, self._mode)  # takes the path over at once
+        self._close(linger=0)  # the old file is no longer at the path: nothing is unlinked
+        self._bind(fresh)
 
     def _close(self, linger: int) -> None:
         if self.router is not None:

@@ -104,16 +104,23 @@ class SocketFile:
 
     def __init__(self, path: Path, kind: int, mode: int, backlog: int = 128) -> None:
         self.path = path
+        # Bound beside it, then renamed over it: the path always names a socket, so a client never finds
+        # it missing while a socket is replaced (a dead daemon's leftover, or a control-socket reset).
+        # The lock proves that no live daemon serves this dir.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a leftover of a dead daemon: the lock proves no live one serves this dir
+            os.unlink(tmp)
         self.sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
         try:
             with _umask(mode):
-                self.sock.bind(str(path))
+                self.sock.bind(str(tmp))
             self.sock.listen(backlog)
+            os.rename(tmp, path)
             st = os.lstat(path)
         except BaseException:
             self.sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
         self._inode = (st.st_dev, st.st_ino)
 

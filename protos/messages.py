@@ -93,7 +93,7 @@ class EmptyRequest(_Message):
 
 # Ops a client may also send on its fd channel after the handshake (SPEC.md, section 4): there a send
 # is a synchronous write into the daemon's socket buffer, so it is read before the channel's EOF.
-FD_CHANNEL_OPS = frozenset({"publish", "ack", "ping"})
+FD_CHANNEL_OPS = frozenset({"publish", "ack", "release", "ping"})
 
 # op name -> request model. The daemon's handler table (daemon/handlers.py) has the same keys;
 # tests/test_spec.py checks that SPEC.md documents each of them.
