@@ -31,6 +31,9 @@ from .fd_receiver import open_fd_channel
 log = logging.getLogger("mmfeat.client")
 
 _MAX_DATAGRAM = 4096
+# Threads share the fd channel: another thread may read our reply (and file it for us) while we sleep in
+# poll(), which then sees nothing to read. So a waiter looks again at least this often.
+_SHARED_WAIT_S = 0.005
 
 
 class Session:
@@ -158,8 +161,9 @@ class Session:
                 if not alive:
                     raise DaemonUnavailableError(f"mmfeatd closed the fd channel before answering {op}")
                 left = deadline - time.monotonic()
-                if left <= 0 or not _wait(self._sock, select.POLLIN, left):
+                if left <= 0:
                     raise DaemonUnavailableError(f"mmfeatd did not answer {op} within {self.timeout:g} s")
+                _wait(self._sock, select.POLLIN, min(left, _SHARED_WAIT_S))
         finally:
             with self._read_lock:
                 self._waiting.discard(n)
@@ -188,8 +192,9 @@ class Session:
                 if self._answered >= n:
                     return True
             left = deadline - time.monotonic()
-            if left <= 0 or not _wait(self._sock, select.POLLIN, left):
+            if left <= 0:
                 return False
+            _wait(self._sock, select.POLLIN, min(left, _SHARED_WAIT_S))
 
     # --- mappings ------------------------------------------------------------------------------
 

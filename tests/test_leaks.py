@@ -133,3 +133,28 @@ def test_a_process_with_more_than_1024_fds_open(daemon) -> None:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert daemon.pool()["used"] == 0
+
+
+def test_threads_waiting_on_the_fd_channel_at_once_all_get_their_replies(daemon) -> None:
+    """Plain acks wait for their replies on the shared fd channel; a thread must not sleep through a
+    reply another thread read for it."""
+    import threading
+
+    errors = []
+    with Client(daemon.runtime_dir, inline_threshold=0, timeout=3.0) as c:
+        descs = [c.put(torch.ones(1000), consumers=1) for _ in range(8 * 25)]
+
+        def work(k: int) -> None:
+            try:
+                for d in descs[k::8]:
+                    assert c.ack(d)["freed"]
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[:3]
+    assert daemon.pool()["used"] == 0
