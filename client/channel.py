@@ -18,7 +18,7 @@ from typing import Any, Optional
 import zmq
 
 from mmfeat.protos.codec import decode, encode
-from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
 from mmfeat.protos.version import PROTOCOL_VERSION
 
 log = logging.getLogger("mmfeat.client")
@@ -87,12 +87,7 @@ class ControlChannel:
                 self._stray(reply)
         if reply.get("ok"):
             return reply
-        err = reply.get("error") or {}
-        try:
-            code = ErrorCode(err.get("code"))
-        except ValueError:
-            code = ErrorCode.INTERNAL
-        raise MmfeatError(code, str(err.get("message", "no message")))
+        raise MmfeatError.from_reply(reply)
 
     def _abandon(self, req_id: int, op: str, fields: dict[str, Any]) -> None:
         self._abandoned[req_id] = (op, fields)

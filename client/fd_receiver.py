@@ -70,8 +70,7 @@ def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.
             raise DaemonUnavailableError(f"fd channel {path} closed during the handshake")
         reply = msgpack.unpackb(data, raw=False)
         if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise MmfeatError(ErrorCode(err.get("code", "INTERNAL")), err.get("message", "refused"))
+            raise MmfeatError.from_reply(reply)
         pools = reply.get("pools", [])
         if not reply.get("table") or len(pools) + 1 != len(fds):
             raise MmfeatError(ErrorCode.INTERNAL, f"daemon named {len(pools)} pools and a table but sent {len(fds)} fds")

@@ -170,12 +170,7 @@ class Session:
                 self._replies.pop(n, None)
         if reply.get("ok"):
             return reply
-        err = reply.get("error") or {}
-        try:
-            code = ErrorCode(err.get("code"))
-        except ValueError:
-            code = ErrorCode.INTERNAL
-        raise MmfeatError(code, str(err.get("message", "no message")))
+        raise MmfeatError.from_reply(reply)
 
     def sync(self, timeout: float) -> bool:
         """Wait until the daemon has handled everything sent on the fd channel so far; False on timeout."""

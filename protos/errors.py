@@ -34,6 +34,17 @@ class MmfeatError(Exception):
     def to_wire(self) -> dict[str, str]:
         return {"code": self.code.value, "message": self.message}
 
+    @classmethod
+    def from_reply(cls, reply: dict) -> "MmfeatError":
+        """The error an error reply carries; a code this side does not know reads as INTERNAL."""
+        err = reply.get("error")
+        err = err if isinstance(err, dict) else {}
+        try:
+            code = ErrorCode(err.get("code"))
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        return cls(code, str(err.get("message", "no message")))
+
 
 class DaemonUnavailableError(MmfeatError):
     """The daemon did not answer in time or its socket is missing. Not a wire code: client side only."""
