@@ -211,7 +211,7 @@ def test_drain_timeout_cuts_and_says_how_many(runtime_dir) -> None:
 
 def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
     port = _free_port()
-    d = start_daemon(runtime_dir, "--pool-mb", "8", "--metrics-port", str(port))
+    d = start_daemon(runtime_dir, "--pool-mb", "8", "--metrics-port", str(port), "--drain-timeout", "0")  # one lease stays
     try:
         with d.client(inline_threshold=0) as c:
             for _ in range(3):

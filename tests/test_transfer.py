@@ -83,7 +83,7 @@ def test_shape_dtype_and_strides_round_trip(daemon) -> None:
 
 
 def test_descriptor_from_restarted_daemon_is_stale(runtime_dir, daemon_factory) -> None:
-    d1 = daemon_factory("--pool-mb", "16")
+    d1 = daemon_factory("--pool-mb", "16", "--drain-timeout", "0")  # its lease is never acked
     with Client(runtime_dir, inline_threshold=0) as c:
         desc = c.put(torch.ones(1000))
     d1.stop()
