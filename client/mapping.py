@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from mmfeat.protos.lease_table import ENTRY, FREE, HEADER, MAGIC, PUBLISHED, RESERVED, entry_offset, table_bytes
+from mmfeat.protos.lease_table import ENTRY, FREE, HEADER, MAGIC, entry_offset, table_bytes
 
 
 @dataclass
@@ -49,7 +49,7 @@ def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int) -
         os.close(fd)
 
 
-STATE_FREE, STATE_RESERVED, STATE_PUBLISHED = FREE, RESERVED, PUBLISHED
+STATE_FREE = FREE
 # state() for a live lease whose pool, offset or size differ from what the descriptor says.
 STATE_MISMATCH = -1
 

@@ -1,10 +1,11 @@
 """A client's session with its daemon: the hello, the fd channel that keeps the session alive, the
-pool mappings, and the requests that travel on the fd channel (publish, ping).
+pool mappings, and the requests that travel on the fd channel (publish, ack, release, ping).
 
 The fd channel is a SOCK_SEQPACKET connection. Its EOF tells the daemon the process is gone; a send on
 it is a synchronous write into the daemon's socket buffer, which the daemon reads before that EOF. So a
 publish sent there is never lost to a crash right after ``put`` returns, as a ZeroMQ message still in
-this process's I/O thread would be. The daemon answers only what fails (and pings).
+this process's I/O thread would be, and one process's requests there are handled in the order it sent
+them. Quiet requests are answered only when they fail; calls and pings always.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ ZeroMQ cannot carry fds, and pidfd_getfd needs ptrace rights, so handles go here
 sends ``{v, session}`` (msgpack), and gets ``{v, ok, pools, table}`` with one fd per POSIX-fd pool and
 then the lease table's fd attached.
 The connection then stays open for the life of the client: its EOF is the signal that the process died.
-After the handshake the client may send request frames for the ops in FD_CHANNEL_OPS (publish, ping).
+After the handshake the client may send request frames for the ops in FD_CHANNEL_OPS
+(publish, ack, release, ping).
 A send there is a synchronous write into this socket's buffer, and the kernel delivers every datagram
 before the EOF, so a publish whose send returned is handled even if its producer dies at once.
 """

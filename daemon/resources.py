@@ -22,8 +22,8 @@ MIN_FD_LIMIT = 4096
 # fds kept for everything that is not a client connection: pools, lease table, listeners, libzmq's
 # own, the metrics server, log files.
 FD_RESERVE = 64
-# What one client process may hold: its control DEALER, its background acker's and its fallback
-# probe's, and its fd channel. Connections may use half the fd limit; the other half is headroom for
+# What one client process may hold: its control DEALER, its fallback probe's, its fd channel, and one
+# to spare (a second Client in the same process, a tool). Connections may use half the fd limit; the other half is headroom for
 # a burst of connections that libzmq accepts before the daemon can shut them down.
 FDS_PER_CLIENT = 4
 _HEADROOM = 2

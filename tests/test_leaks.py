@@ -46,26 +46,16 @@ def test_long_lived_client_reuses_one_mapping(daemon) -> None:
 
 
 def test_threads_share_one_client(daemon) -> None:
-    import threading
-
-    errors = []
     with Client(daemon.runtime_dir, inline_threshold=0) as c:
 
         def work(k: int) -> None:
-            try:
-                for i in range(40):
-                    t = torch.full((2000,), float(k * 1000 + i))
-                    d = c.put(t)
-                    assert torch.equal(c.get(d), t)
-                    c.ack(d)
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
+            for i in range(40):
+                t = torch.full((2000,), float(k * 1000 + i))
+                d = c.put(t)
+                assert torch.equal(c.get(d), t)
+                c.ack(d)
 
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = _in_threads(work, 4)
     assert not errors, errors
     s = daemon.wait_for(lambda s: s["sessions"] == 0, timeout=5, what="sessions to end with their clients")
     assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == 160
@@ -138,23 +128,33 @@ def test_a_process_with_more_than_1024_fds_open(daemon) -> None:
 def test_threads_waiting_on_the_fd_channel_at_once_all_get_their_replies(daemon) -> None:
     """Plain acks wait for their replies on the shared fd channel; a thread must not sleep through a
     reply another thread read for it."""
-    import threading
-
-    errors = []
     with Client(daemon.runtime_dir, inline_threshold=0, timeout=3.0) as c:
         descs = [c.put(torch.ones(1000), consumers=1) for _ in range(8 * 25)]
 
         def work(k: int) -> None:
-            try:
-                for d in descs[k::8]:
-                    assert c.ack(d)["freed"]
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
+            for d in descs[k::8]:
+                assert c.ack(d)["freed"]
 
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = _in_threads(work, 8)
     assert not errors, errors[:3]
     assert daemon.pool()["used"] == 0
+
+
+def _in_threads(work, n: int) -> list[BaseException]:
+    """Run ``work(k)`` for k in range(n) on n threads at once; the exceptions they raised."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            work(k)
+        except BaseException as exc:  # surfaced by the caller's assert
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
