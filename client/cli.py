@@ -28,12 +28,14 @@ def render_stats(s: dict[str, Any]) -> str:
         f"mmfeatd on {s['node']}  pid {s['pid']}  epoch {s['epoch']}  up {s['uptime_s']:.0f} s"
         f"  clients {s['clients']}{'  DRAINING' if s['draining'] else ''}",
         "",
-        f"{'pool':>4} {'kind':<5} {'dev':>3} {'handle':<8} {'MiB':>9} {'used':>9} {'free':>9} {'largest':>9} {'reserved':>8} {'published':>9}",
+        f"{'pool':>4} {'kind':<5} {'dev':>3} {'handle':<8} {'MiB':>9} {'used':>9} {'free':>9} {'largest':>9} {'reserved':>8} {'published':>9}"
+        f" {'arenas':>6} {'slack':>9}",
     ]
     for p in s["pools"]:
         lines.append(
             f"{p['pool']:>4} {p['kind']:<5} {p['device']:>3} {p['handle']:<8} {_mib(p['capacity']):>9} {_mib(p['used']):>9}"
             f" {_mib(p['free']):>9} {_mib(p['largest_free']):>9} {p['leases']['RESERVED']:>8} {p['leases']['PUBLISHED']:>9}"
+            f" {p['arenas']['count']:>6} {_mib(p['arenas']['slack']):>9}"
         )
     lines.append("")
     counters = [(k, v) for k, v in c.items() if k != "fallbacks"]

@@ -25,9 +25,13 @@ from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.paths import fd_socket_path
 from mmfeat.protos.version import PROTOCOL_VERSION
 
+from mmfeat import atomics
+
 from . import mapping as mapping_cache
+from .arena import ArenaSet
 from .channel import ControlChannel
 from .fd_receiver import open_fd_channel
+from .table import LeaseTableView, map_lease_table
 
 log = logging.getLogger("mmfeat.client")
 
@@ -35,6 +39,9 @@ _MAX_DATAGRAM = 4096
 # Threads share the fd channel: another thread may read our reply (and file it for us) while we sleep in
 # poll(), which then sees nothing to read. So a waiter looks again at least this often.
 _SHARED_WAIT_S = 0.005
+# alive() reads the channel at most this often: a recv per put, get and ack would be the largest cost of
+# the shared-memory path. A daemon restart is noticed within it (its descriptors are STALE anyway).
+_ALIVE_EVERY_S = 0.001
 
 
 class Session:
@@ -44,7 +51,7 @@ class Session:
         endpoint: str,
         fd_sock: socket.socket,
         fds: dict[int, int],
-        table: mapping_cache.LeaseTableView,
+        table: LeaseTableView,
         timeout: float,
     ) -> None:
         self.token: bytes = hello["session"]
@@ -65,16 +72,25 @@ class Session:
         self._replies: dict[int, dict[str, Any]] = {}
         self.send_deadlines = False  # set by open_session once the daemon's clock is known to be ours
         self._closed = False
+        self._gone = False
+        self._next_check = 0.0
+        # The shared-memory path: arenas to publish in, and acks added in the lease table.
+        self.arenas: Optional[ArenaSet] = ArenaSet(self) if table.writable else None
 
     # --- liveness and replies ------------------------------------------------------------------
 
     def alive(self) -> bool:
         """False once the daemon closed the channel (it exited or restarted). Reads and logs the error
         replies of failed fd-channel requests on the way: they are the only other thing it sends."""
-        if self._closed or self.pid != os.getpid():
+        if self._closed or self._gone or self.pid != os.getpid():
             return False
+        now = time.monotonic()
+        if now < self._next_check:
+            return True
+        self._next_check = now + _ALIVE_EVERY_S
         with self._read_lock:
-            return self._drain()
+            self._gone = not self._drain()
+        return not self._gone
 
     def _drain(self) -> bool:
         while True:
@@ -100,6 +116,12 @@ class Session:
             return
         if reply.get("ok") and isinstance(rid, int):
             self._answered = max(self._answered, rid)
+            if isinstance(reply.get("arena"), dict):
+                # An arena granted after its request timed out: nobody will place features in it.
+                try:
+                    self.send("arena_return", arena=reply["arena"].get("id"))
+                except DaemonUnavailableError:
+                    pass  # the session is ending: the daemon takes its arenas back anyway
             return
         err = reply.get("error") or {}
         log.warning("a pipelined request failed: %s: %s", err.get("code"), err.get("message"))
@@ -173,6 +195,35 @@ class Session:
             return reply
         raise MmfeatError.from_reply(reply)
 
+    def call_later(self, op: str, **fields: Any) -> int:
+        """Send a request that expects an answer without waiting for it; ``reply_to`` reads it later."""
+        n = next(self._ids)
+        with self._read_lock:
+            self._waiting.add(n)
+        try:
+            self.send(op, quiet=False, req_id=n, **fields)
+        except BaseException:
+            with self._read_lock:
+                self._waiting.discard(n)
+            raise
+        return n
+
+    def reply_to(self, req_id: int) -> Optional[dict[str, Any]]:
+        """The reply to a ``call_later`` request if it has arrived (None if not yet); raises MmfeatError
+        for an error reply and DaemonUnavailableError if the daemon closed the channel."""
+        with self._read_lock:
+            alive = self._drain()
+            reply = self._replies.pop(req_id, None)
+            if reply is not None or not alive:
+                self._waiting.discard(req_id)
+        if reply is None:
+            if not alive:
+                raise DaemonUnavailableError("mmfeatd closed the fd channel before answering")
+            return None
+        if reply.get("ok"):
+            return reply
+        raise MmfeatError.from_reply(reply)
+
     def sync(self, timeout: float) -> bool:
         """Wait until the daemon has handled everything sent on the fd channel so far; False on timeout."""
         n = next(self._ids)
@@ -230,6 +281,8 @@ class Session:
 
     def close(self) -> None:
         self._closed = True
+        if self.arenas is not None:
+            self.arenas.close()
         self._sock.close()
         for fd in self.fds.values():
             os.close(fd)
@@ -252,7 +305,9 @@ def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout:
     channel.send_deadlines = isinstance(clock, (int, float)) and sent - 1.0 <= clock <= time.monotonic() + 1.0
     fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(runtime_dir), hello["session"], timeout)
     try:
-        table = mapping_cache.map_lease_table(channel.endpoint, hello["epoch"], table_fd, hello["table_slots"])
+        # Writable only where this process will publish and ack in it (SPEC.md, section 9).
+        writable = bool(hello.get("arenas")) and atomics.AVAILABLE
+        table = map_lease_table(channel.endpoint, hello["epoch"], table_fd, hello["table_slots"], writable)
     except BaseException:
         fd_sock.close()
         for fd in fds.values():

@@ -79,6 +79,29 @@ class Allocator:
         self._add_free(start, end - start)
         return size
 
+    def trim(self, offset: int, keep: list[tuple[int, int]]) -> int:
+        """Shrink the range at ``offset`` to the ranges in ``keep`` ((offset, size) pairs, sorted, disjoint,
+        aligned, inside it), each becoming a range of its own; the rest goes back free. Bytes freed."""
+        size = self._allocated.pop(offset)
+        self.used -= size
+        pos, end = offset, offset + size
+        for k_off, k_size in keep:
+            if not (pos <= k_off and k_off + k_size <= end):
+                raise ValueError(f"kept range [{k_off}, +{k_size}) is not inside [{pos}, {end})")
+            if k_off > pos:
+                self._give_back(pos, k_off - pos)
+            self._allocated[k_off] = k_size
+            self.used += k_size
+            pos = k_off + k_size
+        if pos < end:
+            self._give_back(pos, end - pos)
+        return size - sum(k for _, k in keep)
+
+    def _give_back(self, offset: int, size: int) -> None:
+        self._allocated[offset] = size
+        self.used += size
+        self.release(offset)
+
     def _add_free(self, offset: int, size: int) -> None:
         self._by_offset[offset] = size
         self._by_size.add((size, offset))

@@ -32,6 +32,9 @@ HELP: dict[str, str] = {
     "reserve_ttl": "seconds a RESERVED lease may stay unpublished before it is freed",
     "ack_ttl": "seconds a PUBLISHED lease may wait for its acks before it is freed",
     "max_leases": "live leases at most, over all pools",
+    "arena_mb": "MiB of each producer arena (at most an eighth of the pool); 0: no arenas, every feature reserves",
+    "arena_slots": "features one arena holds at most at a time (lease slots per arena)",
+    "arenas_per_session": "arenas one producer may hold at a time",
     "max_clients": "client processes at most (fd channels); 0: as many as the fd limit allows, 4 fds each",
     "control_memory_mb": "MiB the daemon may grow by, plus 64 KiB per connection, before it resets its control socket",
     "max_session_mb": "MiB one session's live leases may hold (a stuck producer cannot fill the pool); 0: no limit",
@@ -58,6 +61,9 @@ class Settings(BaseModel):
     ack_ttl: float = Field(300.0, gt=0, le=7 * 86400)
     max_leases: int = Field(65536, ge=1, le=1 << 24)
     max_session_mb: int = Field(0, ge=0, le=1 << 22)
+    arena_mb: int = Field(64, ge=0, le=1 << 20)
+    arena_slots: int = Field(256, ge=1, le=1 << 16)
+    arenas_per_session: int = Field(4, ge=1, le=1024)
     max_clients: int = Field(0, ge=0, le=1 << 20)
     control_memory_mb: int = Field(256, ge=16, le=1 << 20)
     allowed_uids: list[int] = Field(default_factory=list)

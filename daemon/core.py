@@ -7,6 +7,7 @@ import secrets
 import time
 from typing import Callable, Optional
 
+from mmfeat import atomics
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 from .allocator import Allocator
@@ -16,6 +17,7 @@ from .lease_table import LeaseTable
 from .ledger import FreeObserver, Ledger
 from .pools import Pool
 from .sessions import ATTACH_GRACE_S, PeerCred, SessionTable
+from .sweeper import Sweeper
 
 
 class DaemonCore:
@@ -45,7 +47,22 @@ class DaemonCore:
             observer,
             self.table,
             settings.max_session_mb << 20,
+            settings.arena_mb << 20,
+            settings.arena_slots,
+            settings.arenas_per_session,
         )
+        self.sweeper = Sweeper(self.table, self.ledger)
+        # Arenas need compare-and-swap in the lease table (clients ack there): without libatomic, every
+        # feature takes the message path.
+        self.arenas_enabled = settings.arena_mb > 0 and atomics.AVAILABLE
+
+    def sweep(self, now: float) -> int:
+        """Apply what clients wrote into the lease table; the number of words applied."""
+        return self.sweeper.sweep(now)
+
+    def set_draining(self) -> None:
+        self.draining = True
+        self.table.set_draining(True)  # producers stop placing features in their arenas
 
     def apply_settings(self, settings: Settings) -> None:
         """Take reloaded settings. TTLs apply to leases reserved or published from now on."""
@@ -85,22 +102,30 @@ class DaemonCore:
             if fd is not None:
                 ids.append(pool.pool_id)
                 fds.append(fd)
-        fds.append(self.table.fd)  # always last: the lease table (SPEC.md, section 4)
+        fds.append(self.table.fd)  # always last: the lease table (SPEC.md, section 5)
         return ids, fds
 
     def end_session(self, token: bytes) -> int:
-        """The session's fd channel closed: its process is gone or done. Reclaim what it left RESERVED."""
+        """The session's fd channel closed: its process is gone or done. Adopt what it published in its
+        arenas, reclaim what it left RESERVED, and give its arenas back (each is freed once no feature
+        in it is live)."""
+        now = time.monotonic()
+        self.sweep(now)
         self.sessions.close(token)
-        return self.ledger.reclaim_session(token, time.monotonic())
+        self.ledger.return_session_arenas(token)
+        return self.ledger.reclaim_session(token, now)
 
     def tick(self, now: float) -> None:
         self.ledger.expire(now)
         self.sessions.drop_unattached_before(now - ATTACH_GRACE_S)
 
     def stats(self) -> dict:
+        self.sweep(time.monotonic())  # exact as of this reply: what clients wrote so far is applied
+        arenas = self.ledger.arenas
         pools = []
         for pool in self.pools.values():
             alloc = self.ledger.allocators[pool.pool_id]
+            arena_bytes = arenas.bytes[pool.pool_id]
             pools.append(
                 {
                     "pool": pool.pool_id,
@@ -113,6 +138,9 @@ class DaemonCore:
                     "largest_free": alloc.largest_free,
                     "leases": self.ledger.count_by_state(pool.pool_id),
                     "bytes": self.ledger.bytes_by_state(pool.pool_id),
+                    # used = bytes of leases outside arenas + arena bytes; live_bytes is in both.
+                    "arenas": {"count": arenas.count(pool.pool_id), "bytes": arena_bytes,
+                               "live_bytes": arenas.live_bytes[pool.pool_id], "slack": arenas.slack(pool.pool_id)},
                 }
             )
         return {

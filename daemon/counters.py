@@ -26,6 +26,16 @@ class Counters:
     over_quota: int = 0
     duplicate_acks: int = 0
     late_requests: int = 0
+    # The shared-memory path (arenas and the lease table's ack words).
+    arenas_granted: int = 0
+    arenas_refused: int = 0  # pool full, slots used up, or the session's limit: its producer reserves instead
+    arenas_returned: int = 0
+    arenas_freed: int = 0
+    arena_publishes: int = 0
+    table_acks: int = 0
+    stray_table_acks: int = 0  # acks found in the table for a feature already ended (a late over-ack)
+    bad_table_words: int = 0  # words a client wrote that the daemon refused (SPEC.md, section 9)
+    sweeps: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:

@@ -60,6 +60,8 @@ def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> Reply:
         "ack_ttl": core.ledger.ack_ttl,
         "max_request_bytes": MAX_REQUEST_BYTES,
         "table_slots": core.table.slots,
+        # Producers may ask for arenas and ack in the lease table (SPEC.md, section 5).
+        "arenas": core.arenas_enabled,
         # CLOCK_MONOTONIC here: a client on the same kernel sees the same clock and may then send
         # request deadlines (SPEC.md, section 2).
         "clock": now,
@@ -76,6 +78,7 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> Reply:
     if not session.attached:
         raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before reserving, so a crash frees your leases")
     pool_id = core.pool_for(req.device)
+    core.sweep(now)  # acks clients wrote since the last sweep may have freed the range this needs
     t0 = time.perf_counter()
     lease = core.ledger.reserve(req.session, pool_id, req.nbytes, req.consumers, now)
     if core.observe_reserve is not None:
@@ -83,13 +86,41 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> Reply:
     return _lease_reply(core, lease)
 
 
+def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> Reply:
+    """Grant the producer an arena: a slice of the pool and a block of lease slots it publishes in."""
+    if core.draining:
+        raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; no new arenas")
+    if not core.arenas_enabled:
+        raise MmfeatError(ErrorCode.BAD_STATE, "this daemon grants no arenas (arena_mb = 0, or no libatomic); reserve instead")
+    session = core.sessions.get(req.session)
+    if session is None or not session.attached:
+        raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before asking for an arena, so a crash returns it")
+    pool_id = core.pool_for(req.device)
+    core.sweep(now)
+    a = core.ledger.grant_arena(req.session, pool_id)
+    return {"arena": {"id": a.arena_id, "pool": a.pool_id, "offset": a.offset, "size": a.size,
+                      "slot_base": a.slot_base, "slots": a.slots}}
+
+
+def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> Reply:
+    """The producer places nothing more in this arena; it is freed once no feature in it is live."""
+    a = core.ledger.arenas.get(req.arena)
+    if a is None or a.session != req.session:
+        raise MmfeatError(ErrorCode.NOT_FOUND, f"this session holds no arena {req.arena}")
+    core.sweep(now)  # adopt what it published there first
+    core.ledger.return_arena(a)
+    return {}
+
+
 def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> Reply:
     """The producer finished writing: the lease becomes readable and its ack deadline starts."""
+    core.sweep(now)  # so a feature published in an arena is known (and refused here as already published)
     return _lease_reply(core, core.ledger.publish(req.lease, req.session, now))
 
 
 def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Reply:
     """``count`` consumers are done; acks beyond what the lease expects are counted, not applied."""
+    core.sweep(now)  # the lease may be a feature published in an arena since the last sweep
     result = core.ledger.ack(req.lease, req.count, now, req.ack_id)
     return {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked,
             "duplicate": result.duplicate}
@@ -97,12 +128,14 @@ def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Reply:
 
 def release(core: DaemonCore, req: m.ReleaseRequest, now: float) -> Reply:
     """The producer cancels a lease it never dispatched; it is freed at once."""
+    core.sweep(now)
     core.ledger.release(req.lease, req.session, now)
     return {"freed": True}
 
 
 def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> Reply:
     """Is this lease live, with this generation and token? Consumers verify before reading."""
+    core.sweep(now)
     return _lease_reply(core, core.ledger.lookup(req.lease))
 
 
@@ -114,6 +147,9 @@ def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> Reply:
 
 
 def ping(core: DaemonCore, req: m.EmptyRequest, now: float) -> Reply:
+    """Liveness; it also applies what clients wrote in the lease table, so a client's flush() (a ping on
+    its fd channel) returns once its table acks are applied."""
+    core.sweep(now)
     return {"epoch": core.epoch, "node": core.settings.node_id, "draining": core.draining}
 
 
@@ -134,6 +170,8 @@ HANDLERS: dict[str, Handler] = {
     "ack": ack,
     "release": release,
     "lookup": lookup,
+    "arena": arena,
+    "arena_return": arena_return,
     "fallback": fallback,
     "ping": ping,
     "stats": stats,

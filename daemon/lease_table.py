@@ -1,23 +1,30 @@
-"""The lease table: one entry per lease slot (state and generation, pool, offset, size) in a sealed
-memfd that clients map read-only. It lets a consumer check that a descriptor names a live lease and
-exactly its range without a round trip to the daemon. It holds no feature bytes; the daemon still
-never touches those. The layout is mmfeat.protos.lease_table.
+"""The lease table: one entry per lease slot in a sealed memfd that every client maps. The layout is
+mmfeat.protos.lease_table.
 
-Word 0 changes with one aligned 8-byte store, so a reader never sees a new generation with an old
-state; the range words are written before word 0 makes their generation live.
+Consumers read it to check a descriptor without a round trip and add their acks to it; producers
+publish the features of their arenas in it. The daemon creates it, writes the entries of the leases
+it reserves and every FREE, and sweeps it (daemon/sweeper.py) for what clients wrote. It holds no
+feature bytes; the daemon still never touches those.
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import mmap
 import os
+import struct
 from typing import Optional
 
-from mmfeat.protos.lease_table import ENTRY_BYTES, HEADER, HEADER_BYTES, MAGIC, WORDS_PER_ENTRY, table_bytes
-# Linux 5.1+: no new writable mappings, while the daemon's existing one stays writable.
-_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+import numpy as np
+
+from mmfeat.atomics import Words
+from mmfeat.protos.lease_table import (
+    ACKS, CONSUMERS, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, NBYTES, OFFSET, POOL, STATE, TOKEN,
+    WORDS_PER_ENTRY, ENTRY_BYTES, ack_word, state_word, table_bytes, word_index,
+)
+
+
+_ENTRY = struct.Struct(f"<{WORDS_PER_ENTRY}Q")
 
 
 class LeaseTable:
@@ -27,13 +34,20 @@ class LeaseTable:
         self._fd: Optional[int] = os.memfd_create("mmfeat-leases", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, self.size)
         self._mm: Optional[mmap.mmap] = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED)
-        self._mm[:HEADER_BYTES] = HEADER.pack(MAGIC, epoch, slots, ENTRY_BYTES).ljust(HEADER_BYTES, b"\0")
-        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals | _F_SEAL_FUTURE_WRITE)
-        except OSError:  # older kernel: clients still map it read-only by protocol
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
-        self._words = (ctypes.c_uint64 * (slots * WORDS_PER_ENTRY)).from_buffer(self._mm, HEADER_BYTES)
+        self._mm[:HEADER_BYTES] = HEADER.pack(MAGIC, epoch, slots, ENTRY_BYTES, 0).ljust(HEADER_BYTES, b"\0")
+        # Clients map it writable (they publish and ack in it), so only its size is sealed: a client
+        # cannot shrink it under the daemon's mapping (SIGBUS) or grow it.
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self.words = Words(self._mm, HEADER_BYTES, slots * WORDS_PER_ENTRY)
+        self._header = Words(self._mm, 0, HEADER_BYTES // 8)
+        # The sweeper's bulk view: row = slot, column = entry word.
+        self.columns = np.frombuffer(self._mm, dtype="<u8", count=slots * WORDS_PER_ENTRY, offset=HEADER_BYTES).reshape(
+            slots, WORDS_PER_ENTRY
+        )
+        # What the daemon last wrote or accounted for in each STATE and ACKS word; a sweep looks at the
+        # words that differ (daemon/sweeper.py).
+        self.seen_state = np.zeros(slots, dtype=np.uint64)
+        self.seen_acks = np.zeros(slots, dtype=np.uint64)
 
     @property
     def fd(self) -> int:
@@ -41,22 +55,48 @@ class LeaseTable:
             raise RuntimeError("lease table is closed")
         return self._fd
 
-    def set(self, slot: int, gen: int, state: int) -> None:
-        """A new state for the generation already in the slot (publish), or FREE."""
-        self._words[slot * WORDS_PER_ENTRY] = (gen << 2) | state
+    def entry(self, slot: int) -> tuple[int, ...]:
+        """The slot's eight words, read plainly: call after an acquire (load or fence) that saw its STATE."""
+        assert self._mm is not None
+        return _ENTRY.unpack_from(self._mm, HEADER_BYTES + slot * ENTRY_BYTES)
 
-    def set_live(self, slot: int, gen: int, state: int, pool: int, offset: int, nbytes: int) -> None:
-        """A new generation goes live: its range first, then the word that names it."""
-        base = slot * WORDS_PER_ENTRY
-        words = self._words
-        words[base + 1] = pool
-        words[base + 2] = offset
-        words[base + 3] = nbytes
-        words[base] = (gen << 2) | state
+    def load(self, slot: int, word: int) -> int:
+        return self.words.load(word_index(slot, word))
+
+    def set(self, slot: int, gen: int, state: int) -> None:
+        """A new state for the generation in the slot (publish of a reserved lease), or FREE."""
+        self.store_state(slot, state_word(gen, state))
+
+    def store_state(self, slot: int, word: int) -> None:
+        self.seen_state[slot] = word
+        self.words.store(word_index(slot, STATE), word)
+
+    def set_live(self, slot: int, gen: int, state: int, pool: int, offset: int, nbytes: int, consumers: int,
+                 token: bytes) -> None:
+        """A reserved lease goes live: its words first, then the state word that names its generation."""
+        words = self.words
+        base = word_index(slot, 0)
+        self.seen_acks[slot] = ack_word(gen)
+        words.store(base + ACKS, ack_word(gen))
+        words.store(base + POOL, pool)
+        words.store(base + OFFSET, offset)
+        words.store(base + NBYTES, nbytes)
+        words.store(base + CONSUMERS, consumers)
+        words.store(base + TOKEN, int.from_bytes(token[:8], "little"))
+        words.store(base + TOKEN + 1, int.from_bytes(token[8:16], "little"))
+        self.store_state(slot, state_word(gen, state))
+
+    def cas(self, slot: int, word: int, expected: int, new: int) -> tuple[bool, int]:
+        return self.words.cas(word_index(slot, word), expected, new)
+
+    def set_draining(self, draining: bool) -> None:
+        self._header.store(HEADER_FLAGS_WORD, 1 if draining else 0)
 
     def close(self) -> None:
         if self._mm is not None:
-            del self._words
+            self.words.close()
+            self._header.close()
+            del self.columns
             self._mm.close()
             self._mm = None
         if self._fd is not None:

@@ -2,7 +2,8 @@
 
 A lease goes RESERVED -> PUBLISHED -> freed. It is freed when its last expected ack arrives, when the
 producer releases it, when its deadline passes, or (RESERVED only) when its producer's session ends.
-Lease ids index a slot table; a slot's generation is bumped every time it is reused, so a descriptor
+A feature a producer published in its arena enters PUBLISHED directly, when the sweep adopts it.
+Lease ids index a slot table; a slot's generation grows every time it is reused, so a descriptor
 that outlived its lease is told STALE instead of touching someone else's feature.
 """
 
@@ -18,11 +19,13 @@ from typing import Callable, Optional
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 
-from .allocator import Allocator, align_up
-from .counters import Counters
 from mmfeat.protos.lease_table import FREE, PUBLISHED, RESERVED
 
+from .allocator import Allocator, align_up
+from .arenas import Arena, Arenas
+from .counters import Counters
 from .lease_table import LeaseTable
+from .slots import SlotSpace
 
 
 class LeaseState(str, Enum):
@@ -37,6 +40,7 @@ class EndReason(str, Enum):
     EXPIRED_PUBLISHED = "expired waiting for acks after ack_ttl"
     RECLAIMED = "reclaimed: its producer disconnected before publishing"
     SHUTDOWN = "cut at daemon shutdown"
+    REFUSED = "refused: its producer published it with words the daemon could not accept"
 
 
 @dataclass
@@ -54,6 +58,8 @@ class Lease:
     deadline: float
     reserved_at: float
     published_at: float = 0.0
+    size: int = 0  # bytes it holds: nbytes rounded up to the lease alignment
+    arena: Optional[Arena] = None  # set for a feature published in a producer arena
     # Ack ids already applied, so that a consumer's retry of an ack whose reply it lost counts once.
     ack_ids: Optional[set[bytes]] = None
 
@@ -94,6 +100,9 @@ class Ledger:
         observer: Optional[FreeObserver] = None,
         table: Optional[LeaseTable] = None,
         session_quota: int = 0,
+        arena_bytes: int = 0,
+        arena_slots: int = 256,
+        arenas_per_session: int = 4,
     ) -> None:
         self.allocators = allocators
         self.epoch = epoch
@@ -103,8 +112,9 @@ class Ledger:
         self.max_leases = max_leases
         self._observer = observer
         self._table = table
-        self._slots: list[_Slot] = []
-        self._free_slots: list[int] = []
+        self._slots: dict[int, _Slot] = {}
+        self.space = SlotSpace(max_leases, min(arena_slots, max_leases))
+        self.arenas = Arenas(allocators, self.space, counters, arena_bytes, arenas_per_session)
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen); lazily invalidated
         self._reserved_by_session: dict[bytes, set[int]] = {}
         self.session_quota = session_quota  # bytes a session's live leases may hold; 0: no limit
@@ -137,16 +147,21 @@ class Ledger:
                     f"this session's live leases hold {held} B and max_session_mb allows {self.session_quota} B; "
                     "send inline, or ack and release features sooner",
                 )
+        lease_id = self.space.take()
+        if lease_id is None:
+            self.counters.pool_full += 1
+            raise MmfeatError(ErrorCode.POOL_FULL, "every lease slot is in use (max_leases, arenas included); retry or fall back to inline")
         offset = alloc.alloc(nbytes)
         if offset is None:
+            self.space.give(lease_id)
             self.counters.pool_full += 1
             raise MmfeatError(
                 ErrorCode.POOL_FULL,
                 f"pool {pool_id} has no free range of {nbytes} B (free {alloc.free} B, largest {alloc.largest_free} B); "
                 "fall back to inline or wait for acks",
             )
-        lease_id = self._take_slot()
-        slot = self._slots[lease_id]
+        slot = self._slot(lease_id)
+        slot.gen += 1
         lease = Lease(
             lease_id=lease_id,
             gen=slot.gen,
@@ -160,16 +175,48 @@ class Ledger:
             session=session,
             deadline=now + self.reserve_ttl,
             reserved_at=now,
+            size=alloc.size_of(offset),
         )
         slot.lease, slot.ended = lease, None
         self.live += 1
         self._account(lease, +1)
         if self._table is not None:
-            self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes)
+            self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes, consumers, lease.token)
         self._reserved_by_session.setdefault(session, set()).add(lease_id)
-        self._bytes_by_session[session] = self._bytes_by_session.get(session, 0) + alloc.size_of(offset)
+        self._hold(session, lease.size)
         self._push_deadline(lease)
         self.counters.reserves += 1
+        return lease
+
+    def adopt(self, arena: Arena, slot_id: int, gen: int, nbytes: int, offset: int, consumers: int, token: bytes,
+              now: float) -> Lease:
+        """A feature its producer published in its arena: PUBLISHED from here, acked and expired like any."""
+        slot = self._slot(slot_id)
+        alloc = self.allocators[arena.pool_id]
+        lease = Lease(
+            lease_id=slot_id,
+            gen=gen,
+            pool_id=arena.pool_id,
+            offset=offset,
+            nbytes=nbytes,
+            token=token,
+            consumers=consumers,
+            remaining=consumers,
+            state=LeaseState.PUBLISHED,
+            session=arena.session,
+            deadline=now + self.ack_ttl,
+            reserved_at=now,
+            published_at=now,
+            size=align_up(nbytes, alloc.alignment),
+            arena=arena,
+        )
+        slot.gen, slot.lease, slot.ended = gen, lease, None
+        self.live += 1
+        self._account(lease, +1)
+        self.arenas.feature_added(arena, offset, lease.size)
+        self._push_deadline(lease)
+        self.counters.publishes += 1
+        self.counters.arena_publishes += 1
         return lease
 
     def publish(self, ref: LeaseRef, session: bytes, now: float) -> Lease:
@@ -202,6 +249,10 @@ class Ledger:
             # Bounded: one id per ack that took something, plus a few over-acks.
             if len(lease.ack_ids) <= lease.consumers + 16:
                 lease.ack_ids.add(ack_id)
+        return self.apply_acks(lease, count, now)
+
+    def apply_acks(self, lease: Lease, count: int, now: float) -> AckResult:
+        """``count`` acks for a live lease, from a message or from the lease table's ack word."""
         taken = min(count, lease.remaining)
         over = count - taken
         lease.remaining -= taken
@@ -229,9 +280,9 @@ class Ledger:
         n = 0
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, lease_id, gen = heapq.heappop(self._deadlines)
-            lease = self._slots[lease_id].lease
-            if lease is None or lease.gen != gen or lease.deadline != deadline:
+            if not self._current((deadline, lease_id, gen)):
                 continue  # freed or republished since this entry was pushed
+            lease = self._slots[lease_id].lease
             reason = EndReason.EXPIRED_RESERVED if lease.state is LeaseState.RESERVED else EndReason.EXPIRED_PUBLISHED
             self.counters.expired += 1
             self._free(lease, reason, now)
@@ -248,10 +299,50 @@ class Ledger:
                 self._free(lease, EndReason.RECLAIMED, now)
         return len(ids)
 
+    # --- arenas --------------------------------------------------------------------------------
+
+    def grant_arena(self, session: bytes, pool_id: int) -> Arena:
+        if self.session_quota:
+            held = self._bytes_by_session.get(session, 0)
+            if held + self.arenas.size_for(pool_id) > self.session_quota:
+                self.counters.arenas_refused += 1
+                raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {held} B and max_session_mb allows "
+                                  f"{self.session_quota} B; no arena for it")
+        arena = self.arenas.grant(session, pool_id)
+        self._hold(session, arena.size)
+        return arena
+
+    def return_arena(self, arena: Arena) -> None:
+        """Its producer will place nothing more in it: the space outside its live features goes back now,
+        theirs as each ends."""
+        freed = self.arenas.give_back(arena)
+        if freed:
+            self._unhold(arena.session, freed)
+
+    def return_session_arenas(self, session: bytes) -> int:
+        """The session ended: every arena it held goes back (each once its live features end)."""
+        arenas = self.arenas.of_session(session)
+        for arena in arenas:
+            self.return_arena(arena)
+        return len(arenas)
+
+    def live_lease(self, slot_id: int) -> Optional[Lease]:
+        slot = self._slots.get(slot_id)
+        return slot.lease if slot is not None else None
+
+    def slot_gen(self, slot_id: int) -> int:
+        slot = self._slots.get(slot_id)
+        return slot.gen if slot is not None else 0
+
+    def end_generation(self, slot_id: int, gen: int) -> None:
+        """A producer took generation ``gen`` of its slot for a feature the sweep refused: it is over."""
+        slot = self._slot(slot_id)
+        slot.gen, slot.ended = max(slot.gen, gen), EndReason.REFUSED
+
     def cut_all(self, now: float) -> int:
         """Free everything still live (shutdown); the number cut."""
         n = 0
-        for slot in self._slots:
+        for slot in list(self._slots.values()):
             if slot.lease is not None:
                 self.counters.cut_on_shutdown += 1
                 self._free(slot.lease, EndReason.SHUTDOWN, now)
@@ -265,11 +356,17 @@ class Ledger:
 
     def _push_deadline(self, lease: Lease) -> None:
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id, lease.gen))
+        self._compact_deadlines()
+
+    def _compact_deadlines(self) -> None:
         if len(self._deadlines) > 2 * self.live + _HEAP_SLACK:
-            self._deadlines = [
-                (slot.lease.deadline, slot.lease.lease_id, slot.lease.gen) for slot in self._slots if slot.lease is not None
-            ]
+            self._deadlines = [e for e in self._deadlines if self._current(e)]
             heapq.heapify(self._deadlines)
+
+    def _current(self, entry: tuple[float, int, int]) -> bool:
+        """Whether an expiry entry still belongs to a live lease's current deadline."""
+        lease = self._slots[entry[1]].lease
+        return lease is not None and lease.gen == entry[2] and lease.deadline == entry[0]
 
     def count_by_state(self, pool_id: Optional[int] = None) -> dict[str, int]:
         pools = [pool_id] if pool_id is not None else list(self._count)
@@ -284,7 +381,7 @@ class Ledger:
 
     def _account(self, lease: Lease, sign: int) -> None:
         self._count[lease.pool_id][lease.state] += sign
-        self._bytes[lease.pool_id][lease.state] += sign * self.allocators[lease.pool_id].size_of(lease.offset)
+        self._bytes[lease.pool_id][lease.state] += sign * lease.size
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -297,10 +394,10 @@ class Ledger:
                 f"descriptor is from daemon epoch {ref.epoch}, this daemon is epoch {self.epoch}: "
                 "the daemon restarted and the feature is gone; re-send it",
             )
-        if ref.lease >= len(self._slots) or ref.pool not in self.allocators:
+        slot = self._slots.get(ref.lease)
+        if slot is None or ref.pool not in self.allocators:
             self.counters.not_found += 1
             raise MmfeatError(ErrorCode.NOT_FOUND, f"no lease {ref.lease} in pool {ref.pool}")
-        slot = self._slots[ref.lease]
         if ref.gen != slot.gen:
             self.counters.stale += 1
             raise MmfeatError(
@@ -333,13 +430,19 @@ class Ledger:
             )
         return lease
 
-    def _take_slot(self) -> int:
-        if self._free_slots:
-            lease_id = self._free_slots.pop()
-            self._slots[lease_id].gen += 1
-            return lease_id
-        self._slots.append(_Slot())
-        return len(self._slots) - 1
+    def _slot(self, slot_id: int) -> _Slot:
+        slot = self._slots.get(slot_id)
+        if slot is None:
+            slot = self._slots[slot_id] = _Slot()
+        return slot
+
+    def _hold(self, session: bytes, size: int) -> None:
+        self._bytes_by_session[session] = self._bytes_by_session.get(session, 0) + size
+
+    def _unhold(self, session: bytes, size: int) -> None:
+        left = self._bytes_by_session.pop(session) - size
+        if left:
+            self._bytes_by_session[session] = left
 
     def _forget_reserved(self, lease: Lease) -> None:
         ids = self._reserved_by_session.get(lease.session)
@@ -354,14 +457,19 @@ class Ledger:
         if lease.state is LeaseState.RESERVED:
             self._forget_reserved(lease)
         self._account(lease, -1)
-        size = self.allocators[lease.pool_id].release(lease.offset)
-        left = self._bytes_by_session.pop(lease.session) - size
-        if left:
-            self._bytes_by_session[lease.session] = left
         slot.lease, slot.ended = None, reason
+        # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         self._mirror(lease.lease_id, lease.gen, FREE)
-        self._free_slots.append(lease.lease_id)
+        if lease.arena is not None:
+            freed = self.arenas.feature_ended(lease.arena, lease.offset, lease.size)
+            if freed:
+                self._unhold(lease.session, freed)
+        else:
+            self.allocators[lease.pool_id].release(lease.offset)
+            self._unhold(lease.session, lease.size)
+            self.space.give(lease.lease_id)
         self.live -= 1
         self.counters.frees += 1
+        self._compact_deadlines()  # a sweep may end many leases adopted in one go
         if self._observer is not None:
             self._observer(lease, reason, now)

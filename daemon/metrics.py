@@ -32,6 +32,14 @@ _COUNTERS = {
     "over_quota": "Reserves refused because the session's leases hold max_session_mb",
     "duplicate_acks": "Retried acks recognised by their ack id and not applied again",
     "late_requests": "Requests that reached the daemon after their client's deadline and were not applied",
+    "arenas_granted": "Arenas granted to producers",
+    "arenas_refused": "Arena requests refused (pool full, slots used up, a session's limit); those producers reserve",
+    "arenas_returned": "Arenas given back by their producer or at its exit",
+    "arenas_freed": "Arenas whose space went back to the pool (nothing in them was live any more)",
+    "arena_publishes": "Features adopted from producer arenas by the sweep",
+    "table_acks": "Acknowledgements read from the lease table by the sweep",
+    "stray_table_acks": "Acknowledgements found in the lease table for features already ended",
+    "bad_table_words": "Words written by clients into the lease table that the daemon refused",
 }
 
 
@@ -53,6 +61,9 @@ class _StateCollector:
         capacity = GaugeMetricFamily("mmfeat_pool_capacity_bytes", "Pool capacity", labels=["pool", "kind", "device"])
         largest = GaugeMetricFamily("mmfeat_pool_largest_free_bytes", "Largest free range", labels=["pool", "kind", "device"])
         leases = GaugeMetricFamily("mmfeat_leases", "Live leases by state", labels=["pool", "state"])
+        arenas = GaugeMetricFamily("mmfeat_arenas", "Arenas granted and not yet freed", labels=["pool", "kind", "device"])
+        arena_bytes = GaugeMetricFamily("mmfeat_arena_bytes", "Arena bytes: granted, in live features, slack",
+                                        labels=["pool", "kind", "device", "part"])
         for p in s["pools"]:
             labels = [str(p["pool"]), p["kind"], str(p["device"])]
             capacity.add_metric(labels, p["capacity"])
@@ -62,7 +73,11 @@ class _StateCollector:
                 pool_bytes.add_metric(labels + [state.lower()], n)
             for state, n in p["leases"].items():
                 leases.add_metric([str(p["pool"]), state.lower()], n)
-        yield from (pool_bytes, capacity, largest, leases)
+            a = p["arenas"]
+            arenas.add_metric(labels, a["count"])
+            for part in ("bytes", "live_bytes", "slack"):
+                arena_bytes.add_metric(labels + [part], a[part])
+        yield from (pool_bytes, capacity, largest, leases, arenas, arena_bytes)
         yield GaugeMetricFamily("mmfeat_clients", "Clients with an attached fd channel", value=s["clients"])
         yield GaugeMetricFamily("mmfeat_draining", "1 while the daemon drains for shutdown", value=int(s["draining"]))
         yield GaugeMetricFamily("mmfeat_uptime_seconds", "Seconds since the daemon started", value=s["uptime_s"])

@@ -7,6 +7,7 @@ a second one stops at once. SIGHUP reloads what can change without a restart.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from typing import Callable, Optional
@@ -29,6 +30,10 @@ from .sd_notify import Notifier
 log = logging.getLogger("mmfeatd")
 
 TICK_S = 0.1
+# Sweeps of the lease table: every SWEEP_MIN_S while clients write to it, backing off to SWEEP_MAX_S
+# while they do not. The longer interval bounds how late an idle daemon frees an acked feature.
+SWEEP_MIN_S = 0.001
+SWEEP_MAX_S = 0.02
 STATUS_EVERY_S = 5.0
 METRICS_EVERY_S = 0.5
 TRIM_EVERY_S = 10.0
@@ -123,6 +128,8 @@ class Server:
         self.notifier.ready(self._status())
         now = time.monotonic()
         next_tick = now + TICK_S
+        sweep_every = SWEEP_MAX_S
+        next_sweep = now + sweep_every
         next_status = now + STATUS_EVERY_S
         next_metrics = now
         next_trim = now + TRIM_EVERY_S
@@ -137,13 +144,18 @@ class Server:
                     self.notifier.reloading()
                     self._reload()
                     self.notifier.ready(self._status())
-            timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
+            # Rounded up: pyzmq truncates to whole milliseconds, and 0 would spin until the next sweep.
+            timeout_ms = max(0, math.ceil((min(next_tick, next_sweep) - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))  # pyzmq retries EINTR after running signal handlers
             if self._control.router in events:
                 self._serve_requests()
             if self._fds.fileno() in events:
                 self._fds.on_events()
             now = time.monotonic()
+            if now >= next_sweep:
+                busy = self.core.sweep(now) > 0
+                sweep_every = SWEEP_MIN_S if busy else min(SWEEP_MAX_S, sweep_every * 2)
+                next_sweep = now + sweep_every
             if now >= next_tick:
                 self.core.tick(now)
                 self._fds.close_stale_handshakes()
@@ -186,7 +198,7 @@ class Server:
         """Called each loop while a stop is requested: True to keep serving, False to stop now."""
         now = time.monotonic()
         if self._drain_deadline is None:
-            self.core.draining = True
+            self.core.set_draining()
             self._drain_deadline = now + self.settings.drain_timeout
             log.info(
                 "draining: refusing new reserves; %d lease(s) live get up to %.0f s to be acknowledged",

@@ -1,22 +1,43 @@
-"""The lease table's layout, shared by the daemon (writer) and clients (readers). SPEC.md, section 4.
+"""The lease table's layout, shared by the daemon and every client. SPEC.md, section 5.
 
-One 32-byte entry per lease slot after a 64-byte header. Word 0 of an entry is ``generation << 2 |
-state``; words 1-3 are the live lease's pool, offset and size. The daemon writes words 1-3 before it
-makes a new generation live in word 0, and clears word 0 first when the lease ends, so a reader that
-sees the same word 0 before and after reading words 1-3 has read the range of that generation.
+A 64-byte header, then one 64-byte entry (a cache line, so neighbouring slots of different producers
+do not share one) per lease slot. Every word is a little-endian uint64 at an 8-byte-aligned offset, so
+each is read and written whole.
+
+Entry words:
+
+- ``STATE``: ``generation << 2 | state``. The feature's owner writes it last, with a release store:
+  the daemon for slots of reserved leases, the producer for slots of its arena when it publishes.
+  The daemon writes ``FREE`` when the feature ends; that store hands an arena slot back to its
+  producer, who may then reuse the slot (with a higher generation) and the space.
+- ``ACKS``: ``(generation mod 2**32) << 32 | acks``. Consumers add their acks with compare-and-swap,
+  and only while the high half names the generation they hold, so a late ack never counts for the
+  next feature in the slot. The daemon sweeps this column and applies what it finds.
+- ``POOL``, ``OFFSET``, ``NBYTES``, ``CONSUMERS``: the live feature's range and consumer count,
+  written before ``STATE`` names its generation.
+- ``TOKEN``, ``TOKEN + 1``: the feature's 16-byte token, which ack, release and lookup messages
+  must present.
+
+Header words: magic, epoch, slots, entry bytes, flags (``FLAG_DRAINING``: producers stop using
+their arenas), then zeros.
 """
 
 from __future__ import annotations
 
 import struct
 
-MAGIC = b"MMFTABL2"
-HEADER = struct.Struct("<8sQQQ")  # magic, epoch, slots, entry bytes; zero-padded to HEADER_BYTES
+MAGIC = b"MMFTABL3"
+HEADER = struct.Struct("<8sQQQQ")  # magic, epoch, slots, entry bytes, flags; zero-padded to HEADER_BYTES
 HEADER_BYTES = 64
-ENTRY = struct.Struct("<QQQQ")  # generation << 2 | state, pool, offset, nbytes
-ENTRY_BYTES = ENTRY.size
+HEADER_FLAGS_WORD = 4  # index of the flags word among the header's words
+FLAG_DRAINING = 1
+ENTRY_BYTES = 64
 WORDS_PER_ENTRY = ENTRY_BYTES // 8
+STATE, ACKS, POOL, OFFSET, NBYTES, CONSUMERS, TOKEN = range(7)
 FREE, RESERVED, PUBLISHED = 0, 1, 2
+GEN_MASK = (1 << 62) - 1
+ACK_GEN_MASK = 0xFFFF_FFFF
+ACK_COUNT_MASK = 0xFFFF_FFFF
 
 
 def table_bytes(slots: int) -> int:
@@ -25,3 +46,16 @@ def table_bytes(slots: int) -> int:
 
 def entry_offset(slot: int) -> int:
     return HEADER_BYTES + slot * ENTRY_BYTES
+
+
+def word_index(slot: int, word: int) -> int:
+    """Index of an entry word among the 8-byte words that follow the header."""
+    return slot * WORDS_PER_ENTRY + word
+
+
+def state_word(gen: int, state: int) -> int:
+    return (gen & GEN_MASK) << 2 | state
+
+
+def ack_word(gen: int, acks: int = 0) -> int:
+    return (gen & ACK_GEN_MASK) << 32 | acks

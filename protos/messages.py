@@ -71,6 +71,16 @@ class LookupRequest(_Message):
     lease: LeaseRef
 
 
+class ArenaRequest(_Message):
+    session: Token
+    device: Optional[Annotated[int, Field(ge=-1, le=1023)]] = None
+
+
+class ArenaReturnRequest(_Message):
+    session: Token
+    arena: Count
+
+
 class FallbackReason(str, Enum):
     POOL_FULL = "pool_full"
     BELOW_THRESHOLD = "below_threshold"
@@ -93,7 +103,7 @@ class EmptyRequest(_Message):
 
 # Ops a client may also send on its fd channel after the handshake (SPEC.md, section 4): there a send
 # is a synchronous write into the daemon's socket buffer, so it is read before the channel's EOF.
-FD_CHANNEL_OPS = frozenset({"publish", "ack", "release", "ping"})
+FD_CHANNEL_OPS = frozenset({"publish", "ack", "release", "ping", "arena", "arena_return"})
 
 # op name -> request model. The daemon's handler table (daemon/handlers.py) has the same keys;
 # tests/test_spec.py checks that SPEC.md documents each of them.
@@ -104,6 +114,8 @@ REQUEST_MODELS: dict[str, type[_Message]] = {
     "ack": AckRequest,
     "release": ReleaseRequest,
     "lookup": LookupRequest,
+    "arena": ArenaRequest,
+    "arena_return": ArenaReturnRequest,
     "fallback": FallbackRequest,
     "ping": EmptyRequest,
     "stats": EmptyRequest,

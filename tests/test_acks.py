@@ -24,14 +24,14 @@ def test_group_ack_and_over_ack(daemon) -> None:
     with daemon.client(inline_threshold=0) as c:
         bystander = _put(c, consumers=2)
         d = _put(c, consumers=4)
-        assert c.ack(d, count=2) == {"remaining": 2, "freed": False, "over_acked": 0}
+        assert c.ack(d, count=2, wait=True) == {"remaining": 2, "freed": False, "over_acked": 0}
         # An encoder owner acking for a group larger than what is left: clamped, counted, freed once.
-        assert c.ack(d, count=5) == {"remaining": 0, "freed": True, "over_acked": 3}
+        assert c.ack(d, count=5, wait=True) == {"remaining": 0, "freed": True, "over_acked": 3}
         s = daemon.stats()
         assert s["counters"]["over_acks"] == 3 and s["counters"]["frees"] == 1
         assert s["pools"][0]["leases"]["PUBLISHED"] == 1  # the bystander
         assert torch.equal(c.get(bystander), torch.arange(4096, dtype=torch.float32))
-        assert c.ack(bystander, count=2)["freed"]
+        assert c.ack(bystander, count=2, wait=True)["freed"]
     assert daemon.pool()["used"] == 0
 
 
@@ -39,16 +39,16 @@ def test_double_ack_is_not_found_and_frees_nothing_twice(daemon) -> None:
     with daemon.client(inline_threshold=0) as c:
         d = _put(c, consumers=1)
         other = _put(c, consumers=1)
-        assert c.ack(d)["freed"]
-        assert _code(lambda: c.ack(d)) is ErrorCode.NOT_FOUND
+        assert c.ack(d, wait=True)["freed"]
+        assert _code(lambda: c.ack(d, wait=True)) is ErrorCode.NOT_FOUND
         s = daemon.stats()
         assert s["counters"]["frees"] == 1 and s["pools"][0]["leases"]["PUBLISHED"] == 1
         # Reuse d's slot: the old descriptor is now STALE, and cannot touch the new lease.
         reused = _put(c, consumers=1)
         assert (reused.lease, reused.gen) == (d.lease, d.gen + 1)
-        assert _code(lambda: c.ack(d)) is ErrorCode.STALE
+        assert _code(lambda: c.ack(d, wait=True)) is ErrorCode.STALE
         assert _code(lambda: c.get(d)) is ErrorCode.STALE
-        assert c.ack(reused)["freed"] and c.ack(other)["freed"]
+        assert c.ack(reused, wait=True)["freed"] and c.ack(other, wait=True)["freed"]
     assert daemon.pool()["used"] == 0
 
 
@@ -62,13 +62,13 @@ def test_wrong_token_and_forged_fields_are_forbidden(daemon) -> None:
             replace(d, offset=d.offset + 256),
             replace(d, nbytes=d.nbytes * 2),
         ):
-            assert _code(lambda: c.ack(forged)) is ErrorCode.FORBIDDEN
+            assert _code(lambda: c.ack(forged, wait=True)) is ErrorCode.FORBIDDEN
             assert _code(lambda: c.release(forged)) is ErrorCode.FORBIDDEN
-        assert _code(lambda: c.ack(replace(d, lease=10_000))) is ErrorCode.NOT_FOUND
-        assert _code(lambda: c.ack(replace(d, pool=7))) is ErrorCode.NOT_FOUND
-        assert _code(lambda: c.ack(replace(d, epoch=d.epoch + 1))) is ErrorCode.STALE
+        assert _code(lambda: c.ack(replace(d, lease=10_000), wait=True)) is ErrorCode.NOT_FOUND
+        assert _code(lambda: c.ack(replace(d, pool=7), wait=True)) is ErrorCode.NOT_FOUND
+        assert _code(lambda: c.ack(replace(d, epoch=d.epoch + 1), wait=True)) is ErrorCode.STALE
         assert daemon.stats()["counters"]["forbidden"] == 6
-        assert c.ack(d)["freed"]  # the real one still works
+        assert c.ack(d, wait=True)["freed"]  # the real one still works
     assert daemon.pool()["used"] == 0
 
 
@@ -78,7 +78,7 @@ def test_release_and_publish_states(daemon) -> None:
         token = c.session.token
         assert _code(lambda: c.request("publish", session=token, lease=d.lease_ref())) is ErrorCode.BAD_STATE
         c.release(d)
-        assert _code(lambda: c.ack(d)) is ErrorCode.NOT_FOUND
+        assert _code(lambda: c.ack(d, wait=True)) is ErrorCode.NOT_FOUND
     s = daemon.stats()
     assert s["pools"][0]["used"] == 0 and s["counters"]["releases"] == 1
 
@@ -109,7 +109,7 @@ def test_only_the_producer_may_release_or_publish(daemon) -> None:
         token = consumer.session.token
         assert _code(lambda: consumer.request("publish", session=token, lease=d.lease_ref())) is ErrorCode.FORBIDDEN
         assert torch.equal(consumer.get(d), torch.arange(4096, dtype=torch.float32))  # untouched
-        assert consumer.ack(d, count=2)["freed"]
+        assert consumer.ack(d, count=2, wait=True)["freed"]
         assert daemon.stats()["counters"]["releases"] == 0
     assert daemon.pool()["used"] == 0
 
@@ -122,9 +122,9 @@ def test_background_acks_reach_the_daemon(daemon, caplog) -> None:
         for d in descs:
             assert c.ack(d, count=2, wait=False) is None
         assert c.flush(5.0)
-        assert daemon.pool()["used"] == 0
+        assert daemon.pool()["bytes"] == {"RESERVED": 0, "PUBLISHED": 0}
         bad = _put(c, consumers=1)
-        c.ack(bad)
+        c.ack(bad, wait=True)
         with caplog.at_level(logging.WARNING, logger="mmfeat.client"):
             c.ack(bad, wait=False)  # a failing background ack is logged, never raised
             assert c.flush(5.0)
@@ -137,9 +137,9 @@ def test_ack_of_expired_lease_says_so(daemon_factory) -> None:
     with d.client(inline_threshold=0) as c:
         desc = _put(c, consumers=2)
         s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="ack_ttl expiry")
-        assert s["pools"][0]["used"] == 0
+        assert s["pools"][0]["bytes"] == {"RESERVED": 0, "PUBLISHED": 0}
         with pytest.raises(MmfeatError) as info:
-            c.ack(desc)
+            c.ack(desc, wait=True)
         assert info.value.code is ErrorCode.NOT_FOUND and "ack_ttl" in info.value.message
         with pytest.raises(MmfeatError):
             c.get(desc)  # verify refuses to hand out a view of freed memory
@@ -157,15 +157,16 @@ def test_get_of_a_live_lease_needs_no_round_trip(daemon) -> None:
             assert torch.equal(consumer.get(desc), torch.arange(4096, dtype=torch.float32))
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
-        consumer.ack(desc)
+        consumer.ack(desc, wait=True)
         # Freed: now the table sends get to the daemon, which says why.
         with pytest.raises(MmfeatError) as info:
             consumer.get(desc)
         assert info.value.code is ErrorCode.NOT_FOUND and "all acks received" in info.value.message
 
 
-def test_clients_cannot_write_the_lease_table(daemon) -> None:
-    import mmap
+def test_clients_cannot_resize_the_lease_table(daemon) -> None:
+    """Clients map the table writable (they publish and ack there) but its size is sealed: nobody can
+    shrink it under the daemon's mapping (which would kill the daemon with SIGBUS) or grow it."""
     import socket as pysocket
 
     import msgpack
@@ -181,12 +182,13 @@ def test_clients_cannot_write_the_lease_table(daemon) -> None:
         try:
             assert msgpack.unpackb(data)["table"] is True
             table_fd = fds[-1]
-            with pytest.raises(PermissionError):
-                mmap.mmap(table_fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            with pytest.raises(OSError):
-                os.ftruncate(table_fd, 0)
+            size = os.fstat(table_fd).st_size
+            for new_size in (0, size // 2, size * 2):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(table_fd, new_size)
         finally:
             for fd in fds:
                 os.close(fd)
             s.close()
-        assert session.table.slots == 65536
+        assert session.table.slots == 65536 and session.table.writable
+    assert daemon.stats()["clients"] == 0

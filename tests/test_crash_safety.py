@@ -41,7 +41,7 @@ def test_a_producer_killed_right_after_put_leaves_a_readable_feature(daemon) -> 
         fillers = [other.put(torch.full((64 * 1024,), -1.0)) for _ in range(rounds)]
         for k, blob in enumerate(blobs):
             assert torch.equal(consumer.get(blob), torch.full((64 * 1024,), float(k))), f"round {k} reads other bytes"
-            assert consumer.ack(blob)["freed"]
+            assert consumer.ack(blob, wait=True)["freed"]
         for f in fillers:
             other.ack(f)
     s = daemon.wait_for(lambda s: s["clients"] == 0, what="the killed producers' sessions to end")

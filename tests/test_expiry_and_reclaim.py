@@ -58,7 +58,7 @@ def test_published_leases_survive_producer_exit(daemon) -> None:
     # The producer closed its session; the feature is the consumers' now.
     with daemon.client() as consumer:
         assert torch.equal(consumer.get(desc), torch.arange(5000))
-        assert consumer.ack(desc)["freed"]
+        assert consumer.ack(desc, wait=True)["freed"]
     assert daemon.pool()["used"] == 0
 
 
@@ -80,7 +80,7 @@ def test_producer_exiting_without_close_still_publishes(daemon, tmp_path) -> Non
         assert r.returncode == 0, r.stderr
         with daemon.client() as consumer:
             assert torch.equal(consumer.get(out.read_bytes()), torch.arange(20000))
-            assert consumer.ack(out.read_bytes())["freed"]
+            assert consumer.ack(out.read_bytes(), wait=True)["freed"]
     s = daemon.stats()
     assert s["counters"]["reclaimed_on_disconnect"] == 0 and s["counters"]["publishes"] == 5
     assert s["pools"][0]["used"] == 0

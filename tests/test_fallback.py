@@ -21,7 +21,7 @@ def test_pool_full_falls_back_inline_and_is_counted(daemon_factory, caplog) -> N
             third = c.put(big)
         assert not first.is_inline and second.is_inline and third.is_inline
         assert [r.message.count("pool_full") for r in caplog.records] == [1], "warn once, with the reason"
-        assert torch.equal(c.get(second), big) and c.ack(second)["freed"]
+        assert torch.equal(c.get(second), big) and c.ack(second, wait=True)["freed"]
         assert c.fallbacks["pool_full"] == 2
         c.ack(first)
     s = d.wait_for(lambda s: s["counters"]["fallbacks"].get("pool_full") == 2, what="fallback report")
@@ -48,7 +48,7 @@ def test_below_threshold_goes_inline_without_touching_the_pool(daemon) -> None:
         desc = c.put(small)
         assert desc.is_inline and len(desc.to_bytes()) < 200
         assert torch.equal(c.get(desc.to_bytes()), small)
-        assert c.ack(desc)["freed"]
+        assert c.ack(desc, wait=True)["freed"]
     assert daemon.stats()["counters"]["reserves"] == 0
 
 

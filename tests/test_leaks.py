@@ -21,7 +21,7 @@ def test_no_fd_growth_over_connect_put_get_ack_cycles(daemon) -> None:
             desc = producer.put(x, consumers=1)
             got = consumer.get(desc, copy=(i % 2 == 0))
             assert got[-1].item() == 49_999.0
-            assert consumer.ack(desc)["freed"]
+            assert consumer.ack(desc, wait=True)["freed"]
     s = daemon.stats()
     assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == 301
     # The last clients' fd-channel EOFs may still be in flight when stats arrives on the control socket.
@@ -94,7 +94,7 @@ def test_forked_child_uses_its_own_session_and_acker(daemon) -> None:
         p.start()
         p.join(30)
         assert p.exitcode == 0
-        s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=5, what="the child's acks")
+        s = daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, timeout=5, what="the child's acks")
         assert s["counters"]["frees"] == 4
         c.ack(c.put(torch.ones(1000)))  # the parent's own session still works
 
@@ -133,7 +133,7 @@ def test_threads_waiting_on_the_fd_channel_at_once_all_get_their_replies(daemon)
 
         def work(k: int) -> None:
             for d in descs[k::8]:
-                assert c.ack(d)["freed"]
+                assert c.ack(d, wait=True)["freed"]
 
         errors = _in_threads(work, 8)
     assert not errors, errors[:3]

@@ -225,7 +225,7 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             families = {f.name: f for f in text_string_to_metric_families(text)}
             # The snapshot refreshes every 0.5 s: wait for one taken after the last (pipelined) publish.
-            if all(families.get(n) and families[n].samples[0].value == 4 for n in ("mmfeat_reserves", "mmfeat_publishes")):
+            if all(families.get(n) and families[n].samples[0].value == 4 for n in ("mmfeat_arena_publishes", "mmfeat_publishes")):
                 break
             assert time.monotonic() < deadline, text
             time.sleep(0.2)
@@ -239,7 +239,11 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
     assert value[("mmfeat_pool_capacity_bytes", (("device", "-1"), ("kind", "host"), ("pool", "0")), "mmfeat_pool_capacity_bytes")] == 8 << 20
     assert value[("mmfeat_pool_bytes", (("device", "-1"), ("kind", "host"), ("pool", "0"), ("state", "published")), "mmfeat_pool_bytes")] == 512
     assert value[("mmfeat_publish_to_last_ack_seconds", (), "mmfeat_publish_to_last_ack_seconds_count")] == 3
-    assert value[("mmfeat_reserve_seconds", (), "mmfeat_reserve_seconds_count")] == 4
+    # Every feature went into the client's arena: no reserve round trip, four adopted by the sweep.
+    assert value[("mmfeat_reserve_seconds", (), "mmfeat_reserve_seconds_count")] == 0
+    assert value[("mmfeat_arena_publishes", (), "mmfeat_arena_publishes_total")] == 4
+    assert value[("mmfeat_arena_bytes", (("device", "-1"), ("kind", "host"), ("part", "live_bytes"), ("pool", "0")),
+                  "mmfeat_arena_bytes")] == 512
     for name in ("mmfeat_expired", "mmfeat_reclaimed_on_disconnect", "mmfeat_sessions_dropped", "mmfeat_forbidden", "mmfeat_bad_requests",
                  "mmfeat_clients", "mmfeat_client_fallbacks"):
         assert name in families, name

@@ -1,0 +1,109 @@
+"""Ack routing: where a consumer's acknowledgement goes.
+
+By default an ack is a compare-and-swap on the feature's ack word in the lease table: no message, no
+round trip; the daemon applies it on its next sweep. ``wait=True`` sends it on the fd channel instead
+and returns the daemon's answer. ``after=`` (a CUDA stream or event) hands it to a thread that adds it
+once the GPU work is done. Where the table cannot take it (the daemon offers no arenas, no libatomic,
+or the feature already ended and the daemon should say so), it goes as a message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from mmfeat.protos.descriptor import Descriptor
+from mmfeat.protos.errors import DaemonUnavailableError
+
+from .session import Session
+
+log = logging.getLogger("mmfeat.client")
+
+# Acks that timed out, remembered so that retrying one reuses its ack id (the daemon applies it once).
+_MAX_UNCONFIRMED_ACKS = 1024
+
+
+class Acks:
+    def __init__(self, connect: Callable[[], Session], timeout: float) -> None:
+        self._connect = connect
+        self._timeout = timeout
+        self._acker: Optional[Any] = None
+        self._unconfirmed: dict[tuple[int, int, int], bytes] = {}
+
+    def ack(self, desc: Descriptor, count: int, after: Any, wait: bool) -> Optional[dict[str, Any]]:
+        if not 1 <= count <= 4096:
+            raise ValueError("count must be between 1 and 4096")
+        if desc.is_inline:
+            return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
+        if after is not None:
+            self._background().submit(desc.lease_ref(), count, os.urandom(8), _completion_event(after))
+            return None
+        if not wait:
+            self._send_now(desc.lease_ref(), desc.lease, desc.gen, count)
+            return None
+        return self._waiting_ack(desc, count)
+
+    def _send_now(self, lease: dict[str, Any], slot: int, gen: int, count: int) -> None:
+        """The ack without waiting: in the table if it takes it, else a quiet message."""
+        session = self._connect()
+        if session.table.add_acks(slot, gen, count):
+            return
+        # Not in the table: the feature ended (the daemon logs and counts an over-ack), or no arenas.
+        if not session.try_send("ack", lease=lease, count=count, ack_id=os.urandom(8)):
+            # A full fd channel (the daemon is behind): the caller must not wait.
+            self._background().submit(lease, count, os.urandom(8), None)
+
+    def _waiting_ack(self, desc: Descriptor, count: int) -> dict[str, Any]:
+        # A retry of an ack that timed out reuses its id, so the daemon applies it once even if the first
+        # one did land; a deliberate second ack of the same descriptor gets a new id.
+        key = (desc.epoch, desc.lease, desc.gen)
+        ack_id = self._unconfirmed.pop(key, None) or os.urandom(8)
+        try:
+            # On the fd channel: ordered after this process's own publishes, which travel there too.
+            reply = self._connect().call("ack", lease=desc.lease_ref(), count=count, ack_id=ack_id)
+        except DaemonUnavailableError:
+            self._unconfirmed[key] = ack_id
+            while len(self._unconfirmed) > _MAX_UNCONFIRMED_ACKS:
+                del self._unconfirmed[next(iter(self._unconfirmed))]
+            raise
+        if reply["over_acked"]:
+            log.warning("lease %d was acked %d time(s) more than its consumer count", desc.lease, reply["over_acked"])
+        return {k: reply[k] for k in ("remaining", "freed", "over_acked")}
+
+    def flush(self, timeout: float, session: Optional[Session]) -> bool:
+        """Wait until the daemon has applied every ack sent so far (background ones included)."""
+        if self._acker is not None and self._acker.pid == os.getpid():
+            return self._acker.flush(timeout)
+        return session.sync(timeout) if session is not None and session.alive() else True
+
+    def _background(self) -> Any:
+        if self._acker is None or self._acker.pid != os.getpid():
+            from .acker import Acker
+
+            def send(lease: dict[str, Any], count: int, ack_id: bytes) -> None:
+                session = self._connect()
+                if not session.table.add_acks(lease["lease"], lease["gen"], count):
+                    session.send("ack", lease=lease, count=count, ack_id=ack_id)
+
+            self._acker = Acker(send, lambda timeout: self._connect().sync(timeout))
+        return self._acker
+
+    def close(self) -> None:
+        if self._acker is not None:
+            self._acker.close(self._timeout)
+            self._acker = None
+
+
+def _completion_event(after: Any) -> Optional[Any]:
+    """An event that completes when the work queued on ``after`` so far is done."""
+    if isinstance(after, torch.cuda.Event):
+        return after
+    if isinstance(after, torch.cuda.Stream):
+        # blocking: the acker thread sleeps in synchronize() instead of spinning a core on it.
+        event = torch.cuda.Event(blocking=True)
+        event.record(after)
+        return event
+    raise TypeError(f"after must be a torch.cuda.Stream or torch.cuda.Event, not {type(after).__name__}")

@@ -1,0 +1,236 @@
+"""Producer arenas: slices of the pool the daemon granted this process ahead of need.
+
+``put`` places a feature in an arena and publishes it in the lease table, with no message to the
+daemon. Each arena is used as a ring: space is taken at the head and comes back at the tail once the
+daemon has written FREE into the slot of the oldest feature (all its acks arrived, or it expired).
+A feature that does not fit goes to the next arena, or reserves; a new arena is asked for without
+waiting when the current one runs low, and arenas unused for ``IDLE_S`` go back to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from mmfeat.protos.descriptor import LEASE_ALIGNMENT
+from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
+from mmfeat.protos.lease_table import PUBLISHED, state_word
+
+from .table import LeaseTableView
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger("mmfeat.client")
+
+IDLE_S = 5.0
+# A feature larger than this fraction of an arena reserves instead: a ring holding one huge feature
+# would serialise the producer behind its slowest consumer.
+MAX_FEATURE_FRACTION = 0.5
+_LOW_WATER = 0.5  # ask for the next arena once the current one is this full
+_RETRY_S = 1.0  # after a refused arena request (pool full, limit reached)
+
+
+def _align(n: int) -> int:
+    return -(-n // LEASE_ALIGNMENT) * LEASE_ALIGNMENT
+
+
+@dataclass
+class Placement:
+    arena: "ProducerArena"
+    slot: int
+    gen: int
+    offset: int  # in the pool
+    start: int  # in the arena
+    end: int
+    published: bool = False
+    abandoned: bool = False
+
+
+class ProducerArena:
+    """One arena, used as a ring. Not thread-safe: ArenaSet holds the lock."""
+
+    def __init__(self, info: dict[str, Any], table: LeaseTableView) -> None:
+        self.arena_id: int = info["id"]
+        self.pool: int = info["pool"]
+        self.offset: int = info["offset"]
+        self.size: int = info["size"]
+        self._table = table
+        self._free_slots = list(range(info["slot_base"] + info["slots"] - 1, info["slot_base"] - 1, -1))
+        self._ring: deque[Placement] = deque()
+        self.used = 0
+        self.last_used = time.monotonic()
+
+    def reclaim(self) -> None:
+        """Take back the space and slots of the oldest features the daemon has ended."""
+        ring, table = self._ring, self._table
+        while ring:
+            p = ring[0]
+            if not p.abandoned and (not p.published or table.state_word(p.slot) == state_word(p.gen, PUBLISHED)):
+                return  # still being written, or still live
+            ring.popleft()
+            self._free_slots.append(p.slot)
+            self.used -= p.end - p.start
+
+    def place(self, nbytes: int) -> Optional[Placement]:
+        size = _align(nbytes)
+        self.reclaim()  # one load when nothing ended: reuse the freshest space and slots first
+        start = self._fit(size) if self._free_slots else None
+        if start is None:
+            return None
+        slot = self._free_slots.pop()
+        # The daemon wrote FREE with this slot's last generation; the next feature takes the one above.
+        gen = (self._table.state_word(slot) >> 2) + 1
+        p = Placement(self, slot, gen, self.offset + start, start, start + size)
+        self._ring.append(p)
+        self.used += size
+        self.last_used = time.monotonic()
+        return p
+
+    def _fit(self, size: int) -> Optional[int]:
+        ring = self._ring
+        if not ring:
+            return 0 if size <= self.size else None
+        head, tail = ring[-1].end, ring[0].start
+        if head > tail:  # one stretch in use, [tail, head): room at the start, or after it
+            # The start first: the features in flight then cycle through the lowest addresses, which
+            # stay in the CPU cache, instead of through the whole arena.
+            if size <= tail:
+                return 0
+            return head if head + size <= self.size else None
+        return head if head + size <= tail else None  # wrapped: room only in [head, tail)
+
+    def low(self) -> bool:
+        return self.used > self.size * _LOW_WATER
+
+
+class ArenaSet:
+    """The arenas of one session, by pool. Safe to share between threads."""
+
+    def __init__(self, session: "Session") -> None:
+        self._session = session
+        self._lock = threading.Lock()
+        self._arenas: dict[int, list[ProducerArena]] = {}
+        self._pending: dict[int, int] = {}  # pool -> id of an arena request whose reply has not been read
+        self._retry_at: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._reaper: Optional[threading.Thread] = None
+
+    def max_feature(self, pool: int) -> int:
+        arenas = self._arenas.get(pool)
+        return int(arenas[0].size * MAX_FEATURE_FRACTION) if arenas else 0
+
+    def place(self, pool: int, device: Optional[int], nbytes: int) -> Optional[Placement]:
+        """Space for ``nbytes`` in one of this session's arenas of ``pool``; None: reserve instead."""
+        table = self._session.table
+        if table.draining():
+            return None
+        with self._lock:
+            self._collect(pool)
+            arenas = self._arenas.get(pool)
+            if not arenas:
+                if pool in self._pending or time.monotonic() < self._retry_at.get(pool, 0.0):
+                    return None
+                self._request(pool, device, wait=True)  # the first feature of a session pays one round trip
+                arenas = self._arenas.get(pool)
+                if not arenas:
+                    return None
+            if nbytes > arenas[0].size * MAX_FEATURE_FRACTION:
+                return None
+            for i, arena in enumerate(arenas):
+                p = arena.place(nbytes)
+                if p is not None:
+                    if i:  # keep the arena that had room first next time
+                        arenas.insert(0, arenas.pop(i))
+                    if arena.low() and len(arenas) < 2 + i:
+                        self._request(pool, device, wait=False)
+                    return p
+            self._request(pool, device, wait=False)
+            return None
+
+    def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes) -> None:
+        """Make a placed feature visible: its lease-table entry, then its STATE word."""
+        self._session.table.publish(p.slot, p.gen, p.arena.pool, p.offset, nbytes, consumers, token)
+        with self._lock:
+            p.published = True
+
+    def abandon(self, p: Placement) -> None:
+        """The feature was never published (its write failed): its space and slot come back."""
+        with self._lock:
+            p.abandoned = True
+            p.arena.reclaim()
+
+    def _request(self, pool: int, device: Optional[int], wait: bool) -> None:
+        if pool in self._pending or time.monotonic() < self._retry_at.get(pool, 0.0):
+            return
+        fields: dict[str, Any] = {"device": device} if device is not None else {}
+        try:
+            if wait:
+                self._install(pool, self._session.call("arena", **fields))
+            else:
+                self._pending[pool] = self._session.call_later("arena", **fields)
+        except DaemonUnavailableError:
+            raise  # the producer falls back at once instead of waiting again for a reserve
+        except MmfeatError as exc:  # pool full, limit reached, draining: reserve meanwhile
+            self._refused(pool, exc)
+
+    def _collect(self, pool: int) -> None:
+        req_id = self._pending.get(pool)
+        if req_id is None:
+            return
+        try:
+            reply = self._session.reply_to(req_id)
+        except MmfeatError as exc:  # DaemonUnavailableError too: the put reserves, and learns
+            del self._pending[pool]
+            self._refused(pool, exc)
+            return
+        if reply is not None:
+            del self._pending[pool]
+            self._install(pool, reply)
+
+    def _refused(self, pool: int, exc: Exception) -> None:
+        self._retry_at[pool] = time.monotonic() + _RETRY_S
+        log.debug("no arena in pool %d for now: %s", pool, exc)
+
+    def _install(self, pool: int, reply: dict[str, Any]) -> None:
+        info = reply["arena"]
+        self._arenas.setdefault(pool, []).append(ProducerArena(info, self._session.table))
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap_idle, name="mmfeat-arenas", daemon=True)
+            self._reaper.start()
+
+    def _reap_idle(self) -> None:
+        """Give back arenas unused for IDLE_S, so an idle producer does not hold pool space."""
+        while not self._stop.wait(IDLE_S / 4):
+            cutoff = time.monotonic() - IDLE_S
+            with self._lock:
+                idle = [(pool, a) for pool, arenas in self._arenas.items() for a in arenas if a.last_used < cutoff]
+                for pool, arena in idle:
+                    self._arenas[pool].remove(arena)
+            for _, arena in idle:
+                try:
+                    self._session.send("arena_return", arena=arena.arena_id)
+                except DaemonUnavailableError:
+                    return  # the session is over: the daemon returned every arena of it
+
+    def give_back_all(self, timeout: float) -> None:
+        """Return every arena and wait (up to ``timeout``) until the daemon has taken them: a closed
+        client holds no pool space beyond its features still being read."""
+        self._stop.set()
+        with self._lock:
+            arenas = [a for pool in self._arenas.values() for a in pool]
+            self._arenas.clear()
+        try:
+            for arena in arenas:
+                self._session.send("arena_return", arena=arena.arena_id)
+            if arenas:
+                self._session.sync(timeout)
+        except DaemonUnavailableError:
+            pass  # gone or restarted: the daemon takes a closed session's arenas back itself
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,87 @@
+"""The consumer path: the tensors a descriptor names, checked against the lease table first."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import torch
+
+from mmfeat.protos.descriptor import Descriptor
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+
+from . import tensors as tz
+from .channel import ControlChannel
+from .session import Session
+from .table import STATE_FREE, STATE_MISMATCH
+
+Tensors = Union[torch.Tensor, list[torch.Tensor]]
+
+
+class Consumer:
+    def __init__(self, connect: Callable[[], Session], channel: ControlChannel) -> None:
+        self._connect = connect
+        self._channel = channel
+
+    def get(self, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
+        if desc.is_inline:
+            out = [tz.view(_inline_base(desc, copy and device is None), spec) for spec in desc.tensors]
+            return _finish(out, desc.many, False, device)
+        session = self._connect()
+        if desc.node != session.node:
+            raise MmfeatError(ErrorCode.FORBIDDEN, f"descriptor is from node {desc.node!r}; this client's daemon is {session.node!r}")
+        if desc.epoch != session.epoch:
+            raise MmfeatError(
+                ErrorCode.STALE, f"descriptor is from daemon epoch {desc.epoch}, the daemon is now epoch {session.epoch}: it restarted; re-send the feature"
+            )
+        pool = session.pools.get(desc.pool)
+        if pool is None or desc.offset + desc.nbytes > pool["size"]:
+            raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
+        if verify:
+            self.verify(session, desc)
+        base = session.mapping(desc.pool).tensor[desc.offset : desc.offset + desc.nbytes]
+        out = _finish([tz.view(base, spec) for spec in desc.tensors], desc.many, copy, device)
+        if verify and (copy or device is not None):
+            # The lease may have ended while we copied; then the copy may hold someone else's bytes.
+            self.verify(session, desc)
+        return out
+
+    def verify(self, session: Session, desc: Descriptor) -> None:
+        """Raise unless the lease table shows ``desc``'s lease live with exactly its pool, offset and size.
+        A live lease costs no round trip; otherwise ``lookup`` asks the daemon, whose error says why
+        (expired, acked, reused slot, a range that does not match)."""
+        state = session.table.state(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes)
+        if state > STATE_FREE:
+            return
+        self._channel.call("lookup", lease=desc.lease_ref())
+        if state == STATE_MISMATCH:  # the daemon found it fine: the table is the authority on ranges
+            raise MmfeatError(ErrorCode.FORBIDDEN, f"lease {desc.lease}'s range in the lease table differs from the descriptor's")
+
+
+def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> Tensors:
+    sources = {t.device for t in views if t.is_cuda}
+    if device is not None:
+        target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        views = [t.to(target, copy=True) for t in views]
+        if target.type == "cuda":
+            sources.add(target)
+    elif copy:
+        views = [t.clone() for t in views]
+    else:
+        return views if many else views[0]
+    # A private copy must be complete before get() returns: the caller may ack at once, and the pool
+    # range can then be reused. torch queues a copy on the current stream of the source device (and,
+    # across devices, may involve the target's), so finish both.
+    for dev in sources:
+        torch.cuda.current_stream(dev).synchronize()
+    return views if many else views[0]
+
+
+def _inline_base(desc: Descriptor, copy: bool) -> torch.Tensor:
+    """A uint8 tensor over an inline descriptor's bytes: shared with them (read-only by contract, like a
+    pool view) or, with ``copy``, private and writable."""
+    data = desc.inline
+    if not desc.nbytes or data is None:
+        return torch.empty(0, dtype=torch.uint8)
+    if copy or isinstance(data, bytearray):
+        return torch.frombuffer(bytearray(data) if copy else data, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)  # read-only by contract, like a pool view

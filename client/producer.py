@@ -1,0 +1,178 @@
+"""The producer path: place tensors in the pool and make their descriptor.
+
+In order of preference: the session's arena (no message to the daemon), a reserved lease (one round
+trip, for a feature larger than half an arena or when no arena has room), the inline fallback (bytes in
+the descriptor, when the pool cannot take the feature or the daemon is gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from mmfeat.protos.descriptor import Descriptor, TensorSpec
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.messages import TOKEN_BYTES, FallbackReason
+
+from . import tensors as tz
+from .channel import ControlChannel
+from .fallbacks import FallbackTracker
+from .session import Session
+
+_FALLBACK_ERRORS = {
+    ErrorCode.POOL_FULL: FallbackReason.POOL_FULL,
+    ErrorCode.TOO_LARGE: FallbackReason.TOO_LARGE,
+    ErrorCode.DRAINING: FallbackReason.DRAINING,
+    ErrorCode.OVER_QUOTA: FallbackReason.OVER_QUOTA,
+}
+
+
+class Producer:
+    def __init__(self, connect: Callable[[], Session], reconnect: Callable[[Session], Session], channel: ControlChannel,
+                 fallbacks: FallbackTracker, inline_threshold: int, fallback: str) -> None:
+        self._connect = connect
+        self._reconnect = reconnect
+        self._channel = channel
+        self._fallbacks = fallbacks
+        self.inline_threshold = inline_threshold
+        self.fallback = fallback
+
+    def put(self, tensors: list[torch.Tensor], consumers: int, many: bool) -> Descriptor:
+        if not 1 <= consumers <= 4096:
+            raise ValueError("consumers must be between 1 and 4096")
+        specs, nbytes = tz.layout(tensors)
+        if nbytes < self.inline_threshold or nbytes == 0:
+            return self._inline(tensors, specs, nbytes, many, FallbackReason.BELOW_THRESHOLD, "")
+        device = next((t.device.index for t in tensors if t.is_cuda), None)
+        if self._fallbacks.daemon_down:
+            # Known down: inline at once instead of waiting out a timeout per put; a background probe
+            # notices when it answers again.
+            exc = DaemonUnavailableError(f"mmfeatd at {self._channel.endpoint} stopped answering; probing it once a second")
+            return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
+        try:
+            session = self._connect()
+            pool = self._pool_for(session, device)
+            desc = self._put_in_arena(session, pool, device, tensors, specs, nbytes, consumers, many)
+            if desc is not None:
+                return desc
+            session, reply = self._reserve(session, pool, nbytes, consumers)
+        except DaemonUnavailableError as exc:
+            self._fallbacks.mark_down()
+            return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
+        except MmfeatError as exc:
+            reason = _FALLBACK_ERRORS.get(exc.code)
+            if reason is None:
+                raise
+            return self._fallback_or_raise(tensors, specs, nbytes, many, reason, exc)
+        lease = reply["lease"]
+        desc = self._descriptor(session, lease["pool"], specs, nbytes, many, lease["lease"], lease["gen"], lease["token"],
+                                lease["offset"])
+        try:
+            try:
+                dst = self._destination(session, desc, device)
+            except (RuntimeError, OSError) as exc:  # CudaError too: no IMEX channel, no peer access, ...
+                self._release_quietly(session, desc)
+                return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.MAP_FAILED, exc)
+            _write(dst, tensors, specs, device)
+            # On the fd channel: in the daemon's socket buffer when this returns, so it is handled even
+            # if this process dies now. Nothing waits for it (a consumer's table check and lookup accept
+            # a RESERVED lease, and its ack counts early); a failure is logged when its reply is read.
+            session.publish(desc.lease_ref())
+        except BaseException:
+            self._release_quietly(session, desc)
+            raise
+        return desc
+
+    def _put_in_arena(self, session: Session, pool: dict[str, Any], device: Optional[int], tensors: list[torch.Tensor],
+                      specs: list[TensorSpec], nbytes: int, consumers: int, many: bool) -> Optional[Descriptor]:
+        """The descriptor of the feature placed and published in an arena; None to reserve instead."""
+        arenas = session.arenas
+        if arenas is None:
+            return None
+        placed = arenas.place(pool["pool"], pool["device"] if pool["kind"] == "cuda" else None, nbytes)
+        if placed is None:
+            return None
+        token = os.urandom(TOKEN_BYTES)
+        desc = self._descriptor(session, pool["pool"], specs, nbytes, many, placed.slot, placed.gen, token, placed.offset)
+        try:
+            dst = self._destination(session, desc, device)
+        except (RuntimeError, OSError):
+            arenas.abandon(placed)
+            return None  # the reserve path meets the same failure and falls back, saying why
+        try:
+            _write(dst, tensors, specs, device)
+        except BaseException:
+            arenas.abandon(placed)
+            raise
+        # The payload is complete (and, on a GPU, synchronised): the STATE store may make it visible.
+        arenas.publish(placed, nbytes, consumers, token)
+        return desc
+
+    def _pool_for(self, session: Session, device: Optional[int]) -> dict[str, Any]:
+        if device is not None:
+            pool = session.pool_on_local_device(device)
+            if pool is not None:
+                return pool
+        # A host pool (the daemon's first pool for a CPU tensor; it decides for a GPU without a pool).
+        return next(iter(session.pools.values()))
+
+    def _descriptor(self, session: Session, pool_id: int, specs: list[TensorSpec], nbytes: int, many: bool, lease: int,
+                    gen: int, token: bytes, offset: int) -> Descriptor:
+        pool = session.pools[pool_id]
+        return Descriptor(kind=pool["kind"], tensors=tuple(specs), nbytes=nbytes, many=many, node=session.node,
+                          endpoint=self._channel.endpoint, device=pool["device"], pool=pool_id, epoch=session.epoch,
+                          lease=lease, gen=gen, token=token, offset=offset)
+
+    def _destination(self, session: Session, desc: Descriptor, device: Optional[int]) -> torch.Tensor:
+        # A GPU pool is mapped (once) on the producer tensor's device.
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            return session.mapping(desc.pool, device).tensor[desc.offset : desc.offset + desc.nbytes]
+
+    def _reserve(self, session: Session, pool: dict[str, Any], nbytes: int, consumers: int) -> tuple[Session, dict[str, Any]]:
+        """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
+        fields: dict[str, Any] = {"session": session.token, "nbytes": nbytes, "consumers": consumers}
+        if pool["kind"] == "cuda":
+            fields["device"] = pool["device"]  # the daemon's ordinal of the GPU this tensor is on
+        try:
+            return session, self._channel.call("reserve", **fields)
+        except MmfeatError as exc:
+            if exc.code is not ErrorCode.NOT_FOUND or session.alive():
+                raise
+        # The daemon restarted between our hello and this reserve: one fresh session, one retry.
+        session = self._reconnect(session)
+        fields["session"] = session.token
+        return session, self._channel.call("reserve", **fields)
+
+    def _release_quietly(self, session: Session, desc: Descriptor) -> None:
+        try:
+            session.call("release", lease=desc.lease_ref())
+        except MmfeatError:
+            pass  # it expires after reserve_ttl anyway
+
+    def _fallback_or_raise(self, tensors: list[torch.Tensor], specs: list[TensorSpec], nbytes: int, many: bool,
+                           reason: FallbackReason, exc: Exception) -> Descriptor:
+        if self.fallback == "error":
+            raise exc
+        return self._inline(tensors, specs, nbytes, many, reason, str(exc))
+
+    def _inline(self, tensors: list[torch.Tensor], specs: list[TensorSpec], nbytes: int, many: bool,
+                reason: FallbackReason, detail: str) -> Descriptor:
+        self._fallbacks.record(reason, detail, self.inline_threshold)
+        # One copy into a bytearray that msgpack packs as-is.
+        buf = bytearray(nbytes)
+        if nbytes:
+            tz.write_packed(torch.frombuffer(buf, dtype=torch.uint8), [t.cpu() for t in tensors], specs)
+        return Descriptor(kind="inline", tensors=tuple(specs), nbytes=nbytes, many=many, inline=buf)
+
+
+def _write(dst: torch.Tensor, tensors: list[torch.Tensor], specs: list[TensorSpec], device: Optional[int]) -> None:
+    tz.write_packed(dst, tensors, specs)
+    if dst.is_cuda or device is not None:
+        # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the copy
+        # must be complete before the descriptor exists (see research/cuda_vmm.md). The copy ran on the
+        # current stream of the destination or of a source device: finish them all.
+        for dev in {t.device for t in tensors if t.is_cuda} | ({dst.device} if dst.is_cuda else set()):
+            torch.cuda.current_stream(dev).synchronize()

@@ -1,0 +1,123 @@
+"""This process's view of the daemon's lease table (layout: mmfeat.protos.lease_table).
+
+A consumer checks a descriptor here without a round trip and adds its acks here; a producer publishes
+the features of its arenas here. Mapped once per daemon epoch and shared by every Client of the
+process.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from mmfeat.atomics import Words, fence_acquire
+from mmfeat.protos.lease_table import (
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, ENTRY_BYTES, FLAG_DRAINING, FREE, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD,
+    MAGIC, POOL, PUBLISHED, STATE, WORDS_PER_ENTRY, ack_word, state_word, table_bytes, word_index,
+)
+
+STATE_FREE = FREE
+# state() for a live lease whose pool, offset or size differ from what the descriptor says.
+STATE_MISMATCH = -1
+
+_U64 = struct.Struct("<Q")
+_RANGE = struct.Struct("<3Q")  # POOL, OFFSET, NBYTES
+_WORDS_AFTER_STATE = struct.Struct("<7Q")  # ACKS .. TOKEN + 1
+
+
+class LeaseTableView:
+    def __init__(self, mm: mmap.mmap, slots: int, writable: bool) -> None:
+        self._mm = mm
+        self.slots = slots
+        self.writable = writable
+        self._words = Words(mm, HEADER_BYTES, slots * WORDS_PER_ENTRY) if writable else None
+
+    def _load(self, slot: int, word: int) -> int:
+        if self._words is not None:
+            return self._words.load(word_index(slot, word))
+        return _U64.unpack_from(self._mm, HEADER_BYTES + 8 * word_index(slot, word))[0]
+
+    def state(self, lease: int, gen: int, pool: int, offset: int, nbytes: int) -> int:
+        """The lease's state if its slot holds generation ``gen`` with this range; STATE_FREE if the
+        generation is gone, STATE_MISMATCH if it is live with another range."""
+        if not 0 <= lease < self.slots:
+            return STATE_FREE
+        word = self._load(lease, STATE)
+        if word >> 2 != gen or not word & 3:
+            return STATE_FREE
+        # The range words were written before STATE named this generation (release store, acquire
+        # load); reading STATE again, after a fence, proves they still belong to it (generations only
+        # grow: no ABA).
+        entry = _RANGE.unpack_from(self._mm, HEADER_BYTES + 8 * word_index(lease, POOL))
+        fence_acquire()
+        if self._load(lease, STATE) != word:
+            return STATE_FREE
+        if entry != (pool, offset, nbytes):
+            return STATE_MISMATCH
+        return word & 3
+
+    def add_acks(self, lease: int, gen: int, count: int) -> bool:
+        """Add ``count`` acks to the lease's ack word if it still names generation ``gen``; False if it
+        does not (the feature ended, or the slot holds another one) or the word would overflow. The
+        compare-and-swap is sequentially consistent: it is ordered after this thread's reads of the
+        feature, on aarch64 too."""
+        if self._words is None or not 0 <= lease < self.slots:
+            return False
+        i = word_index(lease, ACKS)
+        want = gen & ACK_GEN_MASK
+        seen = self._words.load(i)
+        while seen >> 32 == want and (seen & ACK_COUNT_MASK) + count <= ACK_COUNT_MASK:
+            state = self._load(lease, STATE)
+            if state >> 2 != gen or not state & 3:
+                return False  # ended: the daemon says why (a message ack)
+            ok, seen = self._words.cas(i, seen, seen + count)
+            if ok:
+                return True
+        return False
+
+    def publish(self, slot: int, gen: int, pool: int, offset: int, nbytes: int, consumers: int, token: bytes) -> None:
+        """Publish a feature written in the caller's arena: its words, then STATE with a release store
+        (ordered after the payload writes and these words)."""
+        assert self._words is not None
+        # Plain stores: the release store of STATE below orders every earlier store of this thread.
+        _WORDS_AFTER_STATE.pack_into(self._mm, HEADER_BYTES + 8 * word_index(slot, ACKS), ack_word(gen), pool, offset,
+                                     nbytes, consumers, int.from_bytes(token[:8], "little"),
+                                     int.from_bytes(token[8:], "little"))
+        self._words.store(word_index(slot, STATE), state_word(gen, PUBLISHED))
+
+    def state_word(self, slot: int) -> int:
+        return self._load(slot, STATE)
+
+    def draining(self) -> bool:
+        return bool(_U64.unpack_from(self._mm, 8 * HEADER_FLAGS_WORD)[0] & FLAG_DRAINING)
+
+
+_lock = threading.Lock()
+_tables: dict[tuple[str, int], LeaseTableView] = {}
+
+
+def map_lease_table(endpoint: str, epoch: int, fd: int, slots: int, writable: bool) -> LeaseTableView:
+    """Map the lease table behind ``fd`` (closing ``fd`` either way), once per daemon epoch. Writable
+    when this process publishes and acks in it; read-only for the message path."""
+    try:
+        with _lock:
+            hit = _tables.get((endpoint, epoch))
+            if hit is not None and (hit.writable or not writable):
+                return hit
+            size = table_bytes(slots)
+            if os.fstat(fd).st_size < size:
+                raise ValueError(f"lease table fd is {os.fstat(fd).st_size} B, daemon said {size} B")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+            magic, table_epoch, table_slots, entry_bytes, _flags = HEADER.unpack_from(mm, 0)
+            if magic != MAGIC or table_epoch != epoch or table_slots != slots or entry_bytes != ENTRY_BYTES:
+                mm.close()
+                raise ValueError("the lease table's header does not match the daemon's hello")
+            for key in [k for k in _tables if k[0] == endpoint]:
+                del _tables[key]  # an older epoch's table: unmapped once nothing uses it
+            view = LeaseTableView(mm, slots, writable)
+            _tables[(endpoint, epoch)] = view
+            return view
+    finally:
+        os.close(fd)

@@ -1,0 +1,167 @@
+"""Producer arenas: slices of a pool, each with a block of lease slots, granted to one session.
+
+A producer places features in its arena and publishes them in the lease table without a message; the
+daemon adopts them on its next sweep (daemon/sweeper.py). An arena is granted from the same allocator
+as reserved leases, so one budget covers both. When its producer gives it back or its session ends,
+the arena is trimmed: the space not under a live feature goes back to the pool at once, each live
+feature keeps its own range until it ends, and the slot block goes back with the last of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sortedcontainers import SortedDict
+
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+
+from .allocator import Allocator
+from .counters import Counters
+from .slots import SlotSpace
+
+
+@dataclass
+class Arena:
+    arena_id: int
+    session: bytes
+    pool_id: int
+    offset: int
+    size: int
+    slot_base: int
+    slots: int
+    live_bytes: int = 0  # aligned sizes of the features adopted and not yet ended
+    returned: bool = False  # trimmed: only its live features' ranges are still allocated
+    features: SortedDict = field(default_factory=SortedDict)  # offset -> end of each live feature
+
+    @property
+    def live(self) -> int:
+        return len(self.features)
+
+    @property
+    def held(self) -> int:
+        """Bytes of the pool this arena holds now."""
+        return self.live_bytes if self.returned else self.size
+
+    def fits(self, offset: int, nbytes: int) -> bool:
+        """Inside the arena and clear of every live feature (a producer's ring never overlaps two; a
+        peer that publishes overlapping ones is refused, so each range is freed exactly once)."""
+        end = offset + nbytes
+        if not (self.offset <= offset and end <= self.offset + self.size):
+            return False
+        i = self.features.bisect_right(offset)
+        if i and self.features.peekitem(i - 1)[1] > offset:
+            return False
+        return i == len(self.features) or self.features.peekitem(i)[0] >= end
+
+
+class Arenas:
+    def __init__(self, allocators: dict[int, Allocator], space: SlotSpace, counters: Counters, arena_bytes: int,
+                 per_session: int) -> None:
+        self.allocators = allocators
+        self.space = space
+        self.counters = counters
+        self.arena_bytes = arena_bytes
+        self.per_session = per_session
+        self._by_id: dict[int, Arena] = {}
+        self._by_block: dict[int, Arena] = {}
+        self._by_session: dict[bytes, set[int]] = {}
+        self._next_id = 1
+        self.bytes = {p: 0 for p in allocators}
+        self.live_bytes = {p: 0 for p in allocators}
+
+    def size_for(self, pool_id: int) -> int:
+        """Arena size in this pool: the configured size, at most an eighth of the pool."""
+        alloc = self.allocators[pool_id]
+        return max(alloc.alignment, min(self.arena_bytes, alloc.capacity // 8 // alloc.alignment * alloc.alignment))
+
+    def grant(self, session: bytes, pool_id: int) -> Arena:
+        held = self._by_session.get(session, set())
+        if len([a for a in held if not self._by_id[a].returned]) >= self.per_session:
+            self.counters.arenas_refused += 1
+            raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {self.per_session} arenas, the "
+                              "arenas_per_session limit; give one back or use reserve")
+        size = self.size_for(pool_id)
+        alloc = self.allocators[pool_id]
+        base = self.space.take_block()
+        if base is None:
+            self.counters.arenas_refused += 1
+            raise MmfeatError(ErrorCode.POOL_FULL, "no lease slots left for another arena (max_leases); use reserve")
+        offset = alloc.alloc(size)
+        if offset is None:
+            self.space.give_block(base)
+            self.counters.arenas_refused += 1
+            raise MmfeatError(ErrorCode.POOL_FULL, f"pool {pool_id} has no free range of {size} B for an arena; use reserve")
+        arena = Arena(self._next_id, session, pool_id, offset, size, base, self.space.block)
+        self._next_id += 1
+        self._by_id[arena.arena_id] = arena
+        self._by_block[base // self.space.block] = arena
+        self._by_session.setdefault(session, set()).add(arena.arena_id)
+        self.bytes[pool_id] += size
+        self.counters.arenas_granted += 1
+        return arena
+
+    def of_slot(self, slot: int) -> Optional[Arena]:
+        """The arena whose block holds ``slot``; None for single slots and free blocks."""
+        if slot < self.space.block_start:
+            return None
+        return self._by_block.get(slot // self.space.block)
+
+    def get(self, arena_id: int) -> Optional[Arena]:
+        return self._by_id.get(arena_id)
+
+    def of_session(self, session: bytes) -> list[Arena]:
+        return [self._by_id[a] for a in self._by_session.get(session, ())]
+
+    def feature_added(self, arena: Arena, offset: int, size: int) -> None:
+        arena.features[offset] = offset + size
+        arena.live_bytes += size
+        self.live_bytes[arena.pool_id] += size
+
+    def feature_ended(self, arena: Arena, offset: int, size: int) -> int:
+        """Account an ended feature; the bytes that went back to the pool (none while its producer
+        still holds the arena)."""
+        del arena.features[offset]
+        arena.live_bytes -= size
+        self.live_bytes[arena.pool_id] -= size
+        if not arena.returned:
+            return 0
+        self.allocators[arena.pool_id].release(offset)
+        self.bytes[arena.pool_id] -= size
+        if arena.live == 0:
+            self._drop(arena)
+        return size
+
+    def give_back(self, arena: Arena) -> int:
+        """Its producer is done with it (or gone): trim it to its live features. The bytes freed."""
+        if arena.returned:
+            return 0
+        arena.returned = True
+        self.counters.arenas_returned += 1
+        keep = [(offset, end - offset) for offset, end in arena.features.items()]
+        freed = self.allocators[arena.pool_id].trim(arena.offset, keep)
+        self.bytes[arena.pool_id] -= freed
+        if arena.live == 0:
+            self._drop(arena)
+        return freed
+
+    def _drop(self, arena: Arena) -> None:
+        """Nothing in the returned arena is live: its slot block goes back too."""
+        del self._by_id[arena.arena_id]
+        del self._by_block[arena.slot_base // self.space.block]
+        ids = self._by_session[arena.session]
+        ids.discard(arena.arena_id)
+        if not ids:
+            del self._by_session[arena.session]
+        self.space.give_block(arena.slot_base)
+        self.counters.arenas_freed += 1
+
+    def count(self, pool_id: int) -> int:
+        return sum(1 for a in self._by_id.values() if a.pool_id == pool_id)
+
+    def slack(self, pool_id: int) -> int:
+        """Bytes held by arenas and not under a live feature: what producers have ahead of need."""
+        return sum(a.size - a.live_bytes for a in self._by_id.values() if a.pool_id == pool_id and not a.returned)
+
+    def all(self) -> list[Arena]:
+        return list(self._by_id.values())

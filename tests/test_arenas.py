@@ -1,0 +1,208 @@
+"""The shared-memory path: put, get and ack with no message to the daemon, and every guarantee kept."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mmfeat.protos import ErrorCode, MmfeatError
+
+
+def _no_features(s: dict) -> bool:
+    return s["leases"] == {"RESERVED": 0, "PUBLISHED": 0}
+
+
+def _consistent(pool: dict) -> bool:
+    """Every byte in use belongs to a lease outside an arena or to an arena (SPEC.md, section 5)."""
+    in_leases = sum(pool["bytes"].values())
+    a = pool["arenas"]
+    return pool["used"] == in_leases - a["live_bytes"] + a["bytes"] and a["slack"] <= a["bytes"]
+
+
+def test_put_get_and_ack_need_no_daemon(daemon) -> None:
+    """Once the arena is granted, a frozen daemon does not slow put, get or ack: none of them sends it
+    anything (a message would time out after 0.5 s and the put would fall back inline)."""
+    with daemon.client(inline_threshold=0, timeout=0.5, fallback="error") as producer, \
+            daemon.client(timeout=0.5) as consumer:
+        warm = producer.put(torch.zeros(1000))  # the arena is granted here, and the consumer connects
+        consumer.get(warm)
+        consumer.ack(warm)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            for k in range(200):
+                x = torch.full((16384,), float(k))
+                desc = producer.put(x, consumers=2)
+                assert torch.equal(consumer.get(desc), x)
+                consumer.ack(desc, count=2)
+            assert time.monotonic() - t0 < 10
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        s = daemon.wait_for(_no_features, what="the sweep to apply the table acks")
+        assert s["counters"]["arena_publishes"] == 201 and s["counters"]["reserves"] == 0
+        assert s["counters"]["table_acks"] == 401 and s["counters"]["frees"] == 201
+        assert s["counters"]["bad_table_words"] == 0 and _consistent(s["pools"][0])
+    assert daemon.pool()["used"] == 0
+
+
+def test_group_acks_cache_hits_and_over_acks_in_the_table(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c:
+        d = c.put(torch.ones(4096), consumers=4)
+        c.ack(d, count=2)  # a group of two
+        c.ack(d)  # a cache hit that never read
+        assert c.flush()
+        assert daemon.pool()["leases"]["PUBLISHED"] == 1
+        c.ack(d, count=3)  # one more than remain: clamped and counted
+        s = daemon.wait_for(_no_features, what="the last ack")
+        assert s["counters"]["acks"] == 4 and s["counters"]["over_acks"] == 2 and s["counters"]["frees"] == 1
+        # A late ack of the ended feature does not reach its slot's next tenant.
+        reused = c.put(torch.zeros(4096), consumers=1)
+        assert (reused.lease, reused.gen) == (d.lease, d.gen + 1)
+        c.ack(d)
+        c.flush()
+        assert daemon.pool()["leases"]["PUBLISHED"] == 1
+        with pytest.raises(MmfeatError) as info:
+            c.ack(d, wait=True)
+        assert info.value.code is ErrorCode.STALE
+        with pytest.raises(MmfeatError) as info:
+            c.get(d)
+        assert info.value.code is ErrorCode.STALE
+        assert torch.equal(c.get(reused), torch.zeros(4096))
+        c.ack(reused)
+    s = daemon.stats()
+    assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == 2
+
+
+_PRODUCER = """
+import os, signal, sys, torch
+from mmfeat.client import Client
+c = Client(sys.argv[1], inline_threshold=0, fallback="error")
+for k in range(6):
+    d = c.put(torch.full((65536,), float(k)), consumers=1)
+    os.write(1, d.to_bytes().hex().encode() + b"\\n")
+os.kill(os.getpid(), signal.SIGKILL)  # no close: its arena still holds six unread features
+"""
+
+
+def test_a_killed_producers_features_stay_readable_and_its_arena_is_trimmed(daemon) -> None:
+    out = subprocess.run([sys.executable, "-c", _PRODUCER, str(daemon.runtime_dir)], capture_output=True, text=True)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    blobs = [bytes.fromhex(line) for line in out.stdout.split()]
+    assert len(blobs) == 6
+    s = daemon.wait_for(lambda s: s["clients"] == 0, what="the dead producer's session to end")
+    pool = s["pools"][0]
+    # Its unpublished space went back at once; what is left is exactly its six features.
+    assert pool["leases"]["PUBLISHED"] == 6 and pool["used"] == 6 * 256 * 1024 and pool["arenas"]["slack"] == 0
+    assert _consistent(pool)
+    with daemon.client(inline_threshold=0) as other, daemon.client() as consumer:
+        fillers = [other.put(torch.full((65536,), -1.0)) for _ in range(6)]  # must not land on them
+        for k, blob in enumerate(blobs):
+            assert torch.equal(consumer.get(blob), torch.full((65536,), float(k)))
+            consumer.ack(blob)
+        for f in fillers:
+            other.ack(f)
+    s = daemon.stats()
+    assert s["pools"][0]["used"] == 0 and s["counters"]["arenas_freed"] == s["counters"]["arenas_granted"]
+
+
+def test_a_killed_consumers_share_expires(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "64", "--ack-ttl", "3")
+    with d.client(inline_threshold=0) as producer:
+        desc = producer.put(torch.ones(65536), consumers=2)
+        code = ("import os, signal, sys; from mmfeat.client import Client; c = Client(sys.argv[1]); "
+                "blob = bytes.fromhex(sys.argv[2]); c.get(blob); c.ack(blob); os.kill(os.getpid(), signal.SIGKILL)")
+        out = subprocess.run([sys.executable, "-c", code, str(d.runtime_dir), desc.to_bytes().hex()], capture_output=True, text=True)
+        assert out.returncode == -signal.SIGKILL, out.stderr
+        # One ack arrived through the table before the kill; the second never comes: ack_ttl frees it.
+        s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="ack_ttl")
+        assert s["counters"]["acks"] == 1 and _no_features(s)
+        with pytest.raises(MmfeatError) as info:
+            producer.get(desc)
+        assert info.value.code is ErrorCode.NOT_FOUND and "ack_ttl" in info.value.message
+
+
+def test_a_consumer_that_never_acks_stalls_nothing_past_ack_ttl(daemon_factory) -> None:
+    """A ring arena reclaims in order, so one feature nobody acks holds back the space after it; ack_ttl
+    bounds that, and the producer keeps placing features in arenas the whole time."""
+    d = daemon_factory("--pool-mb", "64", "--ack-ttl", "0.4", "--arena-mb", "1")
+    with d.client(inline_threshold=0, fallback="error") as producer, d.client() as consumer:
+        deadline = time.monotonic() + 2.0
+        n = 0
+        while time.monotonic() < deadline:
+            desc = producer.put(torch.full((16384,), float(n)), consumers=2)  # 64 KiB
+            assert torch.equal(consumer.get(desc), torch.full((16384,), float(n)))
+            consumer.ack(desc)  # the second consumer never acks
+            n += 1
+            time.sleep(0.01)
+        s = d.stats()
+        # Each 1 MiB arena holds 16 of these: the producer kept placing features in arenas only because
+        # expiry gave their space back.
+        assert s["counters"]["expired"] > 0 and s["counters"]["arena_publishes"] >= 0.9 * n > 64
+        assert s["leases"]["PUBLISHED"] <= (0.4 + 0.3) / 0.01 + 5  # only those younger than ack_ttl
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the last features to expire")
+
+
+def test_an_idle_producer_gives_its_arena_back(daemon, monkeypatch) -> None:
+    from mmfeat.client import arena
+
+    monkeypatch.setattr(arena, "IDLE_S", 0.4)
+    with daemon.client(inline_threshold=0) as c:
+        c.ack(c.put(torch.ones(4096)))
+        assert daemon.pool()["arenas"]["count"] == 1
+        s = daemon.wait_for(lambda s: s["pools"][0]["arenas"]["count"] == 0, what="the idle arena to go back")
+        assert s["pools"][0]["used"] == 0
+        desc = c.put(torch.ones(4096))  # a new arena
+        assert not desc.is_inline and daemon.pool()["arenas"]["count"] == 1
+        c.ack(desc)
+
+
+def test_a_draining_daemon_turns_producers_away_from_their_arenas(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "64", "--drain-timeout", "5")
+    with d.client(inline_threshold=0) as c:
+        held = c.put(torch.ones(4096))  # keeps the drain going
+        d.proc.send_signal(signal.SIGTERM)
+        d.wait_for(lambda s: s["draining"], what="the drain")
+        late = c.put(torch.ones(4096))
+        assert late.is_inline and c.fallbacks["draining"] == 1
+        c.ack(held)
+    assert d.proc.wait(10) == 0
+
+
+def test_features_larger_than_half_an_arena_reserve(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1")
+    with d.client(inline_threshold=0) as c:
+        small, big = c.put(torch.ones(1024)), c.put(torch.ones(256 * 1024))  # 4 KiB, 1 MiB
+        s = d.stats()
+        assert s["counters"]["arena_publishes"] == 1 and s["counters"]["reserves"] == 1
+        assert torch.equal(c.get(big), torch.ones(256 * 1024))
+        c.ack(small)
+        c.ack(big)
+    assert d.pool()["used"] == 0
+
+
+def test_the_message_path_without_libatomic(daemon) -> None:
+    """A client without libatomic maps the table read-only and uses reserve, publish and ack messages."""
+    code = """
+import sys, torch
+from mmfeat.client import Client
+from mmfeat import atomics
+assert not atomics.AVAILABLE
+with Client(sys.argv[1], inline_threshold=0, fallback="error") as c:
+    assert not c.session.table.writable and c.session.arenas is None
+    for k in range(5):
+        d = c.put(torch.full((4096,), float(k)))
+        assert torch.equal(c.get(d), torch.full((4096,), float(k)))
+        c.ack(d)
+    assert c.flush()
+"""
+    env = {**os.environ, "MMFEAT_NO_ATOMICS": "1"}
+    out = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    s = daemon.stats()
+    assert s["counters"]["reserves"] == 5 and s["counters"]["arena_publishes"] == 0 and s["pools"][0]["used"] == 0

@@ -1,0 +1,179 @@
+"""A peer of the allowed group writes whatever it likes into the lease table (SPEC.md, section 9): the
+daemon stays up, refuses what it cannot accept, never frees a range twice or outside an arena, and its
+accounting stays exact."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import socket
+import struct
+
+import msgpack
+import pytest
+import torch
+
+from mmfeat.protos import PROTOCOL_VERSION, ErrorCode, MmfeatError
+from mmfeat.protos.lease_table import (
+    ACKS, CONSUMERS, HEADER_BYTES, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, word_index,
+)
+
+_U64 = struct.Struct("<Q")
+
+
+class HostileTable:
+    """The table mapped writable by a session of our own, as any allowed peer can."""
+
+    def __init__(self, daemon, client) -> None:
+        hello = client.request("hello")
+        self.session = hello["session"]
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(str(daemon.runtime_dir / "mmfeatd.fds.sock"))
+        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "session": self.session}))
+        _, fds, _, _ = socket.recv_fds(self.sock, 4096, 8)
+        for fd in fds[:-1]:
+            os.close(fd)
+        self.slots = hello["table_slots"]
+        self.mm = mmap.mmap(fds[-1], HEADER_BYTES + self.slots * 64, flags=mmap.MAP_SHARED)
+        os.close(fds[-1])
+
+    def write(self, slot: int, word: int, value: int) -> None:
+        _U64.pack_into(self.mm, HEADER_BYTES + 8 * word_index(slot, word), value & (2**64 - 1))
+
+    def read(self, slot: int, word: int) -> int:
+        return _U64.unpack_from(self.mm, HEADER_BYTES + 8 * word_index(slot, word))[0]
+
+    def publish(self, slot: int, gen: int, pool: int, offset: int, nbytes: int, consumers: int = 1) -> None:
+        for word, value in ((ACKS, ack_word(gen)), (POOL, pool), (OFFSET, offset), (NBYTES, nbytes),
+                            (CONSUMERS, consumers), (TOKEN, 1), (TOKEN + 1, 2)):
+            self.write(slot, word, value)
+        self.write(slot, STATE, state_word(gen, PUBLISHED))
+
+    def arena(self) -> dict:
+        """An arena for this session, asked for on its fd channel."""
+        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "arena", "id": 1, "quiet": False}))
+        reply = msgpack.unpackb(self.sock.recv(4096))
+        assert reply["ok"], reply
+        return reply["arena"]
+
+    def close(self) -> None:
+        self.mm.close()
+        self.sock.close()
+
+
+def _consistent(pool: dict) -> bool:
+    a = pool["arenas"]
+    return pool["used"] == sum(pool["bytes"].values()) - a["live_bytes"] + a["bytes"]
+
+
+def test_forged_state_words_are_refused_and_put_back(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c, daemon.client() as reader:
+        hostile = HostileTable(daemon, c)
+        try:
+            # A reserved lease lives in a slot only the daemon writes; so does a free single slot.
+            ref = c.request("reserve", session=c.session.token, nbytes=4096, consumers=1)["lease"]
+            hostile.write(ref["lease"], STATE, state_word(ref["gen"] + 5, PUBLISHED))
+            s = daemon.stats()
+            assert s["counters"]["bad_table_words"] == 1 and s["counters"]["arena_publishes"] == 0
+            assert hostile.read(ref["lease"], STATE) == state_word(ref["gen"], 1)  # put back: RESERVED
+            c.request("release", session=c.session.token, lease=ref)
+            hostile.write(ref["lease"], STATE, state_word(ref["gen"] + 1, PUBLISHED))
+            s = daemon.stats()
+            assert s["counters"]["bad_table_words"] == 2 and hostile.read(ref["lease"], STATE) == state_word(ref["gen"], 0)
+
+            a = hostile.arena()
+            base, slot = a["offset"], a["slot_base"]
+            bad = [
+                (a["pool"] + 1, base, 4096, 1),  # another pool
+                (a["pool"], base - 256, 4096, 1),  # before the arena
+                (a["pool"], base + a["size"] - 256, 4096, 1),  # runs past its end
+                (a["pool"], base + 100, 4096, 1),  # unaligned
+                (a["pool"], base, 0, 1),  # empty
+                (a["pool"], base, 4096, 0),  # no consumers
+                (a["pool"], base, 4096, 5000),  # too many
+            ]
+            for k, (pool, offset, nbytes, consumers) in enumerate(bad):
+                hostile.publish(slot + k, 1, pool, offset, nbytes, consumers)
+            hostile.publish(slot + 10, 1, a["pool"], base, 8192)  # a good one
+            daemon.stats()  # swept: adopted
+            hostile.publish(slot + 11, 1, a["pool"], base + 4096, 8192)  # overlaps it
+            hostile.publish(slot + 10, 0, a["pool"], base + 65536, 256)  # rewrites a live feature's slot
+            s = daemon.stats()
+            assert s["counters"]["arena_publishes"] == 1 and s["counters"]["bad_table_words"] == 2 + len(bad) + 2
+            pool = s["pools"][0]
+            assert pool["leases"]["PUBLISHED"] == 1 and pool["arenas"]["live_bytes"] == 8192 and _consistent(pool)
+            # A refused generation is spent: the slot reads FREE with it, and a reader is told why.
+            assert hostile.read(slot, STATE) == state_word(1, 0)
+            with pytest.raises(MmfeatError) as info:
+                c.request("lookup", lease={"pool": a["pool"], "epoch": s["epoch"], "lease": slot, "gen": 1,
+                                           "token": bytes(16), "offset": base, "nbytes": 4096})
+            assert info.value.code is ErrorCode.NOT_FOUND and "refused" in info.value.message
+        finally:
+            hostile.close()
+        # The hostile session ended: its arena was trimmed to the one live feature, which expires or is acked.
+        s = daemon.wait_for(lambda s: s["clients"] <= 2, what="the hostile session to end")
+        assert s["pools"][0]["used"] == 8192 and _consistent(s["pools"][0])
+        desc_ref = {"pool": a["pool"], "epoch": s["epoch"], "lease": slot + 10, "gen": 1,
+                    "token": (1).to_bytes(8, "little") + (2).to_bytes(8, "little"), "offset": base, "nbytes": 8192}
+        assert reader.request("ack", lease=desc_ref)["freed"]
+    assert daemon.pool()["used"] == 0
+
+
+def test_forged_ack_words_are_clamped_never_a_double_free(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c:
+        hostile = HostileTable(daemon, c)
+        try:
+            d = c.put(torch.ones(4096), consumers=3)
+            daemon.stats()  # adopted
+            hostile.write(d.lease, ACKS, ack_word(d.gen, 1))
+            hostile.write(d.lease, ACKS, ack_word(d.gen, 0))  # goes down between two sweeps: no change seen
+            daemon.stats()
+            hostile.write(d.lease, ACKS, ack_word(d.gen + 1, 7))  # another generation's word: ignored
+            s = daemon.stats()
+            assert s["leases"]["PUBLISHED"] == 1 and s["counters"]["acks"] == 0
+            hostile.write(d.lease, ACKS, ack_word(d.gen, 2**32 - 1))  # every ack at once, and far more
+            s = daemon.stats()
+            assert s["counters"]["acks"] == 3 and s["counters"]["over_acks"] == 2**32 - 4 and s["counters"]["frees"] == 1
+            hostile.write(d.lease, ACKS, ack_word(d.gen, 5))  # down, after the end: nothing to free twice
+            s = daemon.stats()
+            assert s["counters"]["frees"] == 1 and _consistent(s["pools"][0])
+        finally:
+            hostile.close()
+    assert daemon.pool()["used"] == 0
+
+
+def test_random_words_in_the_table_leave_the_daemon_up_and_exact(daemon_factory) -> None:
+    daemon = daemon_factory("--pool-mb", "128", "--ack-ttl", "2")
+    rng = random.Random(7)
+    with daemon.client(inline_threshold=0) as c, daemon.client() as reader:
+        hostile = HostileTable(daemon, c)
+        try:
+            a = hostile.arena()
+            live_slots = list(range(a["slot_base"], a["slot_base"] + a["slots"]))
+            for rnd in range(300):
+                d = c.put(torch.full((1024,), float(rnd)))
+                for _ in range(20):
+                    slot = rng.choice(live_slots + [d.lease, rng.randrange(hostile.slots)])
+                    word = rng.randrange(8)
+                    value = rng.choice([0, 1, 2, 3, rng.getrandbits(64), rng.getrandbits(32), state_word(rng.randrange(9), PUBLISHED)])
+                    hostile.write(slot, word, value)
+                if rnd % 3 == 0:
+                    _U64.pack_into(hostile.mm, 8 * rng.randrange(8), rng.getrandbits(64))  # the header too
+                try:
+                    got = reader.get(d)
+                    assert got.shape == (1024,)
+                    reader.ack(d)
+                except MmfeatError as exc:  # its words were overwritten under it: refused, never misread
+                    assert exc.code in (ErrorCode.STALE, ErrorCode.NOT_FOUND, ErrorCode.FORBIDDEN), exc
+                if rnd % 50 == 0:
+                    assert _consistent(daemon.pool())
+            s = daemon.stats()
+            assert s["counters"]["bad_table_words"] > 0 and _consistent(s["pools"][0])
+        finally:
+            hostile.close()
+    assert daemon.proc.poll() is None
+    # Garbage that happened to name a valid range inside the hostile arena is a feature like any other,
+    # and so is a feature whose reader refused it: they end by ack_ttl at the latest.
+    s = daemon.wait_for(lambda s: s["clients"] == 0 and s["pools"][0]["used"] == 0, timeout=15, what="everything to end")
+    assert _consistent(s["pools"][0]) and s["counters"]["arenas_freed"] == s["counters"]["arenas_granted"]
