@@ -73,7 +73,7 @@ def test_ack_after_stream_waits_for_the_kernel_that_reads(gpu_daemon) -> None:
         assert consumer.flush(30.0)
         waited, cpu = time.monotonic() - t0, _acker_cpu_seconds() - cpu0
         assert int(total.item()) == 1 << 20
-        s = gpu_daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the ack after the kernel")
+        s = gpu_daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the ack after the kernel")
         print(f"ack(after=stream): lease held {waited:.2f} s until the kernel ended; the acker thread used {cpu:.3f} s of CPU")
         assert cpu < 0.5 * waited + 0.05, "the acker spun a core while it waited"
 
@@ -85,7 +85,7 @@ def test_staged_copy_is_complete_before_a_plain_ack(gpu_daemon) -> None:
             src = torch.full((4 << 20,), float(k), device="cuda:0")
             d = c.put(src)
             mine = c.get(d, device=0)
-            c.ack(d)  # frees at once: the next put may take the same range
+            c.ack(d, wait=True)  # frees at once: the next put may take the same range
             c.ack(c.put(torch.full((4 << 20,), -1.0, device="cuda:0")))
             assert torch.equal(mine, src), f"round {k}: the staged copy read a reused range"
 
