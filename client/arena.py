@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
+from mmfeat.protos.handshake import ArenaGrant
 from mmfeat.protos.lease_table import PUBLISHED, state_word
 
 from .table import LeaseTableView
@@ -54,13 +55,13 @@ class Placement:
 class ProducerArena:
     """One arena, used as a ring. Not thread-safe: ArenaSet holds the lock."""
 
-    def __init__(self, info: dict[str, Any], table: LeaseTableView) -> None:
-        self.arena_id: int = info["id"]
-        self.pool: int = info["pool"]
-        self.offset: int = info["offset"]
-        self.size: int = info["size"]
+    def __init__(self, grant: ArenaGrant, table: LeaseTableView) -> None:
+        self.arena_id = grant.id
+        self.pool = grant.pool
+        self.offset = grant.offset
+        self.size = grant.size
         self._table = table
-        self._free_slots = list(range(info["slot_base"] + info["slots"] - 1, info["slot_base"] - 1, -1))
+        self._free_slots = list(range(grant.slot_base + grant.slots - 1, grant.slot_base - 1, -1))
         self._ring: deque[Placement] = deque()
         self.used = 0
         self.last_used = time.monotonic()
@@ -197,8 +198,8 @@ class ArenaSet:
         log.debug("no arena in pool %d for now: %s", pool, exc)
 
     def _install(self, pool: int, reply: dict[str, Any]) -> None:
-        info = reply["arena"]
-        self._arenas.setdefault(pool, []).append(ProducerArena(info, self._session.table))
+        grant = ArenaGrant.from_wire(reply.get("arena"))
+        self._arenas.setdefault(pool, []).append(ProducerArena(grant, self._session.table))
         if self._reaper is None:
             self._reaper = threading.Thread(target=self._reap_idle, name="mmfeat-arenas", daemon=True)
             self._reaper.start()
@@ -218,16 +219,29 @@ class ArenaSet:
                     return  # the session is over: the daemon returned every arena of it
 
     def give_back_all(self, timeout: float) -> None:
-        """Return every arena and wait (up to ``timeout``) until the daemon has taken them: a closed
-        client holds no pool space beyond its features still being read."""
+        """Return every arena, those still being granted too, and wait (up to ``timeout``) until the
+        daemon has taken them: a closed client holds no pool space beyond features still being read."""
         self._stop.set()
         with self._lock:
-            arenas = [a for pool in self._arenas.values() for a in pool]
+            ids = [a.arena_id for pool in self._arenas.values() for a in pool]
+            pending = list(self._pending.values())
             self._arenas.clear()
+            self._pending.clear()
         try:
-            for arena in arenas:
-                self._session.send("arena_return", arena=arena.arena_id)
-            if arenas:
+            if pending:
+                self._session.sync(timeout)  # the daemon answers in order: their replies are in now
+            for req_id in pending:
+                try:
+                    reply = self._session.reply_to(req_id)
+                except DaemonUnavailableError:
+                    raise
+                except MmfeatError:
+                    continue  # refused: nothing to return
+                if reply is not None:
+                    ids.append(ArenaGrant.from_wire(reply.get("arena")).id)
+            for arena_id in ids:
+                self._session.send("arena_return", arena=arena_id)
+            if ids:
                 self._session.sync(timeout)
         except DaemonUnavailableError:
             pass  # gone or restarted: the daemon takes a closed session's arenas back itself

@@ -38,8 +38,8 @@ class Consumer:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
         if verify:
             self.verify(session, desc)
-        base = session.mapping(desc.pool).tensor[desc.offset : desc.offset + desc.nbytes]
-        out = _finish([tz.view(base, spec) for spec in desc.tensors], desc.many, copy, device)
+        pool = session.mapping(desc.pool).tensor
+        out = _finish([tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors], desc.many, copy, device)
         if verify and (copy or device is not None):
             # The lease may have ended while we copied; then the copy may hold someone else's bytes.
             self.verify(session, desc)

@@ -14,10 +14,8 @@ import stat
 import struct
 from pathlib import Path
 
-import msgpack
-
+from mmfeat.protos import handshake
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
-from mmfeat.protos.version import PROTOCOL_VERSION
 
 _MAX_FDS = 64
 
@@ -60,20 +58,15 @@ def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.
         try:
             sock.connect(str(path))
             _check_daemon(sock, path.parent)
-            sock.sendall(msgpack.packb({"v": PROTOCOL_VERSION, "session": session}, use_bin_type=True))
-            data, fds, flags, _ = socket.recv_fds(sock, 4096, _MAX_FDS)
+            sock.sendall(handshake.hello(session))
+            data, fds, flags, _ = socket.recv_fds(sock, handshake.MAX_HANDSHAKE_BYTES, _MAX_FDS)
         except (socket.timeout, ConnectionError, FileNotFoundError) as exc:
             raise DaemonUnavailableError(f"fd channel {path}: {exc}") from None
         if flags & socket.MSG_CTRUNC:
             raise MmfeatError(ErrorCode.INTERNAL, "pool fds were truncated in transit: raise this process's fd limit (ulimit -n)")
         if not data:
             raise DaemonUnavailableError(f"fd channel {path} closed during the handshake")
-        reply = msgpack.unpackb(data, raw=False)
-        if not reply.get("ok"):
-            raise MmfeatError.from_reply(reply)
-        pools = reply.get("pools", [])
-        if not reply.get("table") or len(pools) + 1 != len(fds):
-            raise MmfeatError(ErrorCode.INTERNAL, f"daemon named {len(pools)} pools and a table but sent {len(fds)} fds")
+        pools = handshake.parse_answer(data, len(fds))
         sock.settimeout(None)
         received = dict(zip(pools, fds))
         table_fd = fds[-1]

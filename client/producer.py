@@ -7,7 +7,6 @@ the descriptor, when the pool cannot take the feature or the daemon is gone).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any, Callable, Optional
 
@@ -72,11 +71,11 @@ class Producer:
                                 lease["offset"])
         try:
             try:
-                dst = self._destination(session, desc, device)
+                pool_tensor = self._pool_tensor(session, desc, device)
             except (RuntimeError, OSError) as exc:  # CudaError too: no IMEX channel, no peer access, ...
                 self._release_quietly(session, desc)
                 return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.MAP_FAILED, exc)
-            _write(dst, tensors, specs, device)
+            _write(pool_tensor, desc.offset, tensors, specs, device)
             # On the fd channel: in the daemon's socket buffer when this returns, so it is handled even
             # if this process dies now. Nothing waits for it (a consumer's table check and lookup accept
             # a RESERVED lease, and its ack counts early); a failure is logged when its reply is read.
@@ -98,12 +97,12 @@ class Producer:
         token = os.urandom(TOKEN_BYTES)
         desc = self._descriptor(session, pool["pool"], specs, nbytes, many, placed.slot, placed.gen, token, placed.offset)
         try:
-            dst = self._destination(session, desc, device)
+            pool_tensor = self._pool_tensor(session, desc, device)
         except (RuntimeError, OSError):
             arenas.abandon(placed)
             return None  # the reserve path meets the same failure and falls back, saying why
         try:
-            _write(dst, tensors, specs, device)
+            _write(pool_tensor, desc.offset, tensors, specs, device)
         except BaseException:
             arenas.abandon(placed)
             raise
@@ -126,10 +125,12 @@ class Producer:
                           endpoint=self._channel.endpoint, device=pool["device"], pool=pool_id, epoch=session.epoch,
                           lease=lease, gen=gen, token=token, offset=offset)
 
-    def _destination(self, session: Session, desc: Descriptor, device: Optional[int]) -> torch.Tensor:
-        # A GPU pool is mapped (once) on the producer tensor's device.
-        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-            return session.mapping(desc.pool, device).tensor[desc.offset : desc.offset + desc.nbytes]
+    def _pool_tensor(self, session: Session, desc: Descriptor, device: Optional[int]) -> torch.Tensor:
+        """The whole pool as a uint8 tensor; a GPU pool mapped (once) on the producer tensor's device."""
+        if device is None:
+            return session.mapping(desc.pool).tensor
+        with torch.cuda.device(device):
+            return session.mapping(desc.pool, device).tensor
 
     def _reserve(self, session: Session, pool: dict[str, Any], nbytes: int, consumers: int) -> tuple[Session, dict[str, Any]]:
         """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
@@ -168,11 +169,12 @@ class Producer:
         return Descriptor(kind="inline", tensors=tuple(specs), nbytes=nbytes, many=many, inline=buf)
 
 
-def _write(dst: torch.Tensor, tensors: list[torch.Tensor], specs: list[TensorSpec], device: Optional[int]) -> None:
-    tz.write_packed(dst, tensors, specs)
-    if dst.is_cuda or device is not None:
+def _write(pool: torch.Tensor, offset: int, tensors: list[torch.Tensor], specs: list[TensorSpec],
+           device: Optional[int]) -> None:
+    tz.write_into_pool(pool, offset, tensors, specs)
+    if pool.is_cuda or device is not None:
         # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the copy
         # must be complete before the descriptor exists (see research/cuda_vmm.md). The copy ran on the
         # current stream of the destination or of a source device: finish them all.
-        for dev in {t.device for t in tensors if t.is_cuda} | ({dst.device} if dst.is_cuda else set()):
+        for dev in {t.device for t in tensors if t.is_cuda} | ({pool.device} if pool.is_cuda else set()):
             torch.cuda.current_stream(dev).synchronize()

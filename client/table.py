@@ -13,8 +13,8 @@ import struct
 import threading
 from mmfeat.atomics import Words, fence_acquire
 from mmfeat.protos.lease_table import (
-    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, ENTRY_BYTES, FLAG_DRAINING, FREE, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD,
-    MAGIC, POOL, PUBLISHED, STATE, WORDS_PER_ENTRY, ack_word, state_word, table_bytes, word_index,
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, ENTRY_BYTES, FLAG_DRAINING, FREE, HEADER, HEADER_FLAGS_WORD, MAGIC, POOL,
+    PUBLISHED, STATE, ack_word, state_word, table_bytes, word_offset,
 )
 
 STATE_FREE = FREE
@@ -23,7 +23,7 @@ STATE_MISMATCH = -1
 
 _U64 = struct.Struct("<Q")
 _RANGE = struct.Struct("<3Q")  # POOL, OFFSET, NBYTES
-_WORDS_AFTER_STATE = struct.Struct("<7Q")  # ACKS .. TOKEN + 1
+_ENTRY = struct.Struct("<6Q")  # POOL .. TOKEN + 1
 
 
 class LeaseTableView:
@@ -31,12 +31,13 @@ class LeaseTableView:
         self._mm = mm
         self.slots = slots
         self.writable = writable
-        self._words = Words(mm, HEADER_BYTES, slots * WORDS_PER_ENTRY) if writable else None
+        self._words = Words(mm, 0, table_bytes(slots) // 8) if writable else None
 
     def _load(self, slot: int, word: int) -> int:
+        at = word_offset(self.slots, slot, word)
         if self._words is not None:
-            return self._words.load(word_index(slot, word))
-        return _U64.unpack_from(self._mm, HEADER_BYTES + 8 * word_index(slot, word))[0]
+            return self._words.load(at // 8)
+        return _U64.unpack_from(self._mm, at)[0]
 
     def state(self, lease: int, gen: int, pool: int, offset: int, nbytes: int) -> int:
         """The lease's state if its slot holds generation ``gen`` with this range; STATE_FREE if the
@@ -49,7 +50,7 @@ class LeaseTableView:
         # The range words were written before STATE named this generation (release store, acquire
         # load); reading STATE again, after a fence, proves they still belong to it (generations only
         # grow: no ABA).
-        entry = _RANGE.unpack_from(self._mm, HEADER_BYTES + 8 * word_index(lease, POOL))
+        entry = _RANGE.unpack_from(self._mm, word_offset(self.slots, lease, POOL))
         fence_acquire()
         if self._load(lease, STATE) != word:
             return STATE_FREE
@@ -64,7 +65,7 @@ class LeaseTableView:
         feature, on aarch64 too."""
         if self._words is None or not 0 <= lease < self.slots:
             return False
-        i = word_index(lease, ACKS)
+        i = word_offset(self.slots, lease, ACKS) // 8
         want = gen & ACK_GEN_MASK
         seen = self._words.load(i)
         while seen >> 32 == want and (seen & ACK_COUNT_MASK) + count <= ACK_COUNT_MASK:
@@ -81,10 +82,10 @@ class LeaseTableView:
         (ordered after the payload writes and these words)."""
         assert self._words is not None
         # Plain stores: the release store of STATE below orders every earlier store of this thread.
-        _WORDS_AFTER_STATE.pack_into(self._mm, HEADER_BYTES + 8 * word_index(slot, ACKS), ack_word(gen), pool, offset,
-                                     nbytes, consumers, int.from_bytes(token[:8], "little"),
-                                     int.from_bytes(token[8:], "little"))
-        self._words.store(word_index(slot, STATE), state_word(gen, PUBLISHED))
+        _ENTRY.pack_into(self._mm, word_offset(self.slots, slot, POOL), pool, offset, nbytes, consumers,
+                         int.from_bytes(token[:8], "little"), int.from_bytes(token[8:], "little"))
+        _U64.pack_into(self._mm, word_offset(self.slots, slot, ACKS), ack_word(gen))
+        self._words.store(word_offset(self.slots, slot, STATE) // 8, state_word(gen, PUBLISHED))
 
     def state_word(self, slot: int) -> int:
         return self._load(slot, STATE)

@@ -68,3 +68,33 @@ def view(base: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         return torch.empty(spec.shape, dtype=dtype, device=base.device)
     flat = base[spec.offset : spec.offset + extent].view(dtype)
     return flat.as_strided(spec.shape, spec.strides)
+
+
+def pool_view(pool: torch.Tensor, lease_offset: int, spec: TensorSpec) -> torch.Tensor:
+    """The tensor ``spec`` names in the lease at ``lease_offset`` of ``pool`` (a uint8 tensor over the
+    whole pool): one ``as_strided`` on a view of the pool in the spec's dtype, made once per pool and
+    dtype. torch checks the result against the pool's storage, whatever the spec says."""
+    dtype = torch_dtype(spec.dtype)
+    if 0 in spec.shape:
+        return torch.empty(spec.shape, dtype=dtype, device=pool.device)
+    typed = _typed_views(pool).get(dtype)
+    if typed is None:
+        typed = _typed_views(pool)[dtype] = pool.view(dtype)
+    start = lease_offset + spec.offset  # a multiple of the itemsize: leases are 256-byte aligned
+    return typed.as_strided(spec.shape, spec.strides, start // spec.itemsize)
+
+
+def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> None:
+    """Copy each tensor into its packed place in the lease (copy_ reads any layout or device)."""
+    for t, spec in zip(tensors, specs):
+        if t.numel():
+            pool_view(pool, lease_offset, spec).copy_(t)
+
+
+def _typed_views(pool: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
+    # Kept on the pool tensor itself, so the views go when the mapping goes.
+    views = getattr(pool, "_mmfeat_views", None)
+    if views is None:
+        views = {}
+        pool._mmfeat_views = views  # type: ignore[attr-defined]
+    return views

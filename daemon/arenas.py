@@ -71,9 +71,10 @@ class Arenas:
         self.live_bytes = {p: 0 for p in allocators}
 
     def size_for(self, pool_id: int) -> int:
-        """Arena size in this pool: the configured size, at most an eighth of the pool."""
+        """Arena size in this pool: the configured size, at most a sixteenth of the pool, so one
+        session's arenas (arenas_per_session, 4 by default) hold at most a quarter of it."""
         alloc = self.allocators[pool_id]
-        return max(alloc.alignment, min(self.arena_bytes, alloc.capacity // 8 // alloc.alignment * alloc.alignment))
+        return max(alloc.alignment, min(self.arena_bytes, alloc.capacity // 16 // alloc.alignment * alloc.alignment))
 
     def grant(self, session: bytes, pool_id: int) -> Arena:
         held = self._by_session.get(session, set())

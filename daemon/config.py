@@ -32,7 +32,7 @@ HELP: dict[str, str] = {
     "reserve_ttl": "seconds a RESERVED lease may stay unpublished before it is freed",
     "ack_ttl": "seconds a PUBLISHED lease may wait for its acks before it is freed",
     "max_leases": "live leases at most, over all pools",
-    "arena_mb": "MiB of each producer arena (at most an eighth of the pool); 0: no arenas, every feature reserves",
+    "arena_mb": "MiB of each producer arena (at most a sixteenth of the pool); 0: no arenas, every feature reserves",
     "arena_slots": "features one arena holds at most at a time (lease slots per arena)",
     "arenas_per_session": "arenas one producer may hold at a time",
     "max_clients": "client processes at most (fd channels); 0: as many as the fd limit allows, 4 fds each",

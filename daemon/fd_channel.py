@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import msgpack
-
-from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.version import PROTOCOL_VERSION
+from mmfeat.protos import handshake
+from mmfeat.protos.errors import MmfeatError
 
 from .runtime_dir import SocketFile
 from .sessions import PeerCred
@@ -184,31 +182,23 @@ class FdChannel:
 
     def _handshake(self, fileno: int, conn: _Conn, data: bytes) -> None:
         try:
-            try:
-                msg = msgpack.unpackb(data, raw=False, max_ext_len=0)
-            except Exception:
-                raise MmfeatError(ErrorCode.BAD_REQUEST, "fd channel hello is not msgpack") from None
-            if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION:
-                raise MmfeatError(ErrorCode.UNSUPPORTED_VERSION, f"fd channel speaks version {PROTOCOL_VERSION}")
-            token = msg.get("session")
-            if not isinstance(token, bytes):
-                raise MmfeatError(ErrorCode.BAD_REQUEST, "fd channel hello needs 'session' (bytes from the hello reply)")
+            token = handshake.parse_hello(data)
             pool_ids, fds = self._authorize(token, conn.peer)
         except MmfeatError as exc:
             self.handshakes_refused += 1
             self._warn(f"refused an fd channel from pid {conn.peer.pid} uid {conn.peer.uid}: {exc} "
                        f"({self.handshakes_refused} handshakes refused so far)")
-            self._send(conn, {"v": PROTOCOL_VERSION, "ok": False, "error": exc.to_wire()}, [])
+            self._send(conn, handshake.refused(exc), [])
             self._drop(fileno, notify=False)
             return
         conn.session = token
         self._attached[fileno] = self._pending.pop(fileno)
-        if not self._send(conn, {"v": PROTOCOL_VERSION, "ok": True, "pools": pool_ids, "table": True}, fds):
+        if not self._send(conn, handshake.accepted(pool_ids), fds):
             self._drop(fileno)
 
-    def _send(self, conn: _Conn, reply: dict, fds: list[int]) -> bool:
+    def _send(self, conn: _Conn, reply: bytes, fds: list[int]) -> bool:
         try:
-            socket.send_fds(conn.sock, [msgpack.packb(reply, use_bin_type=True)], fds)
+            socket.send_fds(conn.sock, [reply], fds)
             return True
         except OSError as exc:
             log.debug("fd channel send to pid %d failed: %s", conn.peer.pid, exc)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from mmfeat.protos import messages as m
 from mmfeat.protos.codec import MAX_REQUEST_BYTES
 from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.handshake import ArenaGrant
 
 from .core import DaemonCore
 from .sessions import MAX_PENDING_SESSIONS
@@ -98,8 +99,7 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> Reply:
     pool_id = core.pool_for(req.device)
     core.sweep(now)
     a = core.ledger.grant_arena(req.session, pool_id)
-    return {"arena": {"id": a.arena_id, "pool": a.pool_id, "offset": a.offset, "size": a.size,
-                      "slot_base": a.slot_base, "slots": a.slots}}
+    return {"arena": ArenaGrant(a.arena_id, a.pool_id, a.offset, a.size, a.slot_base, a.slots).to_wire()}
 
 
 def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> Reply:

@@ -19,12 +19,11 @@ import numpy as np
 
 from mmfeat.atomics import Words
 from mmfeat.protos.lease_table import (
-    ACKS, CONSUMERS, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, NBYTES, OFFSET, POOL, STATE, TOKEN,
-    WORDS_PER_ENTRY, ENTRY_BYTES, ack_word, state_word, table_bytes, word_index,
+    ACKS, ENTRY_BYTES, ENTRY_WORDS, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, POOL, STATE, ack_word, state_word,
+    table_bytes, word_offset,
 )
 
-
-_ENTRY = struct.Struct(f"<{WORDS_PER_ENTRY}Q")
+_ENTRY = struct.Struct(f"<{ENTRY_WORDS}Q")
 
 
 class LeaseTable:
@@ -38,12 +37,10 @@ class LeaseTable:
         # Clients map it writable (they publish and ack in it), so only its size is sealed: a client
         # cannot shrink it under the daemon's mapping (SIGBUS) or grow it.
         fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        self.words = Words(self._mm, HEADER_BYTES, slots * WORDS_PER_ENTRY)
-        self._header = Words(self._mm, 0, HEADER_BYTES // 8)
-        # The sweeper's bulk view: row = slot, column = entry word.
-        self.columns = np.frombuffer(self._mm, dtype="<u8", count=slots * WORDS_PER_ENTRY, offset=HEADER_BYTES).reshape(
-            slots, WORDS_PER_ENTRY
-        )
+        self.words = Words(self._mm, 0, self.size // 8)
+        # The sweeper's bulk views of the two columns clients write.
+        self.states = np.frombuffer(self._mm, dtype="<u8", count=slots, offset=word_offset(slots, 0, STATE))
+        self.acks = np.frombuffer(self._mm, dtype="<u8", count=slots, offset=word_offset(slots, 0, ACKS))
         # What the daemon last wrote or accounted for in each STATE and ACKS word; a sweep looks at the
         # words that differ (daemon/sweeper.py).
         self.seen_state = np.zeros(slots, dtype=np.uint64)
@@ -56,12 +53,16 @@ class LeaseTable:
         return self._fd
 
     def entry(self, slot: int) -> tuple[int, ...]:
-        """The slot's eight words, read plainly: call after an acquire (load or fence) that saw its STATE."""
+        """The slot's POOL .. TOKEN + 1 words, read plainly: call after an acquire (load or fence) that
+        saw its STATE."""
         assert self._mm is not None
-        return _ENTRY.unpack_from(self._mm, HEADER_BYTES + slot * ENTRY_BYTES)
+        return _ENTRY.unpack_from(self._mm, word_offset(self.slots, slot, POOL))
+
+    def _index(self, slot: int, word: int) -> int:
+        return word_offset(self.slots, slot, word) // 8
 
     def load(self, slot: int, word: int) -> int:
-        return self.words.load(word_index(slot, word))
+        return self.words.load(self._index(slot, word))
 
     def set(self, slot: int, gen: int, state: int) -> None:
         """A new state for the generation in the slot (publish of a reserved lease), or FREE."""
@@ -69,34 +70,29 @@ class LeaseTable:
 
     def store_state(self, slot: int, word: int) -> None:
         self.seen_state[slot] = word
-        self.words.store(word_index(slot, STATE), word)
+        self.words.store(self._index(slot, STATE), word)
 
     def set_live(self, slot: int, gen: int, state: int, pool: int, offset: int, nbytes: int, consumers: int,
                  token: bytes) -> None:
         """A reserved lease goes live: its words first, then the state word that names its generation."""
-        words = self.words
-        base = word_index(slot, 0)
+        assert self._mm is not None
+        # Plain stores: the release store of STATE below orders them all before it.
+        _ENTRY.pack_into(self._mm, word_offset(self.slots, slot, POOL), pool, offset, nbytes, consumers,
+                         int.from_bytes(token[:8], "little"), int.from_bytes(token[8:16], "little"))
         self.seen_acks[slot] = ack_word(gen)
-        words.store(base + ACKS, ack_word(gen))
-        words.store(base + POOL, pool)
-        words.store(base + OFFSET, offset)
-        words.store(base + NBYTES, nbytes)
-        words.store(base + CONSUMERS, consumers)
-        words.store(base + TOKEN, int.from_bytes(token[:8], "little"))
-        words.store(base + TOKEN + 1, int.from_bytes(token[8:16], "little"))
+        self.words.store(self._index(slot, ACKS), ack_word(gen))
         self.store_state(slot, state_word(gen, state))
 
     def cas(self, slot: int, word: int, expected: int, new: int) -> tuple[bool, int]:
-        return self.words.cas(word_index(slot, word), expected, new)
+        return self.words.cas(self._index(slot, word), expected, new)
 
     def set_draining(self, draining: bool) -> None:
-        self._header.store(HEADER_FLAGS_WORD, 1 if draining else 0)
+        self.words.store(HEADER_FLAGS_WORD, 1 if draining else 0)
 
     def close(self) -> None:
         if self._mm is not None:
             self.words.close()
-            self._header.close()
-            del self.columns
+            del self.states, self.acks
             self._mm.close()
             self._mm = None
         if self._fd is not None:

@@ -301,6 +301,25 @@ class Ledger:
 
     # --- arenas --------------------------------------------------------------------------------
 
+    def adopt_acked(self, slot_id: int, gen: int, consumers: int, acks: int) -> None:
+        """A feature its producer published and all its consumers acked between two sweeps: counted
+        as published, acked and freed, without ever becoming a live lease."""
+        slot = self._slot(slot_id)
+        slot.gen, slot.lease, slot.ended = gen, None, EndReason.ACKED
+        self._mirror(slot_id, gen, FREE)
+        c = self.counters
+        c.publishes += 1
+        c.arena_publishes += 1
+        c.acks += consumers
+        c.over_acks += acks - consumers
+        c.table_acks += acks
+        c.frees += 1
+
+    @property
+    def observed(self) -> bool:
+        """Whether an observer (metrics) wants each lease's life, fast-path features included."""
+        return self._observer is not None
+
     def grant_arena(self, session: bytes, pool_id: int) -> Arena:
         if self.session_quota:
             held = self._bytes_by_session.get(session, 0)

@@ -32,7 +32,7 @@ log = logging.getLogger("mmfeatd")
 TICK_S = 0.1
 # Sweeps of the lease table: every SWEEP_MIN_S while clients write to it, backing off to SWEEP_MAX_S
 # while they do not. The longer interval bounds how late an idle daemon frees an acked feature.
-SWEEP_MIN_S = 0.001
+SWEEP_MIN_S = 0.005
 SWEEP_MAX_S = 0.02
 STATUS_EVERY_S = 5.0
 METRICS_EVERY_S = 0.5

@@ -19,10 +19,7 @@ import numpy as np
 
 from mmfeat.atomics import fence_acquire
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
-from mmfeat.protos.lease_table import (
-    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, FREE, POOL, PUBLISHED, STATE, TOKEN, ack_word,
-    state_word,
-)
+from mmfeat.protos.lease_table import ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, FREE, PUBLISHED, ack_word, state_word
 from mmfeat.protos.messages import MAX_CONSUMERS
 
 from .lease_table import LeaseTable
@@ -42,22 +39,25 @@ class Sweeper:
     def sweep(self, now: float) -> int:
         """Apply every publish and ack clients wrote since the last sweep; the number of words applied."""
         self.ledger.counters.sweeps += 1
-        cols = self.table.columns
+        table = self.table
         changed = 0
         for lo, hi in self.ledger.space.ranges():
             # ACKS before STATE: an ack seen here was written after its feature's publish (the consumer
             # had the descriptor), so the STATE read after it sees that publish too.
-            acks = cols[lo:hi, ACKS].copy()
+            acks = table.acks[lo:hi].copy()
             fence_acquire()
-            states = cols[lo:hi, STATE].copy()
+            states = table.states[lo:hi].copy()
             fence_acquire()
-            for i in np.flatnonzero(states != self.table.seen_state[lo:hi]).tolist():
+            published = np.flatnonzero(states != table.seen_state[lo:hi])
+            for i in published.tolist():
                 self._on_state(lo + i, int(states[i]), now)
-                changed += 1
-            # After the publishes: adopting one sets the ack baseline of its slot.
-            for i in np.flatnonzero(acks != self.table.seen_acks[lo:hi]).tolist():
+            # After the publishes, whose handling read their ACKS words afresh: this sweep's older copy
+            # of those is skipped (the next sweep compares them again).
+            stale = acks != table.seen_acks[lo:hi]
+            stale[published] = False
+            for i in np.flatnonzero(stale).tolist():
                 self._on_acks(lo + i, int(acks[i]), now)
-                changed += 1
+            changed += len(published) + int(stale.sum())
         return changed
 
     def _on_state(self, slot: int, word: int, now: float) -> None:
@@ -72,7 +72,7 @@ class Sweeper:
             self._refuse(slot, f"STATE of slot {slot} went to generation {gen} state {state}; a producer may only "
                          f"publish a generation above {ledger.slot_gen(slot)} in a slot it got back FREE")
             return
-        pool, offset, nbytes, consumers, tok0, tok1 = self.table.entry(slot)[POOL:TOKEN + 2]
+        pool, offset, nbytes, consumers, tok0, tok1 = self.table.entry(slot)
         if (pool != arena.pool_id or offset % LEASE_ALIGNMENT or nbytes < 1 or not arena.fits(offset, nbytes)
                 or not 1 <= consumers <= MAX_CONSUMERS):
             # The generation is spent (the producer believes it published it); the feature is not.
@@ -81,6 +81,12 @@ class Sweeper:
             self._count_bad(f"slot {slot} was published with pool {pool}, range [{offset}, +{nbytes}) and {consumers} "
                             f"consumers: not inside arena {arena.arena_id} [{arena.offset}, +{arena.size}) of pool "
                             f"{arena.pool_id}, or over a live feature; refused")
+            return
+        acks = self.table.load(slot, ACKS)
+        if acks >> 32 == gen & ACK_GEN_MASK and (acks & ACK_COUNT_MASK) >= consumers and not ledger.observed:
+            # Published and acked by all since the last sweep, the common case under load: end it at once.
+            self.table.seen_acks[slot] = acks
+            ledger.adopt_acked(slot, gen, consumers, acks & ACK_COUNT_MASK)
             return
         self.table.seen_state[slot] = word
         self._reset_acks(slot, gen)

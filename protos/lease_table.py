@@ -1,10 +1,12 @@
 """The lease table's layout, shared by the daemon and every client. SPEC.md, section 5.
 
-A 64-byte header, then one 64-byte entry (a cache line, so neighbouring slots of different producers
-do not share one) per lease slot. Every word is a little-endian uint64 at an 8-byte-aligned offset, so
-each is read and written whole.
+A 64-byte header, then three regions: the STATE word of every slot, the ACKS word of every slot, and
+a 48-byte entry per slot with the rest. The two columns are dense so that the daemon's sweep reads
+16 bytes per slot, not a cache line (payload copies of many MiB evict the table from the caches
+between sweeps). Every word is a little-endian uint64 at an 8-byte-aligned offset, so each is read and
+written whole; ``word_offset`` says where.
 
-Entry words:
+Words of a slot:
 
 - ``STATE``: ``generation << 2 | state``. The feature's owner writes it last, with a release store:
   the daemon for slots of reserved leases, the producer for slots of its arena when it publishes.
@@ -31,9 +33,9 @@ HEADER = struct.Struct("<8sQQQQ")  # magic, epoch, slots, entry bytes, flags; ze
 HEADER_BYTES = 64
 HEADER_FLAGS_WORD = 4  # index of the flags word among the header's words
 FLAG_DRAINING = 1
-ENTRY_BYTES = 64
-WORDS_PER_ENTRY = ENTRY_BYTES // 8
 STATE, ACKS, POOL, OFFSET, NBYTES, CONSUMERS, TOKEN = range(7)
+ENTRY_WORDS = 6  # POOL, OFFSET, NBYTES, CONSUMERS, TOKEN, TOKEN + 1
+ENTRY_BYTES = 8 * ENTRY_WORDS
 FREE, RESERVED, PUBLISHED = 0, 1, 2
 GEN_MASK = (1 << 62) - 1
 ACK_GEN_MASK = 0xFFFF_FFFF
@@ -41,16 +43,16 @@ ACK_COUNT_MASK = 0xFFFF_FFFF
 
 
 def table_bytes(slots: int) -> int:
-    return HEADER_BYTES + slots * ENTRY_BYTES
+    return HEADER_BYTES + slots * (16 + ENTRY_BYTES)
 
 
-def entry_offset(slot: int) -> int:
-    return HEADER_BYTES + slot * ENTRY_BYTES
-
-
-def word_index(slot: int, word: int) -> int:
-    """Index of an entry word among the 8-byte words that follow the header."""
-    return slot * WORDS_PER_ENTRY + word
+def word_offset(slots: int, slot: int, word: int) -> int:
+    """Byte offset, from the start of a table of ``slots`` slots, of word ``word`` of slot ``slot``."""
+    if word == STATE:
+        return HEADER_BYTES + 8 * slot
+    if word == ACKS:
+        return HEADER_BYTES + 8 * (slots + slot)
+    return HEADER_BYTES + 16 * slots + ENTRY_BYTES * slot + 8 * (word - POOL)
 
 
 def state_word(gen: int, state: int) -> int:

@@ -45,3 +45,25 @@ def test_counters_fallback_reasons_and_dtypes_are_documented() -> None:
         assert f'"{kind}"' in SPEC or f"`{kind}`" in SPEC, kind
     for dtype in DTYPE_SIZES:
         assert re.search(rf"\b{dtype}\b", SPEC), dtype
+
+
+def test_shared_layouts_are_documented_as_the_code_defines_them() -> None:
+    from dataclasses import fields
+
+    from mmfeat.protos import lease_table
+    from mmfeat.protos.handshake import ArenaGrant
+
+    shared = SPEC.split("## 5. ", 1)[1].split("\n## 6. ", 1)[0]
+    assert f"`{lease_table.MAGIC.decode()}`" in shared
+    assert f"`{lease_table.HEADER_BYTES} + {16 + lease_table.ENTRY_BYTES} × table_slots`" in shared
+    assert lease_table.table_bytes(10) == lease_table.HEADER_BYTES + 10 * (16 + lease_table.ENTRY_BYTES)
+    words = ["STATE", "ACKS", "POOL", "OFFSET", "NBYTES", "CONSUMERS", "TOKEN"]
+    assert [getattr(lease_table, w) for w in words] == list(range(len(words)))
+    for w in words:
+        assert f"`{w}`" in shared, w
+    assert (lease_table.FREE, lease_table.RESERVED, lease_table.PUBLISHED) == (0, 1, 2)
+    assert "(0 free, 1 RESERVED,\n  2 PUBLISHED)" in shared
+    arena = SPEC.split("### arena\n", 1)[1].split("\n### ", 1)[0]
+    assert "`{" + ", ".join(f.name for f in fields(ArenaGrant)) + "}`" in arena.replace("\n", " ")
+    for line in (f"{{v: {PROTOCOL_VERSION}, session: ", f"{{v: {PROTOCOL_VERSION}, ok: true, pools: [pool ids], table: true}}"):
+        assert line in SPEC, line

@@ -16,7 +16,7 @@ import torch
 
 from mmfeat.protos import PROTOCOL_VERSION, ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
-    ACKS, CONSUMERS, HEADER_BYTES, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, word_index,
+    ACKS, CONSUMERS, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, table_bytes, word_offset,
 )
 
 _U64 = struct.Struct("<Q")
@@ -35,14 +35,14 @@ class HostileTable:
         for fd in fds[:-1]:
             os.close(fd)
         self.slots = hello["table_slots"]
-        self.mm = mmap.mmap(fds[-1], HEADER_BYTES + self.slots * 64, flags=mmap.MAP_SHARED)
+        self.mm = mmap.mmap(fds[-1], table_bytes(self.slots), flags=mmap.MAP_SHARED)
         os.close(fds[-1])
 
     def write(self, slot: int, word: int, value: int) -> None:
-        _U64.pack_into(self.mm, HEADER_BYTES + 8 * word_index(slot, word), value & (2**64 - 1))
+        _U64.pack_into(self.mm, word_offset(self.slots, slot, word), value & (2**64 - 1))
 
     def read(self, slot: int, word: int) -> int:
-        return _U64.unpack_from(self.mm, HEADER_BYTES + 8 * word_index(slot, word))[0]
+        return _U64.unpack_from(self.mm, word_offset(self.slots, slot, word))[0]
 
     def publish(self, slot: int, gen: int, pool: int, offset: int, nbytes: int, consumers: int = 1) -> None:
         for word, value in ((ACKS, ack_word(gen)), (POOL, pool), (OFFSET, offset), (NBYTES, nbytes),

@@ -187,8 +187,10 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             runtime_dir = work / "rt"
             runtime_dir.mkdir()
-            # Room for the window twice over: a background ack may land after its consumer reported.
-            pool_mb = max(64, (max(sizes) * (2 * args.window + 2)) // MiB + 64)
+            # Room for the window twice over (an ack may land after its consumer reported), and for
+            # arenas (a sixteenth of the pool each) that take two of the largest feature, as a server
+            # sizes its pool for its features.
+            pool_mb = max(256, (max(sizes) * (2 * args.window + 2)) // MiB + 64, 32 * max(sizes) // MiB)
             daemon = _start_daemon(runtime_dir, pool_mb)
         device, daemon_pid = _daemon_facts(runtime_dir)
         rows = [_memcpy_row(size, _count_for(size, args.count), args.threads, device) for size in sizes]

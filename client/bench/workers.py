@@ -58,6 +58,16 @@ def _client(runtime_dir: str, mode: str) -> Any:
     return client
 
 
+def _client_for(clients: dict[str, Any], runtime_dir: str, mode: str) -> Any:
+    """The mode's client, made once; the other modes' clients are closed, as a server has one client,
+    so that their arenas do not hold pool space another mode's run needs."""
+    if mode not in POOL_MODES and mode != "inline":
+        return None
+    for other in [m for m in clients if m != mode]:
+        clients.pop(other).close()
+    return clients.get(mode) or clients.setdefault(mode, _client(runtime_dir, mode))
+
+
 def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd: Any, mp_queue: Any) -> None:
     import torch
 
@@ -70,9 +80,7 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
     clients: dict[str, Any] = {}
     while (job := cmd.recv()) is not None:
         total = job.count + job.warmup
-        client = None
-        if job.mode in POOL_MODES or job.mode == "inline":
-            client = clients.get(job.mode) or clients.setdefault(job.mode, _client(runtime_dir, job.mode))
+        client = _client_for(clients, runtime_dir, job.mode)
         local = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device) if job.mode == "floor" else None
         cpu0 = time.process_time()  # all threads: ZeroMQ's I/O thread and the background acker too
         for _ in range(total):
@@ -124,9 +132,7 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
     cmd.send("ready")
     while (job := cmd.recv()) is not None:
         payload = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device)
-        client = None
-        if job.mode in POOL_MODES or job.mode == "inline":
-            client = clients.get(job.mode) or clients.setdefault(job.mode, _client(runtime_dir, job.mode))
+        client = _client_for(clients, runtime_dir, job.mode)
         total = job.count + job.warmup
         # torch.multiprocessing shares a storage once; a new feature is a new storage, made before timing.
         fresh = [payload.clone() for _ in range(total)] if job.mode == "torch_mp" else []
