@@ -31,10 +31,10 @@ from .session import Session, open_session
 log = logging.getLogger("mmfeat.client")
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MMFEAT_TIMEOUT", "5"))
-# Below this, carrying the bytes in the message itself costs less than the pool. With arenas the pool
-# wins from 64 KiB on the 2-core reference machine (docs/benchmarks.md); 64 KiB keeps messages that
-# carry bytes small and sends everything larger through the pool.
-DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(64 * 1024)))
+# Below this, carrying the bytes in the message itself costs less than the pool. On the 2-core
+# reference machine inline still wins at 64 KiB and the pool wins 4-5x at 1 MiB (docs/benchmarks.md,
+# 2026-11-30); 256 KiB keeps messages that carry bytes small.
+DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(256 * 1024)))
 
 DescLike = Union[Descriptor, bytes]
 
