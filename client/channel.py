@@ -89,6 +89,17 @@ class ControlChannel:
             return reply
         raise MmfeatError.from_reply(reply)
 
+    def send_frame(self, frame: bytes) -> None:
+        """One raw request frame on this channel's socket, without waiting (tools, protocol tests)."""
+        with self._lock:
+            self._socket().send(frame)
+
+    def receive_frame(self, timeout: float) -> Optional[bytes]:
+        """The next frame this channel's socket receives within ``timeout`` seconds, or None."""
+        with self._lock:
+            sock = self._socket()
+            return sock.recv() if sock.poll(int(timeout * 1000)) else None
+
     def _abandon(self, req_id: int, op: str, fields: dict[str, Any]) -> None:
         self._abandoned[req_id] = (op, fields)
         while len(self._abandoned) > _MAX_ABANDONED:

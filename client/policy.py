@@ -23,6 +23,11 @@ REQUESTS = ("auto", "cpu", "cuda_vmm")
 _logged: set[tuple[str, Optional[str], str]] = set()
 
 
+def forget_logged() -> None:
+    """Log every decision again, as if this process had made none yet (for tests of the log)."""
+    _logged.clear()
+
+
 class TransportConfigError(ValueError):
     """The requested transport cannot work on this deployment."""
 

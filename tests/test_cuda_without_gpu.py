@@ -83,7 +83,7 @@ class TextOnly:
 def _fresh_policy_log():
     from mmfeat.client import policy
 
-    policy._logged.clear()
+    policy.forget_logged()
 
 
 def _resolve(caplog, requested, topo, model):

@@ -187,11 +187,12 @@ def test_the_ack_that_ends_a_drain_is_answered(runtime_dir) -> None:
         while not channel.call("ping")["draining"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        channel._socket().send(encode({"v": PROTOCOL_VERSION, "op": "ack", "id": 99, "lease": desc.lease_ref(), "count": 1}))
+        channel.send_frame(encode({"v": PROTOCOL_VERSION, "op": "ack", "id": 99, "lease": desc.lease_ref(), "count": 1}))
         assert d.proc.wait(10) == 0
         time.sleep(0.2)  # the daemon's close reaches our side before we read
-        assert channel._sock is not None and channel._sock.poll(2000), "the reply to the last ack was lost"
-        assert decode(channel._sock.recv())["freed"] is True
+        reply = channel.receive_frame(2.0)
+        assert reply is not None, "the reply to the last ack was lost"
+        assert decode(reply)["freed"] is True
         channel.close()
     d.proc.communicate()
 

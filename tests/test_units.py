@@ -153,7 +153,7 @@ def test_ledger_state_accounting_matches_a_walk() -> None:
             else:
                 ledger.release(ref, b"s" * 16, now=step * 0.01)
         ledger.expire(now=step * 0.01)
-        live = [x for x in live if ledger._slots[x.lease_id].lease is x]
+        live = [x for x in live if ledger.live_lease(x.lease_id) is x]
         for pool in (0, 1):
             walked = {st.value: 0 for st in LeaseState}
             walked_bytes = {st.value: 0 for st in LeaseState}
