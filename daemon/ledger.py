@@ -301,9 +301,11 @@ class Ledger:
 
     # --- arenas --------------------------------------------------------------------------------
 
-    def adopt_acked(self, slot_id: int, gen: int, consumers: int, acks: int) -> None:
+    def adopt_acked(self, arena: Arena, slot_id: int, gen: int, nbytes: int, offset: int, consumers: int, token: bytes,
+                    acks: int, now: float) -> None:
         """A feature its producer published and all its consumers acked between two sweeps: counted
-        as published, acked and freed, without ever becoming a live lease."""
+        as published, acked and freed, without ever becoming a live lease (no expiry entry, no arena
+        bookkeeping). The observer still sees it, with no time between publish and last ack."""
         slot = self._slot(slot_id)
         slot.gen, slot.lease, slot.ended = gen, None, EndReason.ACKED
         self._mirror(slot_id, gen, FREE)
@@ -314,11 +316,12 @@ class Ledger:
         c.over_acks += acks - consumers
         c.table_acks += acks
         c.frees += 1
-
-    @property
-    def observed(self) -> bool:
-        """Whether an observer (metrics) wants each lease's life, fast-path features included."""
-        return self._observer is not None
+        if self._observer is not None:
+            lease = Lease(lease_id=slot_id, gen=gen, pool_id=arena.pool_id, offset=offset, nbytes=nbytes, token=token,
+                          consumers=consumers, remaining=0, state=LeaseState.PUBLISHED, session=arena.session,
+                          deadline=now, reserved_at=now, published_at=now,
+                          size=align_up(nbytes, self.allocators[arena.pool_id].alignment), arena=arena)
+            self._observer(lease, EndReason.ACKED, now)
 
     def grant_arena(self, session: bytes, pool_id: int) -> Arena:
         if self.session_quota:

@@ -82,15 +82,15 @@ class Sweeper:
                             f"consumers: not inside arena {arena.arena_id} [{arena.offset}, +{arena.size}) of pool "
                             f"{arena.pool_id}, or over a live feature; refused")
             return
+        token = tok0.to_bytes(8, "little") + tok1.to_bytes(8, "little")
         acks = self.table.load(slot, ACKS)
-        if acks >> 32 == gen & ACK_GEN_MASK and (acks & ACK_COUNT_MASK) >= consumers and not ledger.observed:
+        if acks >> 32 == gen & ACK_GEN_MASK and (acks & ACK_COUNT_MASK) >= consumers:
             # Published and acked by all since the last sweep, the common case under load: end it at once.
             self.table.seen_acks[slot] = acks
-            ledger.adopt_acked(slot, gen, consumers, acks & ACK_COUNT_MASK)
+            ledger.adopt_acked(arena, slot, gen, nbytes, offset, consumers, token, acks & ACK_COUNT_MASK, now)
             return
         self.table.seen_state[slot] = word
         self._reset_acks(slot, gen)
-        token = tok0.to_bytes(8, "little") + tok1.to_bytes(8, "little")
         ledger.adopt(arena, slot, gen, nbytes, offset, consumers, token, now)
 
     def _reset_acks(self, slot: int, gen: int) -> None:
