@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
-from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
 from mmfeat.protos.lease_table import PUBLISHED, state_word
 
@@ -56,6 +56,9 @@ class ProducerArena:
     """One arena, used as a ring. Not thread-safe: ArenaSet holds the lock."""
 
     def __init__(self, grant: ArenaGrant, table: LeaseTableView) -> None:
+        if grant.slot_base + grant.slots > table.slots:
+            raise MmfeatError(ErrorCode.INTERNAL, f"the daemon granted slots {grant.slot_base}+{grant.slots} of a "
+                              f"{table.slots}-slot table")
         self.arena_id = grant.id
         self.pool = grant.pool
         self.offset = grant.offset

@@ -32,19 +32,20 @@ class LeaseTableView:
         self.slots = slots
         self.writable = writable
         self._words = Words(mm, 0, table_bytes(slots) // 8) if writable else None
+        self._states = word_offset(slots, 0, STATE)
+        self._acks = word_offset(slots, 0, ACKS)
 
-    def _load(self, slot: int, word: int) -> int:
-        at = word_offset(self.slots, slot, word)
+    def _state(self, slot: int) -> int:
         if self._words is not None:
-            return self._words.load(at // 8)
-        return _U64.unpack_from(self._mm, at)[0]
+            return self._words.load_at(self._states + 8 * slot)
+        return _U64.unpack_from(self._mm, self._states + 8 * slot)[0]
 
     def state(self, lease: int, gen: int, pool: int, offset: int, nbytes: int) -> int:
         """The lease's state if its slot holds generation ``gen`` with this range; STATE_FREE if the
         generation is gone, STATE_MISMATCH if it is live with another range."""
         if not 0 <= lease < self.slots:
             return STATE_FREE
-        word = self._load(lease, STATE)
+        word = self._state(lease)
         if word >> 2 != gen or not word & 3:
             return STATE_FREE
         # The range words were written before STATE named this generation (release store, acquire
@@ -52,7 +53,7 @@ class LeaseTableView:
         # grow: no ABA).
         entry = _RANGE.unpack_from(self._mm, word_offset(self.slots, lease, POOL))
         fence_acquire()
-        if self._load(lease, STATE) != word:
+        if self._state(lease) != word:
             return STATE_FREE
         if entry != (pool, offset, nbytes):
             return STATE_MISMATCH
@@ -65,14 +66,14 @@ class LeaseTableView:
         feature, on aarch64 too."""
         if self._words is None or not 0 <= lease < self.slots:
             return False
-        i = word_offset(self.slots, lease, ACKS) // 8
+        at = self._acks + 8 * lease
         want = gen & ACK_GEN_MASK
-        seen = self._words.load(i)
+        seen = self._words.load_at(at)
         while seen >> 32 == want and (seen & ACK_COUNT_MASK) + count <= ACK_COUNT_MASK:
-            state = self._load(lease, STATE)
+            state = self._state(lease)
             if state >> 2 != gen or not state & 3:
                 return False  # ended: the daemon says why (a message ack)
-            ok, seen = self._words.cas(i, seen, seen + count)
+            ok, seen = self._words.cas(at // 8, seen, seen + count)
             if ok:
                 return True
         return False
@@ -84,11 +85,12 @@ class LeaseTableView:
         # Plain stores: the release store of STATE below orders every earlier store of this thread.
         _ENTRY.pack_into(self._mm, word_offset(self.slots, slot, POOL), pool, offset, nbytes, consumers,
                          int.from_bytes(token[:8], "little"), int.from_bytes(token[8:], "little"))
-        _U64.pack_into(self._mm, word_offset(self.slots, slot, ACKS), ack_word(gen))
-        self._words.store(word_offset(self.slots, slot, STATE) // 8, state_word(gen, PUBLISHED))
+        _U64.pack_into(self._mm, self._acks + 8 * slot, ack_word(gen))
+        self._words.store_at(self._states + 8 * slot, state_word(gen, PUBLISHED))
 
     def state_word(self, slot: int) -> int:
-        return self._load(slot, STATE)
+        """The STATE word of a slot of this process's own arena (a slot the daemon granted)."""
+        return self._state(slot)
 
     def draining(self) -> bool:
         return bool(_U64.unpack_from(self._mm, 8 * HEADER_FLAGS_WORD)[0] & FLAG_DRAINING)

@@ -93,6 +93,20 @@ class Words:
         ok = _cas8(self._base + 8 * i, ctypes.byref(box), new, SEQ_CST, SEQ_CST)
         return bool(ok), box.value
 
+    # The same at a byte offset the caller has already checked to be inside the mapping (8-aligned):
+    # the lease table's hot paths, which check their slot numbers once.
+
+    def load_at(self, offset: int) -> int:
+        if _lib is None:
+            return ctypes.c_uint64.from_address(self._base + offset).value
+        return _load8(self._base + offset, ACQUIRE)
+
+    def store_at(self, offset: int, value: int) -> None:
+        if _lib is None:
+            ctypes.c_uint64.from_address(self._base + offset).value = value
+        else:
+            _store8(self._base + offset, value, RELEASE)
+
     def close(self) -> None:
         self._anchor = None
         self._base = 0
