@@ -271,3 +271,18 @@ def test_gpu_pools_are_matched_by_uuid_not_ordinal() -> None:
     # An older daemon without uuids: its ordinal stands. A uuid no local GPU has: not visible here.
     assert drv.local_ordinal({"device": 3}) == 3
     assert drv.local_ordinal({"device": 3, "uuid": "GPU-00000000-0000-0000-0000-000000000000"}) is None
+
+
+def test_the_gpu_suites_import_stage_runs_here() -> None:
+    """tests/gpu/run.sh goes to a GPU node in one call: its import stage must not rot where CI can see it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (Path(__file__).parent / "gpu" / "run.sh").read_text()
+    stage = script.split('stage "imports"\n', 1)[1].split('\nstage "', 1)[0]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "-c", stage], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "libatomic (table acks):" in out.stdout and "driver:" in out.stdout

@@ -36,8 +36,9 @@ else
 fi
 
 stage "imports"
-python3 -c "import zmq, pydantic, msgpack, mmfeat.client, mmfeat.daemon; from cuda.bindings import driver; \
-from mmfeat.client import cuda_driver as d; print('zmq', zmq.zmq_version(), '| pydantic', pydantic.VERSION, '| driver:', d.driver_unavailable_reason() or 'ok')"
+python3 -c "import zmq, pydantic, msgpack, numpy, mmfeat.client, mmfeat.daemon; from cuda.bindings import driver; \
+from mmfeat import atomics, cuda_driver as d; print('zmq', zmq.zmq_version(), '| pydantic', pydantic.VERSION, \
+'| numpy', numpy.__version__, '| libatomic (table acks):', atomics.AVAILABLE, '| driver:', d.driver_unavailable_reason() or 'ok')"
 
 stage "GPU tests"
 set +e
