@@ -55,6 +55,11 @@ class Arena:
         return i == len(self.features) or self.features.peekitem(i)[0] >= end
 
 
+# Arenas may hold at most this share of a pool, so that reserves (features too large for an arena, and
+# producers whose arenas are full) always find room however many producers hold arenas.
+ARENA_SHARE = 0.5
+
+
 class Arenas:
     def __init__(self, allocators: dict[int, Allocator], space: SlotSpace, counters: Counters, arena_bytes: int,
                  per_session: int) -> None:
@@ -84,6 +89,10 @@ class Arenas:
                               "arenas_per_session limit; give one back or use reserve")
         size = self.size_for(pool_id)
         alloc = self.allocators[pool_id]
+        if self.bytes[pool_id] + size > alloc.capacity * ARENA_SHARE:
+            self.counters.arenas_refused += 1
+            raise MmfeatError(ErrorCode.POOL_FULL, f"arenas hold {self.bytes[pool_id]} B of pool {pool_id}, and at most half "
+                              "of it may be arenas; use reserve")
         base = self.space.take_block()
         if base is None:
             self.counters.arenas_refused += 1

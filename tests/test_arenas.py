@@ -206,3 +206,27 @@ with Client(sys.argv[1], inline_threshold=0, fallback="error") as c:
     assert out.returncode == 0, out.stderr
     s = daemon.stats()
     assert s["counters"]["reserves"] == 5 and s["counters"]["arena_publishes"] == 0 and s["pools"][0]["used"] == 0
+
+
+def test_arenas_take_at_most_half_the_pool(daemon_factory) -> None:
+    """However many producers hold arenas, reserves keep half the pool."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "4")
+    clients = [d.client(inline_threshold=0) for _ in range(4)]
+    try:
+        granted = 0
+        for c in clients:
+            for _ in range(4):  # arenas_per_session
+                try:
+                    c.session.call("arena")
+                    granted += 1
+                except MmfeatError as exc:
+                    assert exc.code is ErrorCode.POOL_FULL and "half" in exc.message
+        s = d.stats()
+        assert granted == 8 and s["pools"][0]["arenas"]["bytes"] == 32 << 20 and s["counters"]["arenas_refused"] == 8
+        big = clients[0].put(torch.ones(6 << 20))  # 24 MiB: reserved, in the half arenas cannot take
+        assert not big.is_inline and d.stats()["counters"]["reserves"] == 1
+        clients[0].ack(big)
+    finally:
+        for c in clients:
+            c.close()
+    assert d.pool()["used"] == 0
