@@ -167,14 +167,11 @@ class Session:
         """A request on the fd channel that waits for its answer. It is ordered after everything this
         process sent there before (a plain ack after its own publish cannot overtake it); raises
         MmfeatError for an error reply and DaemonUnavailableError after the timeout."""
-        n = next(self._ids)
         deadline = time.monotonic() + self.timeout
         if self.send_deadlines:
             fields["deadline"] = deadline
-        with self._read_lock:
-            self._waiting.add(n)
+        n = self.call_later(op, **fields)
         try:
-            self.send(op, quiet=False, req_id=n, **fields)
             while True:
                 with self._read_lock:
                     alive = self._drain()

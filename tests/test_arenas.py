@@ -230,3 +230,31 @@ def test_arenas_take_at_most_half_the_pool(daemon_factory) -> None:
         for c in clients:
             c.close()
     assert d.pool()["used"] == 0
+
+
+def test_threads_sharing_a_client_place_features_without_overlap(daemon) -> None:
+    """Eight threads put through one Client at once: the ring hands each its own range and slot."""
+    import threading
+
+    errors: list[str] = []
+    with daemon.client(inline_threshold=0, fallback="error") as producer, daemon.client() as consumer:
+        def work(k: int) -> None:
+            try:
+                for i in range(60):
+                    x = torch.full((4096 + 97 * k,), float(k * 1000 + i))
+                    desc = producer.put(x)
+                    if not torch.equal(consumer.get(desc), x):
+                        errors.append(f"thread {k} feature {i} reads other bytes")
+                    consumer.ack(desc)
+            except Exception as exc:  # reported below: a thread's exception would otherwise vanish
+                errors.append(f"thread {k}: {exc!r}")
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:5]
+        s = daemon.wait_for(_no_features, what="the last acks")
+        assert s["counters"]["frees"] == 480 and s["counters"]["bad_table_words"] == 0
+    assert daemon.pool()["used"] == 0
