@@ -87,10 +87,10 @@ def test_a_background_ack_survives_the_consumer_dying_right_after(daemon) -> Non
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     with daemon.client(inline_threshold=0) as producer:
-        descs = [producer.put(torch.ones(10_000), consumers=1) for _ in range(5)]
+        descs = [producer.put(torch.ones(10_000), consumers=1) for _ in range(3)]  # a torch import each
     for d in descs:
         r = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir), d.to_bytes().hex()], timeout=60)
         assert r.returncode == -signal.SIGKILL
     # ack_ttl is 300 s: an empty pool within seconds proves every ack was applied.
     s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=10, what="the dead consumers' acks")
-    assert s["counters"]["acks"] == 5 and s["counters"]["expired"] == 0
+    assert s["counters"]["acks"] == 3 and s["counters"]["expired"] == 0
