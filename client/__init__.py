@@ -1,7 +1,7 @@
 """The thin client producer and consumer processes import. Never imports the daemon.
 
-``Client`` is loaded on first use so that ``mmfeat stats`` and other torch-free users do not pay for
-importing torch.
+``Client`` (and ``dumps``, ``loads``, ``Parcel``, ``Pooled``) load on first use, so that ``mmfeat
+stats`` and other torch-free users do not pay for importing torch.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -10,8 +10,9 @@ from mmfeat.protos import DaemonUnavailableError, Descriptor, ErrorCode, MmfeatE
 
 if TYPE_CHECKING:
     from .client import Client
+    from .parcel import Parcel, Pooled, dumps, loads
 
-__all__ = ["Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "MmfeatError"]
+__all__ = ["Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "MmfeatError", "Parcel", "Pooled", "dumps", "loads"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from .client import Client
 
         return Client
+    if name in ("dumps", "loads", "Parcel", "Pooled"):
+        from . import parcel
+
+        return getattr(parcel, name)
     raise AttributeError(f"module 'mmfeat.client' has no attribute {name!r}")

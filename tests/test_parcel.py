@@ -1,0 +1,113 @@
+"""dumps/loads: pickled requests whose tensors travel through the pool, between real processes."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from mmfeat.client import MmfeatError, Pooled, dumps, loads
+
+from . import parcel_workers as w
+
+
+def test_requests_reach_two_ranks_over_zmq_with_every_tensor_intact(daemon) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    pushes = [ctx.socket(zmq.PUSH) for _ in range(2)]
+    endpoints = []
+    for k, s in enumerate(pushes):
+        endpoints.append(f"ipc://{daemon.runtime_dir}/rank{k}.sock")
+        s.bind(endpoints[-1])
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    ranks = [spawn.Process(target=w.rank, args=(str(daemon.runtime_dir), ep, 12, results)) for ep in endpoints]
+    for p in ranks:
+        p.start()
+    with daemon.client() as c:  # the default 256 KiB threshold: images and the mask pooled, the rest pickled
+        for rid in range(12):
+            data = dumps(w.make_request(rid), consumers=2, client=c)
+            assert len(data) < 20_000, len(data)  # descriptors, not pixels
+            for s in pushes:
+                s.send(data)
+        assert [results.get(timeout=120) for _ in ranks] == [0, 0]
+        for p in ranks:
+            p.join(30)
+            assert p.exitcode == 0
+        s = daemon.stats()
+        assert s["leases"] == {"RESERVED": 0, "PUBLISHED": 0} and s["counters"]["publishes"] == 12
+    for s in pushes:
+        s.close(0)
+    ctx.term()
+    assert daemon.pool()["used"] == 0
+
+
+def test_small_tensors_stay_in_the_pickle_and_copies_outlive_the_ack(daemon) -> None:
+    with daemon.client() as c:
+        obj = {"small": torch.arange(10), "grad": torch.ones(300_000, requires_grad=True), "big": torch.ones(300_000)}
+        data = dumps(obj, client=c)
+        parcel = loads(data, client=c)
+        value = parcel.value
+        assert torch.equal(value["small"], obj["small"]) and value["grad"].requires_grad
+        private = parcel.copy()
+        parcel.ack()
+        parcel.ack()  # again: nothing
+        assert c.flush()
+        assert daemon.stats()["counters"]["acks"] == 1
+        assert torch.equal(private["big"], obj["big"])
+        assert loads(dumps({"k": 1}, client=c), client=c).value == {"k": 1}  # nothing pooled, nothing to ack
+        with pytest.raises(MmfeatError):
+            loads(pickle.dumps(obj["small"]), client=c)
+
+
+def test_a_forgotten_parcel_acks_when_collected_and_warns_once(daemon) -> None:
+    from mmfeat.client import parcel as parcel_module
+
+    parcel_module._warned_unacked = False  # this process may have warned in an earlier test
+    with daemon.client() as c:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                loads(dumps({"x": torch.ones(300_000)}, client=c), client=c)  # dropped at once
+                gc.collect()
+        assert sum(issubclass(x.category, ResourceWarning) for x in caught) == 1
+        assert c.flush()
+        s = daemon.stats()
+        assert s["counters"]["acks"] == 3 and s["leases"]["PUBLISHED"] == 0
+
+
+def test_a_rank_that_dies_holding_a_parcel_costs_ack_ttl(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "64", "--ack-ttl", "3")
+    with d.client() as c:
+        data = dumps({"x": torch.ones(300_000)}, client=c)
+        code = ("import os, signal, sys; from mmfeat.client import Client, loads; "
+                "p = loads(bytes.fromhex(sys.argv[2]), client=Client(sys.argv[1])); os.kill(os.getpid(), signal.SIGKILL)")
+        out = subprocess.run([sys.executable, "-c", code, str(d.runtime_dir), data.hex()], capture_output=True, text=True)
+        assert out.returncode == -signal.SIGKILL, out.stderr
+        s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="ack_ttl")
+        assert s["leases"]["PUBLISHED"] == 0
+
+
+def test_a_multiprocessing_queue_moves_pooled_objects_through_the_pool(daemon, monkeypatch) -> None:
+    monkeypatch.setenv("MMFEAT_RUNTIME_DIR", str(daemon.runtime_dir))
+    spawn = mp.get_context("spawn")
+    q, results = spawn.Queue(), spawn.Queue()
+    child = spawn.Process(target=w.from_queue, args=(str(daemon.runtime_dir), q, results))
+    child.start()
+    with daemon.client() as c:
+        q.put(Pooled(w.make_request(5), client=c))
+        assert results.get(timeout=120) is True
+        child.join(30)
+        assert child.exitcode == 0
+        s = daemon.stats()
+        assert s["counters"]["publishes"] == 1 and s["leases"]["PUBLISHED"] == 0
+    assert os.environ["MMFEAT_RUNTIME_DIR"] == str(daemon.runtime_dir)
