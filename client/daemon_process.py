@@ -32,7 +32,7 @@ def spawn_daemon(runtime_dir: Path, args: Sequence[str] = (), timeout: float = 2
         if time.monotonic() > deadline:
             proc.kill()
             raise DaemonStartError(f"mmfeatd did not answer within {timeout:g} s: {_stderr(proc)}")
-        time.sleep(0.05)
+        time.sleep(0.01)
     return proc
 
 

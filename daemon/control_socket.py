@@ -91,7 +91,7 @@ class ControlSocket:
                     monitor.linger = 0
                     monitor.connect(self._monitor_addr)
                 assert monitor is not None
-                if not monitor.poll(100):
+                if not monitor.poll(25):  # also how long close() waits for this thread
                     continue
                 event = recv_monitor_message(monitor)
                 fd = event["value"]

@@ -14,7 +14,6 @@ from .backends import create_pools
 from .config import HELP, RELOADABLE, ConfigError, Settings, load_settings, render_config
 from .core import DaemonCore
 from .logs import setup_logging
-from .metrics import Metrics
 from .pools import PoolCreateError
 from .resources import FdLimitError, raise_fd_limit
 from .runtime_dir import RuntimeDir, RuntimeDirError
@@ -87,6 +86,8 @@ def _serve(settings: Settings, config_file: Optional[Path], flags: dict) -> int:
     metrics = None
     if settings.metrics_port:
         try:
+            from .metrics import Metrics  # prometheus-client: only for a daemon that serves metrics
+
             metrics = Metrics(settings.metrics_host, settings.metrics_port)
         except OSError as exc:
             for pool in pools:

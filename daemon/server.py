@@ -10,7 +10,7 @@ import logging
 import math
 import signal
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import zmq
 
@@ -23,9 +23,11 @@ from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
 from .control_socket import ControlSocket
-from .metrics import Metrics
 from .resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .sd_notify import Notifier
+
+if TYPE_CHECKING:  # prometheus-client is imported only by a daemon that serves metrics
+    from .metrics import Metrics
 
 log = logging.getLogger("mmfeatd")
 
