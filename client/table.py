@@ -22,6 +22,9 @@ STATE_FREE = FREE
 STATE_MISMATCH = -1
 
 _U64 = struct.Struct("<Q")
+# Compare-and-swap attempts on one ack word before the ack goes as a message: consumers acking the same
+# feature at once retry a few times; only a peer that rewrites the word without end exhausts them.
+_CAS_TRIES = 64
 _RANGE = struct.Struct("<3Q")  # POOL, OFFSET, NBYTES
 _ENTRY = struct.Struct("<6Q")  # POOL .. TOKEN + 1
 
@@ -69,7 +72,9 @@ class LeaseTableView:
         at = self._acks + 8 * lease
         want = gen & ACK_GEN_MASK
         seen = self._words.load_at(at)
-        while seen >> 32 == want and (seen & ACK_COUNT_MASK) + count <= ACK_COUNT_MASK:
+        for _ in range(_CAS_TRIES):  # bounded: under a peer that rewrites the word without end, send a message
+            if seen >> 32 != want or (seen & ACK_COUNT_MASK) + count > ACK_COUNT_MASK:
+                return False
             state = self._state(lease)
             if state >> 2 != gen or not state & 3:
                 return False  # ended: the daemon says why (a message ack)

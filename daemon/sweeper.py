@@ -28,6 +28,7 @@ from .ledger import Ledger
 log = logging.getLogger("mmfeatd.sweep")
 
 _WARN_EVERY_S = 10.0
+_CAS_TRIES = 8
 
 
 class Sweeper:
@@ -100,11 +101,13 @@ class Sweeper:
         baseline = ack_word(gen)
         self.table.seen_acks[slot] = baseline
         seen = self.table.load(slot, ACKS)
-        while seen >> 32 != gen & ACK_GEN_MASK:
+        for _ in range(_CAS_TRIES):  # bounded: a peer rewriting the word without end cannot hold the loop
+            if seen >> 32 == gen & ACK_GEN_MASK:
+                return
             ok, seen = self.table.cas(slot, ACKS, seen, baseline)
             if ok:
-                self._count_bad(f"slot {slot} was published without resetting its ack word")
-                return
+                break
+        self._count_bad(f"slot {slot} was published without resetting its ack word")
 
     def _on_acks(self, slot: int, word: int, now: float) -> None:
         seen = int(self.table.seen_acks[slot])
