@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -234,6 +235,14 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
         rc, _ = _finish(d)
     assert rc == 0
     assert all(name.startswith("mmfeat_") for name in families)
+    # The Grafana dashboard queries only series this daemon exports.
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    samples = {f.name + suffix for f in families.values() for suffix in suffixes.get(f.type, ("",))}
+    dashboard = json.loads((DEPLOY / "grafana" / "mmfeat.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for metric in re.findall(r"mmfeat_[a-z_]+", target["expr"]):
+                assert metric in samples, f"panel {panel['title']!r} queries {metric}, which the daemon does not export"
     value = {(f.name, tuple(sorted(s.labels.items())), s.name): s.value for f in families.values() for s in f.samples}
     assert value[("mmfeat_over_acks", (), "mmfeat_over_acks_total")] == 3
     assert value[("mmfeat_leases", (("pool", "0"), ("state", "published")), "mmfeat_leases")] == 1
