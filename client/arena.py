@@ -111,6 +111,10 @@ class ProducerArena:
     def low(self) -> bool:
         return self.used > self.size * _LOW_WATER
 
+    def writing(self) -> bool:
+        """Whether a put is still writing a feature here (placed, not yet published or abandoned)."""
+        return any(not p.published and not p.abandoned for p in self._ring)
+
 
 class ArenaSet:
     """The arenas of one session, by pool. Safe to share between threads."""
@@ -123,10 +127,6 @@ class ArenaSet:
         self._retry_at: dict[int, float] = {}
         self._stop = threading.Event()
         self._reaper: Optional[threading.Thread] = None
-
-    def max_feature(self, pool: int) -> int:
-        arenas = self._arenas.get(pool)
-        return int(arenas[0].size * MAX_FEATURE_FRACTION) if arenas else 0
 
     def place(self, pool: int, device: Optional[int], nbytes: int) -> Optional[Placement]:
         """Space for ``nbytes`` in one of this session's arenas of ``pool``; None: reserve instead."""
@@ -150,7 +150,7 @@ class ArenaSet:
                 if p is not None:
                     if i:  # keep the arena that had room first next time
                         arenas.insert(0, arenas.pop(i))
-                    if arena.low() and len(arenas) < 2 + i:
+                    if arena.low() and len(arenas) == 1:  # the next one, before this one fills
                         self._request(pool, device, wait=False)
                     return p
             self._request(pool, device, wait=False)
@@ -212,7 +212,8 @@ class ArenaSet:
         while not self._stop.wait(IDLE_S / 4):
             cutoff = time.monotonic() - IDLE_S
             with self._lock:
-                idle = [(pool, a) for pool, arenas in self._arenas.items() for a in arenas if a.last_used < cutoff]
+                idle = [(pool, a) for pool, arenas in self._arenas.items() for a in arenas
+                        if a.last_used < cutoff and not a.writing()]  # a long write keeps its arena
                 for pool, arena in idle:
                     self._arenas[pool].remove(arena)
             for _, arena in idle:
