@@ -370,3 +370,14 @@ def test_the_systemd_unit_verifies(tmp_path) -> None:
     out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     complaints = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode == 0 and not complaints, complaints
+
+
+def test_kubernetes_manifests_match_their_schemas() -> None:
+    """Every object in deploy/kubernetes against the Kubernetes API schema, offline and strict (an
+    unknown or misspelt field fails, where kubectl would drop it with a warning)."""
+    import kubernetes_validate
+
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                kubernetes_validate.validate(doc, "1.30", strict=True)
