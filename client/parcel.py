@@ -34,6 +34,12 @@ _default_lock = threading.Lock()
 _warned_unacked = False
 
 
+def forget_warned() -> None:
+    """Warn again about the next Parcel collected without an ack, as if this process had not yet."""
+    global _warned_unacked
+    _warned_unacked = False
+
+
 def default_client() -> Client:
     """The process's shared Client for ``dumps`` and ``loads`` without ``client=`` (one per process,
     a new one after fork)."""

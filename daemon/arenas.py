@@ -172,6 +172,3 @@ class Arenas:
     def slack(self, pool_id: int) -> int:
         """Bytes held by arenas and not under a live feature: what producers have ahead of need."""
         return sum(a.size - a.live_bytes for a in self._by_id.values() if a.pool_id == pool_id and not a.returned)
-
-    def all(self) -> list[Arena]:
-        return list(self._by_id.values())

@@ -70,9 +70,9 @@ def test_small_tensors_stay_in_the_pickle_and_copies_outlive_the_ack(daemon) -> 
 
 
 def test_a_forgotten_parcel_acks_when_collected_and_warns_once(daemon) -> None:
-    from mmfeat.client import parcel as parcel_module
+    from mmfeat.client.parcel import forget_warned
 
-    parcel_module._warned_unacked = False  # this process may have warned in an earlier test
+    forget_warned()  # this process may have warned in an earlier test
     with daemon.client() as c:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
