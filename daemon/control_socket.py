@@ -93,19 +93,26 @@ class ControlSocket:
                 assert monitor is not None
                 if not monitor.poll(25):  # also how long close() waits for this thread
                     continue
-                event = recv_monitor_message(monitor)
-                fd = event["value"]
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._conns.discard(fd)
-                elif event["event"] == zmq.EVENT_ACCEPTED:
-                    self._conns.add(fd)
-                    if len(self._conns) > self.max_connections:
-                        self._refuse(fd)
+                try:
+                    self._count(recv_monitor_message(monitor))
+                except zmq.ContextTerminated:
+                    raise
+                except Exception:  # noqa: BLE001 - this thread must outlive any one event (see close)
+                    log.exception("control socket: a connection event could not be handled")
         except zmq.ContextTerminated:
             pass
         finally:
             if monitor is not None:
                 monitor.close()
+
+    def _count(self, event: dict) -> None:
+        fd = event["value"]
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._conns.discard(fd)
+        elif event["event"] == zmq.EVENT_ACCEPTED:
+            self._conns.add(fd)
+            if len(self._conns) > self.max_connections:
+                self._refuse(fd)
 
     def _refuse(self, fd: int) -> None:
         # The event is read after the fact: the fd may already belong to something else. Ours are
@@ -147,6 +154,10 @@ class ControlSocket:
             self._file = None
 
     def close(self) -> None:
+        # libzmq's I/O thread sends each monitor event with a blocking send while it holds the socket's
+        # monitor lock, and a PAIR with no peer never takes it. So the monitor goes first, while this
+        # thread still reads it: stopping the thread first left a connection that came or went in
+        # between to hang the I/O thread, and disable_monitor() with it, for good.
+        self._close(linger=REPLY_LINGER_MS)
         self._stop.set()
         self._thread.join(2.0)
-        self._close(linger=REPLY_LINGER_MS)

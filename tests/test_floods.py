@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import struct
 import subprocess
@@ -216,3 +217,44 @@ def test_idle_attached_clients_cost_requests_and_the_loop_nothing(daemon_factory
             s.close()
         dealer.close()
         ctx.term()
+
+
+_CHURN = """
+import socket, sys
+print("churning", flush=True)
+while True:  # connections that come and go as fast as they can, until killed
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(f"{sys.argv[1]}/mmfeatd.sock")
+    except OSError:
+        pass
+    s.close()
+"""
+
+
+def test_a_stop_while_connections_come_and_go_never_hangs(runtime_dir) -> None:
+    # libzmq's I/O thread reports each connection to the daemon's monitor with a blocking send, holding
+    # the socket's monitor lock; once the reader of those reports had stopped, the next one hung the
+    # I/O thread and the daemon's exit with it, on SIGTERM and after a drain alike.
+    from .conftest import start_daemon
+
+    for attempt in range(6):
+        d = start_daemon(runtime_dir, "--pool-mb", "8")
+        churn = subprocess.Popen([sys.executable, "-c", _CHURN, str(runtime_dir)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert churn.stdout.readline().strip() == "churning"
+            time.sleep(0.2)
+            d.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = d.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                pytest.fail(f"stop {attempt}: the daemon hung on SIGTERM while peers connected and left")
+            assert rc == 0, d.proc.communicate()[1][-2000:]
+            d.proc.communicate()
+        finally:
+            churn.kill()
+            churn.wait()
+            if d.proc.poll() is None:
+                d.proc.kill()
+                d.proc.wait()
