@@ -40,6 +40,28 @@ def assert_fds_settle(pid: int, baseline: int, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def run_ready_child(code: str, runtime_dir: Path, make_arg, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter that connects first and says so, and only then make its argument.
+
+    A child's start (torch's import) can take seconds on a loaded machine; making the feature after it
+    keeps that out of a short ack_ttl. The child finds a connected ``c`` and the argument's hex in ``arg``.
+    """
+    prologue = ("import os, signal, sys; from mmfeat.client import Client; c = Client(sys.argv[1]); c.connect(); "
+                "print('ready', flush=True); arg = bytes.fromhex(sys.stdin.readline().strip())\n")
+    child = subprocess.Popen([sys.executable, "-c", prologue + code, str(runtime_dir)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.poll() is not None else ""
+        child.stdin.write(make_arg().hex() + "\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=timeout)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+
+
 @dataclass
 class Daemon:
     runtime_dir: Path

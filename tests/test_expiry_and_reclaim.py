@@ -22,7 +22,7 @@ def test_reserve_ttl_frees_unpublished(daemon_factory) -> None:
 
 
 def test_ack_ttl_frees_published_and_spares_acked(daemon_factory) -> None:
-    d = daemon_factory("--pool-mb", "16", "--ack-ttl", "0.5")
+    d = daemon_factory("--pool-mb", "16", "--ack-ttl", "1.5")  # longer than a loaded machine's pause between put and ack
     with d.client(inline_threshold=0) as c:
         abandoned = c.put(torch.ones(10000), consumers=2)
         done = c.put(torch.ones(10000), consumers=1)

@@ -17,6 +17,7 @@ import torch
 from mmfeat.client import MmfeatError, Pooled, dumps, loads
 
 from . import parcel_workers as w
+from .conftest import run_ready_child
 
 
 def test_requests_reach_two_ranks_over_zmq_with_every_tensor_intact(daemon) -> None:
@@ -88,10 +89,8 @@ def test_a_forgotten_parcel_acks_when_collected_and_warns_once(daemon) -> None:
 def test_a_rank_that_dies_holding_a_parcel_costs_ack_ttl(daemon_factory) -> None:
     d = daemon_factory("--pool-mb", "64", "--ack-ttl", "3")
     with d.client() as c:
-        data = dumps({"x": torch.ones(300_000)}, client=c)
-        code = ("import os, signal, sys; from mmfeat.client import Client, loads; "
-                "p = loads(bytes.fromhex(sys.argv[2]), client=Client(sys.argv[1])); os.kill(os.getpid(), signal.SIGKILL)")
-        out = subprocess.run([sys.executable, "-c", code, str(d.runtime_dir), data.hex()], capture_output=True, text=True)
+        code = "from mmfeat.client import loads; p = loads(arg, client=c); os.kill(os.getpid(), signal.SIGKILL)"
+        out = run_ready_child(code, d.runtime_dir, lambda: dumps({"x": torch.ones(300_000)}, client=c))
         assert out.returncode == -signal.SIGKILL, out.stderr
         s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="ack_ttl")
         assert s["leases"]["PUBLISHED"] == 0
