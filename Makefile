@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU build of torch; any torch >= 2.1 works, this one installs quickly where it is cached.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo run chaos clean
+.PHONY: setup test demo run chaos image clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,19 @@ CHAOS_SECONDS ?= 120
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS)
 	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000
+
+# The daemon's container image, the one deploy/kubernetes/daemonset.yaml names. Needs podman or a
+# Docker engine; `make image REGISTRY=... && podman push ...` to publish it.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REGISTRY ?= registry.example.com
+IMAGE ?= $(REGISTRY)/mmfeat:$(VERSION)
+CONTAINER_ENGINE ?= $(shell command -v podman || command -v docker)
+image: $(STAMP)
+	@test -n "$(CONTAINER_ENGINE)" || { echo "make image: needs podman or docker (CONTAINER_ENGINE=...)"; exit 2; }
+	rm -rf build/image build/lib && mkdir -p build/image  # build/lib: no stale modules in the wheel
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w build/image .
+	cp deploy/container/requirements.py build/image/
+	$(CONTAINER_ENGINE) build -f deploy/container/Containerfile -t $(IMAGE) build/image
 
 run: $(STAMP)
 	$(BIN)/mmfeatd

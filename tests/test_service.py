@@ -337,7 +337,7 @@ def test_kubernetes_and_prometheus_files_match_the_daemon() -> None:
     Settings(**cfg)  # the ConfigMap's settings are valid
     pod = ds["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert "--runtime-dir" in c["command"] and c["command"][c["command"].index("--runtime-dir") + 1] == "/run/mmfeat"
+    assert "--runtime-dir" in c["args"] and c["args"][c["args"].index("--runtime-dir") + 1] == "/run/mmfeat"
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     vols = {v["name"]: v for v in pod["volumes"]}
     assert mounts["runtime"] == "/run/mmfeat" and vols["runtime"]["hostPath"]["path"] == "/run/mmfeat"
