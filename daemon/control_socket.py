@@ -52,8 +52,9 @@ class ControlSocket:
         self._conns: set[int] = set()  # the monitor thread's; others only read its size
         self.refused = 0
         self.resets = 0
-        self._monitor_addr = ""
-        self._generation = 0  # bumped by reset: the monitor thread follows the new ROUTER
+        # The reading end of the newest ROUTER's monitor, made in _bind and taken over by the thread.
+        self._next_monitor: Optional[zmq.Socket] = None
+        self._handoff = threading.Lock()  # also the memory barrier a ZMQ socket needs to change threads
         self._stop = threading.Event()
         self._bind(SocketFile(self._path, socket.SOCK_STREAM, self._mode))
         self._thread = threading.Thread(target=self._watch, name="mmfeatd-connections", daemon=True)
@@ -72,24 +73,34 @@ class ControlSocket:
         # unlink the file at close (we do, only if it is still ours).
         self._file = file
         router.setsockopt(zmq.USE_FD, self._file.sock.detach())
-        self._monitor_addr = f"inproc://mmfeatd-monitor-{self.resets}"
-        router.monitor(self._monitor_addr, _MONITOR_EVENTS)
+        monitor_addr = f"inproc://mmfeatd-monitor-{self.resets}"
+        router.monitor(monitor_addr, _MONITOR_EVENTS)
+        # libzmq's I/O thread sends each event with a blocking send while it holds the ROUTER's monitor
+        # lock, which disable_monitor() (called with the GIL held) also takes. A bounded queue, or none
+        # yet, can block that send until this thread reads, and this thread needs the GIL: a deadlock
+        # on stop under a connection churn. So the reading end exists before the first event and its
+        # queue has no bound (events are a few dozen bytes, and the thread catches up).
+        reader = self._ctx.socket(zmq.PAIR)
+        reader.linger = 0
+        reader.rcvhwm = 0
+        reader.connect(monitor_addr)
         router.bind(self.endpoint)
         self.router = router
-        self._generation += 1
+        with self._handoff:
+            if self._next_monitor is not None:  # never taken: the thread had not caught up
+                self._next_monitor.close()
+            self._next_monitor = reader
 
     def _watch(self) -> None:
-        generation, monitor = 0, None
+        monitor = None
         try:
             while not self._stop.is_set():
-                if generation != self._generation:
+                with self._handoff:
+                    fresh, self._next_monitor = self._next_monitor, None
+                if fresh is not None:  # a reset: follow the new ROUTER
                     if monitor is not None:
                         monitor.close()
-                    generation = self._generation
-                    self._conns = set()
-                    monitor = self._ctx.socket(zmq.PAIR)
-                    monitor.linger = 0
-                    monitor.connect(self._monitor_addr)
+                    monitor, self._conns = fresh, set()
                 assert monitor is not None
                 if not monitor.poll(25):  # also how long close() waits for this thread
                     continue
@@ -154,10 +165,12 @@ class ControlSocket:
             self._file = None
 
     def close(self) -> None:
-        # libzmq's I/O thread sends each monitor event with a blocking send while it holds the socket's
-        # monitor lock, and a PAIR with no peer never takes it. So the monitor goes first, while this
-        # thread still reads it: stopping the thread first left a connection that came or went in
-        # between to hang the I/O thread, and disable_monitor() with it, for good.
+        # The monitor goes while its reader is still there (see _bind): an event sent to a reader
+        # that had gone would block libzmq's I/O thread, and disable_monitor() with it, for good.
         self._close(linger=REPLY_LINGER_MS)
         self._stop.set()
         self._thread.join(2.0)
+        with self._handoff:
+            if self._next_monitor is not None:
+                self._next_monitor.close()
+                self._next_monitor = None
