@@ -80,7 +80,8 @@ def test_a_forgotten_parcel_acks_when_collected_and_warns_once(daemon) -> None:
             for _ in range(3):
                 loads(dumps({"x": torch.ones(300_000)}, client=c), client=c)  # dropped at once
                 gc.collect()
-        assert sum(issubclass(x.category, ResourceWarning) for x in caught) == 1
+        # Only ours: a collection may also finish off other tests' leftovers, which warn too.
+        assert sum(issubclass(x.category, ResourceWarning) and "mmfeat Parcel" in str(x.message) for x in caught) == 1
         assert c.flush()
         s = daemon.stats()
         assert s["counters"]["acks"] == 3 and s["leases"]["PUBLISHED"] == 0
