@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,cuda]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,cuda,examples]"
 	touch $(STAMP)
 
 test: $(STAMP)
