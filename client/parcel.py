@@ -123,15 +123,16 @@ class Parcel:
         self._lock = threading.Lock()
         self.acked = desc is None
 
-    def ack(self, after: Any = None) -> None:
+    def ack(self, after: Any = None, count: int = 1) -> None:
         """Done with the tensors (views must not be read after this). Once; again is a no-op.
-        ``after`` (a CUDA stream or event) acks once the GPU work queued there is done."""
+        ``after`` (a CUDA stream or event) acks once the GPU work queued there is done. ``count`` acks
+        for that many consumers: the one rank that encodes an image for its group acks for the group."""
         with self._lock:
             if self.acked:
                 return
             self.acked = True
         assert self._desc is not None
-        self._client.ack(self._desc, after=after)
+        self._client.ack(self._desc, count=count, after=after)
 
     def copy(self) -> Any:
         """The object again, with private copies of the pooled tensors: valid after the ack."""

@@ -70,6 +70,20 @@ def test_small_tensors_stay_in_the_pickle_and_copies_outlive_the_ack(daemon) -> 
             loads(pickle.dumps(obj["small"]), client=c)
 
 
+def test_one_rank_acks_for_its_group(daemon) -> None:
+    """An encoder owner that serves a group of ranks acks for all of them; the others never read it."""
+    with daemon.client() as c:
+        data = dumps({"x": torch.ones(300_000)}, consumers=4, client=c)
+        owner = loads(data, client=c)
+        assert torch.equal(owner.value["x"], torch.ones(300_000))
+        owner.ack(count=4)
+        owner.ack(count=4)  # again: nothing
+        assert c.flush()
+        s = daemon.stats()
+        assert s["counters"]["acks"] == 4 and s["counters"]["over_acks"] == 0 and s["leases"]["PUBLISHED"] == 0
+    assert daemon.pool()["used"] == 0
+
+
 def test_a_forgotten_parcel_acks_when_collected_and_warns_once(daemon) -> None:
     from mmfeat.client.parcel import forget_warned
 
