@@ -7,8 +7,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import warnings
 
 import pytest
