@@ -243,6 +243,11 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
         for target in panel["targets"]:
             for metric in re.findall(r"mmfeat_[a-z_]+", target["expr"]):
                 assert metric in samples, f"panel {panel['title']!r} queries {metric}, which the daemon does not export"
+    # So does the integration guide's list of what to watch.
+    guide = (DEPLOY.parent / "docs" / "integration.md").read_text()
+    for metric in re.findall(r"`(mmfeat_[a-z_]+)", guide):
+        assert metric in samples or families.get(metric, None) is not None and families[metric].type == "histogram", (
+            f"docs/integration.md names {metric}, which the daemon does not export")
     value = {(f.name, tuple(sorted(s.labels.items())), s.name): s.value for f in families.values() for s in f.samples}
     assert value[("mmfeat_over_acks", (), "mmfeat_over_acks_total")] == 3
     assert value[("mmfeat_leases", (("pool", "0"), ("state", "published")), "mmfeat_leases")] == 1
