@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import venv
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -41,21 +42,40 @@ finally:
 """
 
 
+@dataclass
+class Installed:
+    wheel: Path
+    prefix: Path
+    site: Path
+
+    def bin(self, name: str) -> str:
+        return str(self.prefix / "bin" / name)
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> tuple[Path, Path]:
-    """The wheel built from a copy of the sources, and the folder it is installed into (--no-deps)."""
+def installed(tmp_path_factory) -> Installed:
+    """The wheel built from a copy of the sources and installed into a fresh venv, as `pip install`
+    would, console scripts included. Its dependencies come from the test environment through a .pth
+    line (the registry is not needed, and torch is not installed twice); that path holds no mmfeat
+    (the checkout is installed editable, through a finder that a plain path line does not run)."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     # A copy of the sources alone: a build/ left in the checkout could put stale modules in the wheel.
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__", ".whl",
                                                              ".pytest_cache", "dist"))
-    dist, site = tmp / "dist", tmp / "site"
+    dist, fresh = tmp / "dist", tmp / "venv"
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)], check=True, timeout=300)
     wheels = list(dist.glob("mmfeat-*.whl"))
     assert len(wheels) == 1, wheels
-    subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", str(site), str(wheels[0])], check=True, timeout=300)
-    return wheels[0], site
+    venv.create(fresh, with_pip=False, symlinks=True)
+    site = Path(subprocess.run([str(fresh / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "test-dependencies.pth").write_text("\n".join(deps) + "\n")
+    subprocess.run([*pip, "--python", str(fresh / "bin" / "python"), "install", "--no-deps", "--no-compile", str(wheels[0])],
+                   check=True, timeout=300)
+    return Installed(wheels[0], fresh, site)
 
 
 @pytest.fixture
@@ -66,12 +86,9 @@ def short_runtime_dir() -> Iterator[Path]:
 
 
 def test_the_wheel_installs_and_serves_outside_the_checkout(installed, tmp_path, short_runtime_dir) -> None:
-    _, site = installed
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    config = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--print-config"], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
+    config = subprocess.run([installed.bin("mmfeatd"), "--print-config"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert config.returncode == 0 and "pool_mb" in config.stdout and "arena_mb" in config.stdout, config.stderr
-    used = subprocess.run([sys.executable, "-c", _USE, str(short_runtime_dir), str(site)], env=env, cwd=tmp_path,
+    used = subprocess.run([installed.bin("python"), "-c", _USE, str(short_runtime_dir), str(installed.site)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert used.returncode == 0 and "wheel ok" in used.stdout, used.stderr[-3000:]
 
@@ -83,23 +100,21 @@ _WITHOUT_TORCH = "import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = 
 def test_the_image_installs_no_torch_and_its_daemon_and_probes_need_none(installed, tmp_path, short_runtime_dir) -> None:
     """deploy/container/Containerfile installs the wheel's requirements less torch: the daemon and the
     `mmfeat health` probe of the DaemonSet must run without it."""
-    wheel, site = installed
-    listed = subprocess.run([sys.executable, str(REPO / "deploy" / "container" / "requirements.py"), str(wheel), "--extra", "cuda",
+    listed = subprocess.run([sys.executable, str(REPO / "deploy" / "container" / "requirements.py"), str(installed.wheel), "--extra", "cuda",
                              "--without", "torch"], capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
     names = {re.match(r"[A-Za-z0-9._-]+", line).group(0).lower() for line in listed}
     assert {"pyzmq", "msgpack", "pydantic", "numpy", "cuda-python", "nvidia-ml-py"} <= names and "torch" not in names, listed
     assert not any("extra" in line for line in listed), listed  # pip would skip a line whose marker names an extra
-    env = {**os.environ, "PYTHONPATH": str(site)}
     daemon = subprocess.Popen(
-        [sys.executable, "-c", _WITHOUT_TORCH.format(name="mmfeatd", module="mmfeat.daemon"), "--runtime-dir",
+        [installed.bin("python"), "-c", _WITHOUT_TORCH.format(name="mmfeatd", module="mmfeat.daemon"), "--runtime-dir",
          str(short_runtime_dir), "--backend", "host", "--pool-mb", "8"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        probe = [sys.executable, "-c", _WITHOUT_TORCH.format(name="mmfeat", module="mmfeat.client.cli"),
+        probe = [installed.bin("python"), "-c", _WITHOUT_TORCH.format(name="mmfeat", module="mmfeat.client.cli"),
                  "--runtime-dir", str(short_runtime_dir), "--timeout", "2", "health"]
         deadline = time.monotonic() + 60
-        while subprocess.run(probe, env=env, cwd=tmp_path, capture_output=True, timeout=60).returncode != 0:
+        while subprocess.run(probe, cwd=tmp_path, capture_output=True, timeout=60).returncode != 0:
             assert daemon.poll() is None, daemon.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the daemon without torch never answered the health probe"
             time.sleep(0.2)
