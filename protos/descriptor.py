@@ -27,6 +27,16 @@ _MAX_DESCRIPTOR_BYTES = 1 << 31
 LEASE_ALIGNMENT = 256
 
 
+PARSE_CACHE_MAX_BYTES = 512
+PARSE_CACHE_ENTRIES = 4096
+_parsed: dict[bytes, "Descriptor"] = {}
+
+
+def parse_cache_len() -> int:
+    """How many parsed descriptors ``from_bytes`` keeps now (at most PARSE_CACHE_ENTRIES)."""
+    return len(_parsed)
+
+
 class DescriptorError(ValueError):
     """Bytes that are not a valid descriptor."""
 
@@ -144,12 +154,25 @@ class Descriptor:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Descriptor":
+        # A consumer parses the same bytes for get() and again for ack(): the second time (and every
+        # other rank of a node that hands the bytes around in-process) finds them here, already
+        # validated. Keyed by the exact bytes of small pool descriptors only; a Descriptor is frozen.
+        cacheable = type(data) is bytes and len(data) <= PARSE_CACHE_MAX_BYTES
+        if cacheable:
+            hit = _parsed.get(data)
+            if hit is not None:
+                return hit
         try:
-            return cls._parse(data)
+            desc = cls._parse(data)
         except DescriptorError:
             raise
         except Exception as exc:  # any other failure on hostile bytes is still just a bad descriptor
             raise DescriptorError(f"not a descriptor: {type(exc).__name__}: {exc}") from None
+        if cacheable and not desc.is_inline:
+            if len(_parsed) >= PARSE_CACHE_ENTRIES:
+                _parsed.clear()  # cheaper than an LRU, and a miss only costs a parse
+            _parsed[data] = desc
+        return desc
 
     @classmethod
     def _parse(cls, data: bytes) -> "Descriptor":

@@ -97,6 +97,24 @@ def _mutations(rng: random.Random, blob: bytes) -> bytes:
         return blob
 
 
+def test_parsed_descriptors_are_reused_only_for_the_same_bytes() -> None:
+    from mmfeat.protos import descriptor
+
+    good = _spec_bytes(nbytes=256)
+    first = Descriptor.from_bytes(good)
+    assert Descriptor.from_bytes(bytes(bytearray(good))) is first  # equal bytes: the validated result again
+    bad = _mutate_raw(good, (11,), 8)  # same length, a lease too small for its tensor
+    with pytest.raises(DescriptorError, match="overruns"):
+        Descriptor.from_bytes(bad)
+    with pytest.raises(DescriptorError, match="overruns"):
+        Descriptor.from_bytes(bad)  # refusals are not remembered as anything else
+    inline = Descriptor(kind="inline", tensors=(TensorSpec("uint8", (4,), (1,), 0),), nbytes=4, inline=b"abcd").to_bytes()
+    assert Descriptor.from_bytes(inline) is not Descriptor.from_bytes(inline)  # inline data is never kept
+    for k in range(descriptor.PARSE_CACHE_ENTRIES + 10):  # bounded, however many distinct descriptors pass
+        Descriptor.from_bytes(_spec_bytes(nbytes=256 + 256 * k))
+    assert descriptor.parse_cache_len() <= descriptor.PARSE_CACHE_ENTRIES
+
+
 def test_ten_thousand_mutated_descriptors(daemon) -> None:
     rng = random.Random(20261130)
     with daemon.client(inline_threshold=0) as producer, daemon.client(timeout=5.0) as consumer:
