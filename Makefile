@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU build of torch; any torch >= 2.1 works, this one installs quickly where it is cached.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo run chaos image clean
+.PHONY: setup test demo run chaos image image-engine clean
 
 setup: $(STAMP)
 
@@ -35,8 +35,10 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 REGISTRY ?= registry.example.com
 IMAGE ?= $(REGISTRY)/mmfeat:$(VERSION)
 CONTAINER_ENGINE ?= $(shell command -v podman || command -v docker)
-image: $(STAMP)
+image-engine:
 	@test -n "$(CONTAINER_ENGINE)" || { echo "make image: needs podman or docker (CONTAINER_ENGINE=...)"; exit 2; }
+
+image: image-engine $(STAMP)  # the engine first: no set-up for a build that cannot run
 	rm -rf build/image build/lib && mkdir -p build/image  # build/lib: no stale modules in the wheel
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w build/image .
 	cp deploy/container/requirements.py build/image/
