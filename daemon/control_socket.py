@@ -32,7 +32,10 @@ HARD_FRAME_LIMIT = 256 << 10
 # plenty; a peer that never reads its replies loses them instead of growing the daemon.
 SEND_HWM = 128
 RECV_HWM = 1024
-_MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+# MONITOR_STOPPED is the last event of a monitor (close or reset): the thread wakes for it at once
+# instead of polling a stop flag.
+_MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+_IDLE_WAIT_S = 1.0  # how often the thread looks at its stop flag when nothing happens (a safety net)
 # Replies queued in ZMQ's I/O thread when the loop ends (the ack that finished a drain) still go out.
 REPLY_LINGER_MS = 500
 
@@ -55,6 +58,7 @@ class ControlSocket:
         # The reading end of the newest ROUTER's monitor, made in _bind and taken over by the thread.
         self._next_monitor: Optional[zmq.Socket] = None
         self._handoff = threading.Lock()  # also the memory barrier a ZMQ socket needs to change threads
+        self._changed = threading.Event()  # a new reader was handed over, or the thread is to stop
         self._stop = threading.Event()
         self._bind(SocketFile(self._path, socket.SOCK_STREAM, self._mode))
         self._thread = threading.Thread(target=self._watch, name="mmfeatd-connections", daemon=True)
@@ -90,22 +94,36 @@ class ControlSocket:
             if self._next_monitor is not None:  # never taken: the thread had not caught up
                 self._next_monitor.close()
             self._next_monitor = reader
+            self._changed.set()
 
     def _watch(self) -> None:
+        # Sleeps until a connection event, the end of a monitor or a hand-over: an idle daemon's thread
+        # costs nothing. A reader is closed only after its monitor said MONITOR_STOPPED, or once the
+        # stop flag is set, which close() does only after the monitor went (see _bind).
         monitor = None
         try:
-            while not self._stop.is_set():
+            while True:
                 with self._handoff:
                     fresh, self._next_monitor = self._next_monitor, None
-                if fresh is not None:  # a reset: follow the new ROUTER
+                    self._changed.clear()  # under the lock: a hand-over after this sets it again
+                if fresh is not None:  # the first ROUTER, or a reset: follow the new one
                     if monitor is not None:
                         monitor.close()
                     monitor, self._conns = fresh, set()
-                assert monitor is not None
-                if not monitor.poll(25):  # also how long close() waits for this thread
+                if self._stop.is_set():
+                    return
+                if monitor is None:
+                    self._changed.wait(_IDLE_WAIT_S)
+                    continue
+                if not monitor.poll(_IDLE_WAIT_S * 1000):
                     continue
                 try:
-                    self._count(recv_monitor_message(monitor))
+                    event = recv_monitor_message(monitor)
+                    if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                        monitor.close()
+                        monitor = None
+                    else:
+                        self._count(event)
                 except zmq.ContextTerminated:
                     raise
                 except Exception:  # noqa: BLE001 - this thread must outlive any one event (see close)
@@ -169,6 +187,7 @@ class ControlSocket:
         # that had gone would block libzmq's I/O thread, and disable_monitor() with it, for good.
         self._close(linger=REPLY_LINGER_MS)
         self._stop.set()
+        self._changed.set()
         self._thread.join(2.0)
         with self._handoff:
             if self._next_monitor is not None:
