@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import socket
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -32,10 +33,16 @@ if TYPE_CHECKING:  # prometheus-client is imported only by a daemon that serves 
 log = logging.getLogger("mmfeatd")
 
 TICK_S = 0.1
-# Sweeps of the lease table: every SWEEP_MIN_S while clients write to it, backing off to SWEEP_MAX_S
-# while they do not. The longer interval bounds how late an idle daemon frees an acked feature.
+# Sweeps of the lease table: every SWEEP_MIN_S while clients write to it, doubling up to SWEEP_MAX_S
+# while they do not. The longer interval bounds how late a daemon that was idle frees the first acked
+# feature (and stats and every lease op sweep first, whatever the interval).
 SWEEP_MIN_S = 0.005
-SWEEP_MAX_S = 0.02
+SWEEP_MAX_S = 0.1
+# With no client attached nothing can write to the table and nothing is live: the loop then wakes
+# this rarely, for the timers alone (an idle daemon on every node should cost nothing).
+IDLE_WAKE_S = 1.0
+# A drain serves at least this long, sweeping, whatever is live (see _drain_step).
+DRAIN_SETTLE_S = 0.05
 STATUS_EVERY_S = 5.0
 METRICS_EVERY_S = 0.5
 TRIM_EVERY_S = 10.0
@@ -66,6 +73,7 @@ class Server:
         self._control: Optional[ControlSocket] = None
         self._fds: Optional[FdChannel] = None
         self._guard: Optional[MemoryGuard] = None
+        self._wake: tuple[socket.socket, ...] = ()  # the signal wake-up pair, while serve() runs
         self._fd_limit = 0
 
     @property
@@ -90,7 +98,7 @@ class Server:
         )
         self._control = ControlSocket(
             self._ctx, runtime / CONTROL_SOCKET, control_endpoint(runtime), self.settings.socket_mode,
-            max(1, (fd_limit - FD_RESERVE) // 2 - clients), self._fds.owns,
+            max(1, (fd_limit - FD_RESERVE) // 2 - clients), self._owns,
         )
         self.core.endpoint = self._control.endpoint
         self.core.resource_stats = self._resource_stats
@@ -107,6 +115,10 @@ class Server:
             "connections_refused": self._control.refused + self._fds.refused,
             "control_resets": self._control.resets,
         }
+
+    def _owns(self, fd: int) -> bool:
+        """An fd of the daemon's own, which the control socket's connection cap must never shut down."""
+        return (self._fds is not None and self._fds.owns(fd)) or any(fd == end.fileno() for end in self._wake)
 
     def _on_fd_close(self, token: bytes) -> None:
         n = self.core.end_session(token)
@@ -126,6 +138,22 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_stop_signal)
         signal.signal(signal.SIGHUP, self._on_hup)
+        # A signal writes a byte here, which wakes the poll: pyzmq retries a poll that EINTR cut short
+        # for its whole timeout, and an idle loop sleeps for a second.
+        self._wake = socket.socketpair()
+        for end in self._wake:
+            end.setblocking(False)
+        previous_wakeup = signal.set_wakeup_fd(self._wake[1].fileno(), warn_on_full_buffer=False)
+        try:
+            return self._loop()
+        finally:
+            signal.set_wakeup_fd(previous_wakeup)
+            for end in self._wake:
+                end.close()
+            self._wake = ()
+
+    def _loop(self) -> int:
+        assert self._control is not None and self._fds is not None and self._wake
         poller = self._poller()
         self.notifier.ready(self._status())
         now = time.monotonic()
@@ -147,23 +175,30 @@ class Server:
                     self._reload()
                     self.notifier.ready(self._status())
             # Rounded up: pyzmq truncates to whole milliseconds, and 0 would spin until the next sweep.
-            timeout_ms = max(0, math.ceil((min(next_tick, next_sweep) - time.monotonic()) * 1000))
+            wake_at = min(next_tick, next_sweep, time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf)
+            timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))  # pyzmq retries EINTR after running signal handlers
             if self._control.router in events:
                 self._serve_requests()
             if self._fds.fileno() in events:
                 self._fds.on_events()
+            if self._wake[0].fileno() in events:
+                _drain(self._wake[0])
             now = time.monotonic()
+            idle = len(self._fds) == 0 and self.core.ledger.live == 0  # no client, not even one handshaking
+            if not idle:  # timers an idle loop set far ahead come back in when something arrives
+                next_sweep = min(next_sweep, now + sweep_every)
+                next_tick = min(next_tick, now + TICK_S)
             if now >= next_sweep:
                 busy = self.core.sweep(now) > 0
                 sweep_every = SWEEP_MIN_S if busy else min(SWEEP_MAX_S, sweep_every * 2)
-                next_sweep = now + sweep_every
+                next_sweep = now + (IDLE_WAKE_S if idle else sweep_every)
             if now >= next_tick:
                 self.core.tick(now)
                 self._fds.close_stale_handshakes()
                 if self._check_memory():
                     poller = self._poller()
-                next_tick = now + TICK_S
+                next_tick = now + (IDLE_WAKE_S if idle else TICK_S)
             if now >= next_trim:
                 malloc_trim()  # what a burst of connections or requests left in the heap goes back
                 next_trim = now + TRIM_EVERY_S
@@ -183,6 +218,8 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._control.router, zmq.POLLIN)
         poller.register(self._fds.fileno(), zmq.POLLIN)
+        if self._wake:
+            poller.register(self._wake[0].fileno(), zmq.POLLIN)
         return poller
 
     def _check_memory(self) -> bool:
@@ -199,6 +236,8 @@ class Server:
     def _drain_step(self) -> bool:
         """Called each loop while a stop is requested: True to keep serving, False to stop now."""
         now = time.monotonic()
+        # Features published in arenas count once a sweep adopts them: sweep before counting.
+        self.core.sweep(now)
         if self._drain_deadline is None:
             self.core.set_draining()
             self._drain_deadline = now + self.settings.drain_timeout
@@ -211,6 +250,10 @@ class Server:
         if self._stop_requests > 1:
             log.info("second stop signal: not waiting for the drain")
             return False
+        # Serve (and sweep) a moment whatever is live: a put that read the table's DRAINING flag just
+        # before it was set still publishes in its arena, and must not find the daemon gone.
+        if now < self._drain_deadline - self.settings.drain_timeout + DRAIN_SETTLE_S:
+            return True
         return self.core.ledger.live > 0 and now < self._drain_deadline
 
     def _serve_requests(self) -> None:
@@ -257,3 +300,11 @@ class Server:
             self.metrics.close()
             self.metrics = None
         self.notifier.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
