@@ -29,20 +29,22 @@ chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS)
 	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000
 
-# The daemon's container image, the one deploy/kubernetes/daemonset.yaml names. Needs podman or a
-# Docker engine; `make image REGISTRY=... && podman push ...` to publish it.
+# The daemon's container image, the one deploy/kubernetes/daemonset.yaml names. Needs podman, buildah
+# or a Docker engine; `make image REGISTRY=... && podman push ...` to publish it.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 REGISTRY ?= registry.example.com
 IMAGE ?= $(REGISTRY)/mmfeat:$(VERSION)
-CONTAINER_ENGINE ?= $(shell command -v podman || command -v docker)
+CONTAINER_ENGINE ?= $(shell command -v podman || command -v buildah || command -v docker)
+# e.g. --build-arg PYTHON_IMAGE=... for a base image from your own registry
+IMAGE_BUILD_ARGS ?=
 image-engine:
-	@test -n "$(CONTAINER_ENGINE)" || { echo "make image: needs podman or docker (CONTAINER_ENGINE=...)"; exit 2; }
+	@test -n "$(CONTAINER_ENGINE)" || { echo "make image: needs podman, buildah or docker (CONTAINER_ENGINE=...)"; exit 2; }
 
 image: image-engine $(STAMP)  # the engine first: no set-up for a build that cannot run
 	rm -rf build/image build/lib && mkdir -p build/image  # build/lib: no stale modules in the wheel
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w build/image .
 	cp deploy/container/requirements.py build/image/
-	$(CONTAINER_ENGINE) build -f deploy/container/Containerfile -t $(IMAGE) build/image
+	$(CONTAINER_ENGINE) build $(IMAGE_BUILD_ARGS) -f deploy/container/Containerfile -t $(IMAGE) build/image
 
 run: $(STAMP)
 	$(BIN)/mmfeatd

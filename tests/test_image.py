@@ -56,4 +56,4 @@ def test_make_image_builds_the_image_the_daemonset_names() -> None:
 
 def test_make_image_without_an_engine_says_what_it_needs() -> None:
     r = subprocess.run(["make", "image", "CONTAINER_ENGINE="], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "needs podman or docker" in r.stdout + r.stderr
+    assert r.returncode != 0 and "needs podman, buildah or docker" in r.stdout + r.stderr
