@@ -185,7 +185,9 @@ class Server:
             if self._wake[0].fileno() in events:
                 _drain(self._wake[0])
             now = time.monotonic()
-            idle = len(self._fds) == 0 and self.core.ledger.live == 0  # no client, not even one handshaking
+            # No client (not even one handshaking or only on the control socket, whose memory the tick
+            # watches) and nothing live.
+            idle = len(self._fds) == 0 and self._control.connections == 0 and self.core.ledger.live == 0
             if not idle:  # timers an idle loop set far ahead come back in when something arrives
                 next_sweep = min(next_sweep, now + sweep_every)
                 next_tick = min(next_tick, now + TICK_S)
