@@ -43,6 +43,15 @@ def render_stats(s: dict[str, Any]) -> str:
         lines.append("  ".join(f"{k}={v}" for k, v in counters[i : i + 4]))
     fb = c.get("fallbacks") or {}
     lines.append("fallbacks reported by clients: " + (", ".join(f"{k}={v}" for k, v in sorted(fb.items())) or "none"))
+    mesh = s.get("mesh")
+    if mesh:
+        lines += ["", f"mesh on {mesh['listen']} as {mesh['public_key']}: refused keys {mesh['refused']}, "
+                      f"bad messages {mesh['bad_messages']}",
+                  f"{'node':<16} {'endpoint':<28} {'state':<10} {'rtt ms':>8} {'seen s ago':>10} {'pools':>5}"]
+        for p in mesh["peers"]:
+            rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f}"
+            seen = "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.1f}"
+            lines.append(f"{p['node'] or '?':<16} {p['endpoint']:<28} {p['state']:<10} {rtt:>8} {seen:>10} {len(p['pools']):>5}")
     return "\n".join(lines)
 
 

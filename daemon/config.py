@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mmfeat.protos.paths import default_runtime_dir
 
@@ -46,7 +46,32 @@ HELP: dict[str, str] = {
     "metrics_host": "address the Prometheus endpoint binds to",
     "drain_timeout": "seconds SIGTERM waits for published leases to be acknowledged",
     "node_id": "name of this node in descriptors; default: the host name",
+    "listen": "tcp://ADDRESS:PORT where this daemon meets the daemons of other nodes (CURVE); empty: no mesh",
+    "mesh_secret_file": "this node's CURVE secret key (mmfeatd --gen-keys); default: $CREDENTIALS_DIRECTORY/mesh.secret",
+    "peers": "the other nodes' daemons: a list of {endpoint = \"tcp://...\", public_key = \"...\"}; no other key gets in",
 }
+
+_TCP = r"^tcp://[^\s:/]+:[0-9]{1,5}$"
+
+
+class Peer(BaseModel):
+    """Another node's daemon: where it listens and the public key it must prove it holds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str = Field(pattern=_TCP)
+    public_key: str = Field(min_length=40, max_length=40)
+
+    @field_validator("public_key")
+    @classmethod
+    def _z85(cls, v: str) -> str:
+        import zmq.utils.z85
+
+        try:
+            zmq.utils.z85.decode(v)
+        except Exception:
+            raise ValueError("public_key is not a Z85 CURVE key (40 characters, from mesh.public)") from None
+        return v
 
 
 class Settings(BaseModel):
@@ -74,6 +99,9 @@ class Settings(BaseModel):
     metrics_host: str = "127.0.0.1"
     drain_timeout: float = Field(10.0, ge=0, le=3600)
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
+    listen: str = Field("", pattern=f"^$|{_TCP}")
+    mesh_secret_file: Optional[Path] = None
+    peers: list[Peer] = Field(default_factory=list, max_length=1024)
 
     @field_validator("devices")
     @classmethod
@@ -91,6 +119,19 @@ class Settings(BaseModel):
     @classmethod
     def _upper(cls, v: Any) -> Any:
         return v.upper() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _peers_need_listen(self) -> "Settings":
+        if self.peers and not self.listen:
+            raise ValueError("peers are set but listen is not: the mesh needs both")
+        return self
+
+    @field_validator("peers")
+    @classmethod
+    def _distinct_peers(cls, v: list[Peer]) -> list[Peer]:
+        if len({p.public_key for p in v}) != len(v) or len({p.endpoint for p in v}) != len(v):
+            raise ValueError("each peer needs its own endpoint and public key")
+        return v
 
     def uid_allowed(self, uid: int, gids: set[int]) -> bool:
         # The defaults follow the socket files: they belong to the daemon's user and primary group.
@@ -111,6 +152,8 @@ def _from_env(name: str, raw: str) -> Any:
     annotation = Settings.model_fields[name].annotation
     if annotation == list[int]:
         return [int(x) for x in raw.replace(" ", "").split(",") if x]
+    if name == "peers":
+        raise ValueError("peers come from the config file only")
     return raw
 
 
@@ -152,7 +195,8 @@ def load_settings(
         lines = []
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else "?"
-            lines.append(f"invalid setting {name} (from {sources.get(name, 'default')}): {err['msg']}")
+            where = ".".join(str(part) for part in err["loc"]) or "settings"  # peers.0.public_key, not just peers
+            lines.append(f"invalid setting {where} (from {sources.get(name, 'default')}): {err['msg']}")
         raise ConfigError("; ".join(lines)) from None
     return settings, sources
 
@@ -166,6 +210,12 @@ def render_config(settings: Settings, sources: Mapping[str, str]) -> str:
             rendered = f'"{value:04o}"'
         elif isinstance(value, (Path, str)):
             rendered = f'"{value}"'
+        elif value is None:
+            out.append(f"# {help_text}")
+            out.append(f"# {name} =   # unset, from {sources[name]}")
+            continue
+        elif name == "peers":
+            rendered = "[" + ", ".join(f'{{endpoint = "{p.endpoint}", public_key = "{p.public_key}"}}' for p in value) + "]"
         elif isinstance(value, list):
             rendered = "[" + ", ".join(str(v) for v in value) + "]"
         else:

@@ -36,6 +36,8 @@ class DaemonCore:
         self.observe_reserve: Optional[Callable[[float], None]] = None
         # Set by the server: its connection counts and limits, for stats.
         self.resource_stats: Callable[[], dict] = dict
+        # Set by the server when it runs a mesh: its peers, for stats (None without one).
+        self.mesh_stats: Callable[[], Optional[dict]] = lambda: None
         self.table = LeaseTable(settings.max_leases, self.epoch)
         self.ledger = Ledger(
             {p.pool_id: Allocator(p.size) for p in pools},
@@ -156,4 +158,5 @@ class DaemonCore:
             "pools": pools,
             "counters": self.counters.as_dict(),
             "limits": self.resource_stats(),
+            "mesh": self.mesh_stats(),
         }

@@ -13,7 +13,9 @@ from typing import Optional, Sequence
 from .backends import create_pools
 from .config import HELP, RELOADABLE, ConfigError, Settings, load_settings, render_config
 from .core import DaemonCore
+from . import mesh_keys
 from .logs import setup_logging
+from .mesh import MeshConfigError
 from .pools import PoolCreateError
 from .resources import FdLimitError, raise_fd_limit
 from .runtime_dir import RuntimeDir, RuntimeDirError
@@ -44,13 +46,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--metrics-host", dest="metrics_host")
     p.add_argument("--drain-timeout", dest="drain_timeout", type=float)
+    p.add_argument("--listen", help="tcp://ADDRESS:PORT for the daemons of other nodes (needs peers and a key)")
+    p.add_argument("--mesh-secret-file", dest="mesh_secret_file", type=Path)
     p.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
+    p.add_argument("--gen-keys", dest="gen_keys", type=Path, metavar="DIR",
+                   help="write this node's mesh keypair (mesh.secret, mode 0600, and mesh.public) into DIR and exit")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
+    if args.gen_keys is not None:
+        return _gen_keys(args.gen_keys)
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "print_config", "gen_keys")}
     try:
         settings, sources = load_settings(args.config, flags)
     except ConfigError as exc:
@@ -99,7 +107,11 @@ def _serve(settings: Settings, config_file: Optional[Path], flags: dict) -> int:
         core.observe_reserve = metrics.reserve_latency.observe
     server = Server(core, Notifier(), metrics, reload=lambda: reload_settings(core, config_file, flags))
     try:
-        server.bind()
+        try:
+            server.bind()
+        except MeshConfigError as exc:
+            print(f"mmfeatd: {exc}", file=sys.stderr)
+            return 1
         log.info("serving %s (epoch %d, pid %d)%s", core.endpoint, core.epoch, os.getpid(),
                  f"; metrics on http://{settings.metrics_host}:{metrics.port}/metrics" if metrics else "")
         status = server.serve()
@@ -114,6 +126,17 @@ def _serve(settings: Settings, config_file: Optional[Path], flags: dict) -> int:
         core.close()
         for pool in pools:
             pool.close()
+
+
+def _gen_keys(directory: Path) -> int:
+    try:
+        public, secret = mesh_keys.generate(directory)
+    except (mesh_keys.KeyFileError, OSError) as exc:
+        print(f"mmfeatd: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {secret} (keep it on this node) and {public}; list this node on the others as")
+    print(f'  {{endpoint = "tcp://THIS-NODE:PORT", public_key = "{public.read_text().strip()}"}}')
+    return 0
 
 
 def reload_settings(core: DaemonCore, config_file: Optional[Path], flags: dict) -> None:

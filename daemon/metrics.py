@@ -91,10 +91,27 @@ class _StateCollector:
         counters = s["counters"]
         for name, help_text in _COUNTERS.items():
             yield CounterMetricFamily(f"mmfeat_{name}", help_text, value=counters[name])
+        yield from _mesh_metrics(s.get("mesh"))
         fallbacks = CounterMetricFamily("mmfeat_client_fallbacks", "Features clients sent inline, by reason", labels=["reason"])
         for reason, n in sorted(counters["fallbacks"].items()):
             fallbacks.add_metric([reason], n)
         yield fallbacks
+
+
+def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
+    if not mesh:
+        return
+    states = GaugeMetricFamily("mmfeat_mesh_peers", "Listed peer daemons by state", labels=["state"])
+    for state in ("connecting", "up", "down"):
+        states.add_metric([state], sum(p["state"] == state for p in mesh["peers"]))
+    yield states
+    rtt = GaugeMetricFamily("mmfeat_mesh_rtt_seconds", "Last heartbeat round trip to a peer that is up", labels=["peer"])
+    for p in mesh["peers"]:
+        if p["rtt_ms"] is not None:
+            rtt.add_metric([p["node"] or p["endpoint"]], p["rtt_ms"] / 1e3)
+    yield rtt
+    yield CounterMetricFamily("mmfeat_mesh_refused", "Mesh connections refused for an unlisted public key", value=mesh["refused"])
+    yield CounterMetricFamily("mmfeat_mesh_bad_messages", "Mesh frames refused as invalid", value=mesh["bad_messages"])
 
 
 class Metrics:

@@ -23,6 +23,7 @@ from .config import Settings
 from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
+from .mesh import Mesh
 from .control_socket import ControlSocket
 from .resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .sd_notify import Notifier
@@ -74,6 +75,7 @@ class Server:
         self._fds: Optional[FdChannel] = None
         self._guard: Optional[MemoryGuard] = None
         self._wake: tuple[socket.socket, ...] = ()  # the signal wake-up pair, while serve() runs
+        self._mesh: Optional[Mesh] = None
         self._fd_limit = 0
 
     @property
@@ -91,7 +93,8 @@ class Server:
         fd_limit = self._fd_limit = raise_fd_limit()
         clients = client_budget(fd_limit, self.settings.max_clients)
         self._ctx = zmq.Context()
-        self._ctx.set(zmq.MAX_SOCKETS, 64)  # the daemon's own sockets only; connections are not sockets
+        # The daemon's own sockets only (connections are not sockets): a few, and one per mesh peer.
+        self._ctx.set(zmq.MAX_SOCKETS, 64 + len(self.settings.peers))
         self._fds = FdChannel(
             fd_socket_path(runtime), self.settings.socket_mode, self.core.authorize_fds, self._on_fd_close,
             lambda session, frame: dispatch(self.core, frame, session=session), clients,
@@ -102,6 +105,9 @@ class Server:
         )
         self.core.endpoint = self._control.endpoint
         self.core.resource_stats = self._resource_stats
+        if self.settings.listen:
+            self._mesh = Mesh(self._ctx, self.settings, self._mesh_hello)
+            self.core.mesh_stats = self._mesh.stats
         self._guard = MemoryGuard(self.settings.control_memory_mb << 20)
         log.info("fd limit %d: up to %d clients and %d control connections", fd_limit, clients, self._control.max_connections)
 
@@ -115,6 +121,11 @@ class Server:
             "connections_refused": self._control.refused + self._fds.refused,
             "control_resets": self._control.resets,
         }
+
+    def _mesh_hello(self) -> dict:
+        return {"node": self.settings.node_id, "epoch": self.core.epoch,
+                "pools": [{k: v for k, v in p.info(self.core.epoch).items() if k not in ("epoch", "uuid")}
+                          for p in self.core.pools.values()]}
 
     def _owns(self, fd: int) -> bool:
         """An fd of the daemon's own, which the control socket's connection cap must never shut down."""
@@ -185,6 +196,8 @@ class Server:
             if self._wake[0].fileno() in events:
                 _drain(self._wake[0])
             now = time.monotonic()
+            if self._mesh is not None and any(sock in events for sock in self._mesh.sockets()):
+                self._mesh.on_events(now)
             # No client (not even one handshaking or only on the control socket, whose memory the tick
             # watches) and nothing live.
             idle = len(self._fds) == 0 and self._control.connections == 0 and self.core.ledger.live == 0
@@ -197,6 +210,8 @@ class Server:
                 next_sweep = now + (IDLE_WAKE_S if idle else sweep_every)
             if now >= next_tick:
                 self.core.tick(now)
+                if self._mesh is not None:
+                    self._mesh.tick(now)
                 self._fds.close_stale_handshakes()
                 if self._check_memory():
                     poller = self._poller()
@@ -222,6 +237,8 @@ class Server:
         poller.register(self._fds.fileno(), zmq.POLLIN)
         if self._wake:
             poller.register(self._wake[0].fileno(), zmq.POLLIN)
+        for sock in self._mesh.sockets() if self._mesh is not None else ():
+            poller.register(sock, zmq.POLLIN)
         return poller
 
     def _check_memory(self) -> bool:
@@ -289,6 +306,9 @@ class Server:
                 pass  # the peer is gone or not reading; its request died with it
 
     def close(self) -> None:
+        if self._mesh is not None:
+            self._mesh.close()
+            self._mesh = None
         if self._fds is not None:
             self._fds.close()
             self._fds = None

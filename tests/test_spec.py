@@ -67,3 +67,18 @@ def test_shared_layouts_are_documented_as_the_code_defines_them() -> None:
     assert "`{" + ", ".join(f.name for f in fields(ArenaGrant)) + "}`" in arena.replace("\n", " ")
     for line in (f"{{v: {PROTOCOL_VERSION}, session: ", f"{{v: {PROTOCOL_VERSION}, ok: true, pools: [pool ids], table: true}}"):
         assert line in SPEC, line
+
+
+def test_the_mesh_is_documented_as_the_code_defines_it() -> None:
+    from mmfeat.protos import mesh
+
+    section = SPEC.split("## 11. The mesh", 1)[1]
+    assert f"Mesh version:\n**{mesh.MESH_VERSION}**" in section or f"Mesh version: **{mesh.MESH_VERSION}**" in section
+    for op, model in mesh.MESH_OPS.items():
+        row = next((line for line in section.splitlines() if line.startswith(f"| `{op}` |")), None)
+        assert row is not None, f"mesh op {op} is not in SPEC.md section 11"
+        for name in model.model_fields:
+            assert f"`{name}`" in row, f"field {name} of mesh op {op} is not in its row"
+    for name in mesh.MeshPool.model_fields:
+        assert name in section, name
+    assert f"{mesh.MAX_MESH_FRAME >> 10} KiB" in section

@@ -1,0 +1,272 @@
+"""The mesh: this daemon's links to the daemons of other nodes, over ZeroMQ CURVE on tcp://.
+
+A ROUTER on ``listen`` takes the peers' DEALERs; a DEALER per listed peer goes the other way. CURVE
+encrypts both and a ZAP handler lets in only the listed public keys (each refusal is counted), so a
+message's sender is known by the key it proved, never by what it says. Each side sends a hello (node,
+epoch, pools with their FABRIC handle bytes) when it connects and whenever the other asks for it, and
+a ping every HEARTBEAT_S; a peer silent for DOWN_AFTER_S is marked down and what it said is dropped.
+
+This is the membership layer of the mesh (issue 10): routing gets, relaying acks and pulling features
+with NIXL build on it. Every frame is untrusted input: validated by protos.mesh, counted when bad,
+never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from mmfeat.protos.mesh import MAX_MESH_FRAME, MeshError, MeshHello, MeshPing, MeshPong, decode_mesh, encode_mesh
+
+from .config import Peer, Settings
+from .mesh_keys import SECRET_FILE, KeyFileError, load_secret
+
+log = logging.getLogger("mmfeatd.mesh")
+
+HEARTBEAT_S = 1.0
+DOWN_AFTER_S = 3.5  # three heartbeats missed, and a little slack
+ZAP_DOMAIN = "mmfeat-mesh"
+HANDSHAKE_MS = 3000
+_HWM = 64  # heartbeats and hellos only: a peer that does not read loses them, nothing queues up
+
+HelloBody = Callable[[], dict[str, Any]]
+
+
+class MeshConfigError(Exception):
+    """The mesh cannot start as configured; the message says what to change."""
+
+
+@dataclass
+class PeerState:
+    config: Peer
+    dealer: zmq.Socket
+    state: str = "connecting"  # connecting (never heard from), up, down
+    hello: Optional[MeshHello] = None
+    last_seen: float = 0.0
+    next_ping: float = 0.0
+    seq: int = 0
+    sent_at: dict[int, float] = field(default_factory=dict)
+    rtt_s: Optional[float] = None
+    messages: int = 0
+
+
+class _KeyList:
+    """The ZAP handler's question: is this public key a listed peer? Runs on the authenticator's thread."""
+
+    def __init__(self, allowed: set[bytes]) -> None:
+        self.allowed = allowed
+        self.refused = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.allowed:
+            return True
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8, ...: a scanner cannot flood the log
+            log.warning("mesh: refused a connection with an unlisted public key (%d so far); add it to peers if "
+                        "it is one of ours", self.refused)
+        return False
+
+
+def secret_file(settings: Settings, environ: Optional[dict[str, str]] = None) -> Path:
+    """Where this node's secret key is: the setting, else systemd's credentials directory."""
+    if settings.mesh_secret_file is not None:
+        return settings.mesh_secret_file
+    credentials = (environ if environ is not None else os.environ).get("CREDENTIALS_DIRECTORY")
+    if credentials:
+        return Path(credentials) / SECRET_FILE
+    raise MeshConfigError("listen is set but no mesh secret key is: set mesh_secret_file (make one with "
+                          "mmfeatd --gen-keys DIR) or pass it with systemd's LoadCredential=mesh.secret:PATH")
+
+
+class Mesh:
+    def __init__(self, ctx: zmq.Context, settings: Settings, hello_body: HelloBody) -> None:
+        try:
+            public, secret = load_secret(secret_file(settings))
+        except KeyFileError as exc:
+            raise MeshConfigError(str(exc)) from None
+        self.listen = settings.listen
+        self.public_key = public.decode()
+        self._hello_body = hello_body
+        if self.public_key in {p.public_key for p in settings.peers}:
+            raise MeshConfigError("peers lists this node's own public key; list the other nodes only")
+        self._keys = _KeyList({p.public_key.encode() for p in settings.peers})  # ZAP asks with Z85 text
+        self.bad_messages = 0
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("mmfeatd.mesh.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self._keys)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.zap_domain = ZAP_DOMAIN.encode()
+        self.router.curve_server = True
+        self.router.curve_secretkey, self.router.curve_publickey = secret, public
+        # A connection that has not finished the CURVE handshake is dropped after this (libzmq's default
+        # is 30 s): a stranger on the network holds an fd here for moments, not half a minute.
+        self.router.handshake_ivl = HANDSHAKE_MS
+        self._limit(self.router)
+        try:
+            self.router.bind(settings.listen)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise MeshConfigError(f"cannot listen on {settings.listen}: {exc}") from None
+        self.peers: dict[str, PeerState] = {}
+        for peer in settings.peers:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.curve_serverkey = peer.public_key.encode()
+            dealer.curve_secretkey, dealer.curve_publickey = secret, public
+            self._limit(dealer)
+            dealer.connect(peer.endpoint)
+            state = PeerState(peer, dealer)
+            self.peers[peer.public_key] = state
+            self._send(state, "hello", hello_body())  # queued until the connection is up
+        log.info("mesh: listening on %s as %s with %d peer(s)", settings.listen, self.public_key, len(self.peers))
+
+    @staticmethod
+    def _limit(sock: zmq.Socket) -> None:
+        sock.linger = 0
+        sock.maxmsgsize = MAX_MESH_FRAME
+        sock.sndhwm = sock.rcvhwm = _HWM
+
+    @property
+    def refused(self) -> int:
+        return self._keys.refused
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.router, *(p.dealer for p in self.peers.values())]
+
+    def on_events(self, now: float) -> None:
+        """Read everything waiting on the mesh sockets."""
+        for _ in range(256):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._from_router(frames, now)
+        for peer in self.peers.values():
+            for _ in range(64):
+                try:
+                    frames = peer.dealer.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._from_dealer(peer, frames, now)
+
+    def _from_router(self, frames: list[zmq.Frame], now: float) -> None:
+        # The sender is the key it proved in the CURVE handshake (ZAP's User-Id), nothing it claims.
+        peer = self.peers.get(frames[-1].get("User-Id") or "") if frames else None
+        if peer is None or len(frames) != 2:
+            self.bad_messages += 1
+            return
+        try:
+            op, body = decode_mesh(frames[1].bytes)
+        except MeshError as exc:
+            self._bad(peer, str(exc))
+            return
+        self._seen(peer, now)
+        identity = frames[0].bytes
+        if isinstance(body, MeshHello):
+            if peer.hello is not None and peer.hello.epoch != body.epoch:
+                log.warning("mesh: peer %s (%s) restarted: epoch %d -> %d", body.node, peer.config.endpoint,
+                            peer.hello.epoch, body.epoch)
+            peer.hello = body
+        elif isinstance(body, MeshPing):
+            self._reply(identity, encode_mesh("pong", {"seq": body.seq, "need_hello": peer.hello is None}))
+        else:
+            self._bad(peer, f"{op} is not sent to a listener")
+
+    def _from_dealer(self, peer: PeerState, frames: list[bytes], now: float) -> None:
+        try:
+            if len(frames) != 1:
+                raise MeshError(f"expected one frame, got {len(frames)}")
+            op, body = decode_mesh(frames[0])
+        except MeshError as exc:
+            self._bad(peer, str(exc))
+            return
+        if not isinstance(body, MeshPong):
+            self._bad(peer, f"{op} is not a reply")
+            return
+        sent = peer.sent_at.pop(body.seq, None)
+        if sent is not None:
+            peer.rtt_s = now - sent
+        self._seen(peer, now)
+        if body.need_hello:
+            self._send(peer, "hello", self._hello_body())
+
+    def _seen(self, peer: PeerState, now: float) -> None:
+        peer.last_seen = now
+        peer.messages += 1
+        if peer.state != "up":
+            log.info("mesh: peer %s is up", peer.config.endpoint)
+            peer.state = "up"
+
+    def _bad(self, peer: PeerState, why: str) -> None:
+        self.bad_messages += 1
+        if self.bad_messages & (self.bad_messages - 1) == 0:
+            log.warning("mesh: refused a message from %s: %s (%d so far)", peer.config.endpoint, why, self.bad_messages)
+
+    def tick(self, now: float) -> None:
+        """Heartbeats out; peers silent for too long marked down and forgotten."""
+        for peer in self.peers.values():
+            if now >= peer.next_ping:
+                peer.seq += 1
+                peer.sent_at = {s: t for s, t in peer.sent_at.items() if now - t < DOWN_AFTER_S}
+                peer.sent_at[peer.seq] = now
+                self._send(peer, "ping", {"seq": peer.seq})
+                peer.next_ping = now + HEARTBEAT_S
+            if peer.state == "up" and now - peer.last_seen > DOWN_AFTER_S:
+                log.warning("mesh: peer %s (%s) stopped answering; marked down", peer.hello.node if peer.hello else "?",
+                            peer.config.endpoint)
+                peer.state, peer.hello, peer.rtt_s = "down", None, None
+
+    def _send(self, peer: PeerState, op: str, body: dict[str, Any]) -> None:
+        try:
+            peer.dealer.send(encode_mesh(op, body), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected, or not reading: heartbeats are not worth queueing
+
+    def _reply(self, identity: bytes, frame: bytes) -> None:
+        try:
+            self.router.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def stats(self, now: Optional[float] = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        return {
+            "listen": self.listen,
+            "public_key": self.public_key,
+            "refused": self.refused,
+            "bad_messages": self.bad_messages,
+            "peers": [
+                {
+                    "endpoint": p.config.endpoint,
+                    "public_key": p.config.public_key,
+                    "state": p.state,
+                    "node": p.hello.node if p.hello else None,
+                    "epoch": p.hello.epoch if p.hello else None,
+                    "pools": [pool.model_dump(exclude={"fabric"}) | {"fabric": pool.fabric is not None}
+                              for pool in p.hello.pools] if p.hello else [],
+                    "rtt_ms": round(p.rtt_s * 1e3, 3) if p.rtt_s is not None else None,
+                    "last_seen_s": round(now - p.last_seen, 3) if p.last_seen else None,
+                }
+                for p in self.peers.values()
+            ],
+        }
+
+    def fabric_handle(self, public_key: str, pool: int) -> Optional[bytes]:
+        """The FABRIC handle bytes a peer that is up announced for ``pool``, if any."""
+        peer = self.peers.get(public_key)
+        if peer is None or peer.state != "up" or peer.hello is None:
+            return None
+        return next((p.fabric for p in peer.hello.pools if p.pool == pool), None)
+
+    def close(self) -> None:
+        for peer in getattr(self, "peers", {}).values():
+            peer.dealer.close(0)
+        if getattr(self, "router", None) is not None:
+            self.router.close(0)
+        self._auth.stop()

@@ -1,0 +1,92 @@
+"""Messages between daemons of different nodes (the mesh), over ZeroMQ CURVE on tcp://.
+
+Only daemons speak this; a client never does. Each daemon binds a ROUTER on ``listen`` and connects a
+DEALER to every listed peer; CURVE with the peers' listed public keys authenticates and encrypts both
+directions. A frame is one msgpack map ``{"v": MESH_VERSION, "op": ..., ...}``. SPEC.md, "The mesh",
+is the written contract; ``MESH_OPS`` is the table both it and the daemon follow.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MESH_VERSION = 1
+# A hello carries a few pools and their handle bytes; nothing legitimate comes near this.
+MAX_MESH_FRAME = 64 << 10
+MAX_MESH_POOLS = 64
+FABRIC_HANDLE_BYTES = 64
+
+Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class MeshError(ValueError):
+    """A mesh frame that is not a valid message; the message says what is wrong."""
+
+
+class _Mesh(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class MeshPool(_Mesh):
+    pool: Count
+    kind: Annotated[str, Field(pattern="^(host|cuda)$")]
+    device: Annotated[int, Field(ge=-1, le=1023)]
+    handle: Annotated[str, Field(pattern="^(posix_fd|fabric)$")]
+    size: Count
+    # The FABRIC handle's bytes (cuMemExportToShareableHandle), for importers in the same NVLink domain.
+    fabric: Optional[Annotated[bytes, Field(min_length=FABRIC_HANDLE_BYTES, max_length=FABRIC_HANDLE_BYTES)]] = None
+
+
+class MeshHello(_Mesh):
+    """Who a daemon is: sent on connecting and again whenever its epoch changes."""
+
+    node: Name
+    epoch: Count
+    pools: Annotated[list[MeshPool], Field(max_length=MAX_MESH_POOLS)]
+
+
+class MeshPing(_Mesh):
+    """A heartbeat; the peer answers with a pong carrying the same ``seq``."""
+
+    seq: Count
+
+
+class MeshPong(_Mesh):
+    seq: Count
+    need_hello: bool = False  # the listener has no hello from this peer (it restarted, or missed it)
+
+
+MESH_OPS: dict[str, type[_Mesh]] = {"hello": MeshHello, "ping": MeshPing, "pong": MeshPong}
+
+
+def encode_mesh(op: str, body: dict[str, Any]) -> bytes:
+    if op not in MESH_OPS:
+        raise ValueError(f"unknown mesh op {op!r}")
+    return msgpack.packb({"v": MESH_VERSION, "op": op, **body}, use_bin_type=True)
+
+
+def decode_mesh(frame: bytes) -> tuple[str, _Mesh]:
+    """The op and its validated body; MeshError for anything else, whatever the bytes."""
+    if len(frame) > MAX_MESH_FRAME:
+        raise MeshError(f"mesh frame of {len(frame)} B exceeds {MAX_MESH_FRAME} B")
+    try:
+        raw = msgpack.unpackb(frame, raw=False, max_bin_len=MAX_MESH_FRAME, max_str_len=MAX_MESH_FRAME,
+                              max_array_len=MAX_MESH_POOLS, max_map_len=32, max_ext_len=0)
+    except Exception as exc:
+        raise MeshError(f"not msgpack: {type(exc).__name__}") from None
+    if not isinstance(raw, dict):
+        raise MeshError("a mesh frame is a msgpack map")
+    if raw.get("v") != MESH_VERSION:
+        raise MeshError(f"mesh version {raw.get('v')!r} is not {MESH_VERSION}; run the same mmfeat on every node")
+    op = raw.get("op")
+    model = MESH_OPS.get(op) if isinstance(op, str) else None
+    if model is None:
+        raise MeshError(f"unknown mesh op {op!r}")
+    try:
+        return op, model.model_validate(raw)
+    except ValidationError as exc:
+        raise MeshError(f"bad {op}: {exc.errors()[0].get('msg', 'invalid')} at {exc.errors()[0].get('loc')}") from None

@@ -1,0 +1,238 @@
+"""The mesh between daemons of different nodes: two and three real daemons on 127.0.0.1 as separate
+nodes, CURVE keys made by mmfeatd --gen-keys, and peers that are not on the list, not authenticated,
+gone, or hostile."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import msgpack
+import pytest
+import zmq
+
+from mmfeat.daemon.mesh_keys import KeyFileError, load_secret
+from mmfeat.protos.mesh import MESH_VERSION, encode_mesh
+
+from .conftest import Daemon, anon_bytes, start_daemon
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gen_keys(directory: Path) -> str:
+    r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(directory)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return (directory / "mesh.public").read_text().strip()
+
+
+class Cluster:
+    """Nodes with keys and ports; ``start(name, peers)`` runs a daemon that lists those peers."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.keys: dict[str, str] = {}
+        self.ports: dict[str, int] = {}
+        self.daemons: dict[str, Daemon] = {}
+
+    def node(self, name: str) -> None:
+        self.keys[name] = _gen_keys(self.root / f"keys-{name}")
+        self.ports[name] = _free_port()
+
+    def endpoint(self, name: str) -> str:
+        return f"tcp://127.0.0.1:{self.ports[name]}"
+
+    def start(self, name: str, peers: list[str], *args: str) -> Daemon:
+        listed = ", ".join(f'{{endpoint = "{self.endpoint(p)}", public_key = "{self.keys[p]}"}}' for p in peers)
+        config = self.root / f"{name}.toml"
+        config.write_text(f'[mmfeatd]\nnode_id = "{name}"\nlisten = "{self.endpoint(name)}"\n'
+                          f'mesh_secret_file = "{self.root / f"keys-{name}" / "mesh.secret"}"\npeers = [{listed}]\n')
+        runtime = Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
+        d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args)
+        self.daemons[name] = d
+        return d
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        d = self.daemons.pop(name)
+        d.proc.send_signal(sig)
+        d.proc.wait(15)
+        d.proc.communicate()
+        shutil.rmtree(d.runtime_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    for name in list(c.daemons):
+        c.stop(name, signal.SIGKILL if c.daemons[name].proc.poll() is None else signal.SIGTERM)
+
+
+def _peer(d: Daemon, endpoint: str) -> dict:
+    return next(p for p in d.stats()["mesh"]["peers"] if p["endpoint"] == endpoint)
+
+
+def test_gen_keys_writes_a_private_secret_once(tmp_path) -> None:
+    public = _gen_keys(tmp_path)
+    secret = tmp_path / "mesh.secret"
+    assert len(public) == 40 and secret.stat().st_mode & 0o777 == 0o600
+    assert load_secret(secret)[0].decode() == public
+    again = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(tmp_path)], capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 1 and "exists" in again.stderr
+    assert load_secret(secret)[0].decode() == public  # untouched
+    secret.chmod(0o640)
+    with pytest.raises(KeyFileError, match="readable by others"):
+        load_secret(secret)
+
+
+def test_two_nodes_meet_exchange_hellos_and_keep_heartbeats(cluster) -> None:
+    cluster.node("a")
+    cluster.node("b")
+    metrics_port = _free_port()
+    a, b = cluster.start("a", ["b"], "--metrics-port", str(metrics_port)), cluster.start("b", ["a"])
+    for me, other, name in ((a, b, "b"), (b, a, "a")):
+        peer = me.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["rtt_ms"] is not None,
+                           what=f"{name} to be up")["mesh"]["peers"][0]
+        assert peer["node"] == name and peer["epoch"] == other.stats()["epoch"]
+        assert peer["pools"] == [{"pool": 0, "kind": "host", "device": -1, "handle": "posix_fd", "size": 8 << 20, "fabric": False}]
+    s = a.stats()["mesh"]
+    assert s["refused"] == 0 and s["bad_messages"] == 0 and s["public_key"] == cluster.keys["a"]
+    table = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(a.runtime_dir), "stats"],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "mesh on tcp://127.0.0.1" in table and "b" in table and " up " in table
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + 10  # the loop refreshes the metrics snapshot every 0.5 s, 1 s when idle
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+        if ("mmfeat_mesh_rtt_seconds", (("peer", "b"),)) in samples or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert samples[("mmfeat_mesh_peers", (("state", "up"),))] == 1
+    assert samples[("mmfeat_mesh_refused_total", ())] == 0 and ("mmfeat_mesh_rtt_seconds", (("peer", "b"),)) in samples
+
+
+def test_a_restarted_peer_is_seen_with_its_new_epoch_and_a_dead_one_goes_down(cluster) -> None:
+    cluster.node("a")
+    cluster.node("b")
+    a, b = cluster.start("a", ["b"]), cluster.start("b", ["a"])
+    first = a.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up", what="b up")["mesh"]["peers"][0]["epoch"]
+    cluster.stop("b", signal.SIGKILL)
+    s = a.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "down", what="b marked down")
+    assert s["mesh"]["peers"][0]["node"] is None and s["mesh"]["peers"][0]["pools"] == []  # what it said is dropped
+    b = cluster.start("b", ["a"])
+    s = a.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up", what="b up again")
+    assert s["mesh"]["peers"][0]["epoch"] == b.stats()["epoch"] != first
+
+
+def test_unlisted_keys_and_unauthenticated_clients_are_refused(cluster, tmp_path) -> None:
+    for name in ("a", "b", "c"):
+        cluster.node(name)
+    a = cluster.start("a", ["b"])
+    c = cluster.start("c", ["a"])  # c lists a, but a does not list c
+    a.wait_for(lambda s: s["mesh"]["refused"] >= 1, what="a to refuse c's key")
+    time.sleep(1.0)  # a heartbeat's time: c's pings went nowhere
+    assert _peer(c, cluster.endpoint("a"))["state"] == "connecting"
+    # A ZeroMQ client without CURVE: its handshake fails, nothing reaches the daemon.
+    ctx = zmq.Context()
+    plain = ctx.socket(zmq.DEALER)
+    plain.linger = 0
+    plain.connect(cluster.endpoint("a"))
+    plain.send(encode_mesh("ping", {"seq": 1}))
+    assert plain.poll(1000) == 0
+    plain.close()
+    ctx.term()
+    s = a.stats()["mesh"]
+    assert s["bad_messages"] == 0 and a.proc.poll() is None
+
+
+def test_garbage_from_an_authenticated_peer_is_counted_and_harmless(cluster) -> None:
+    cluster.node("a")
+    cluster.node("b")
+    a = cluster.start("a", ["b"])
+    # We hold b's secret key: an authenticated peer that sends anything at all.
+    public, secret = load_secret(cluster.root / "keys-b" / "mesh.secret")
+    ctx = zmq.Context()
+    evil = ctx.socket(zmq.DEALER)
+    evil.linger = 0
+    evil.curve_serverkey = cluster.keys["a"].encode()
+    evil.curve_publickey, evil.curve_secretkey = public, secret
+    evil.connect(cluster.endpoint("a"))
+    evil.send(encode_mesh("ping", {"seq": 7}))
+    assert evil.poll(10_000), "a never answered an authenticated ping"
+    assert msgpack.unpackb(evil.recv())["seq"] == 7
+    rng = random.Random(10)
+    base = anon_bytes(a.pid)
+    sent = 0
+    for k in range(3000):
+        choice = k % 6
+        if choice == 0:
+            frame = rng.randbytes(rng.randrange(0, 300))
+        elif choice == 1:
+            frame = msgpack.packb({"v": MESH_VERSION, "op": rng.choice(["hello", "ping", "pong", "x"]),
+                                   "seq": rng.choice([-1, "s", 2**63 + 5, None]), "node": rng.randbytes(3)})
+        elif choice == 2:
+            frame = msgpack.packb({"v": MESH_VERSION, "op": "hello", "node": "n", "epoch": 1,
+                                   "pools": [{"pool": 0, "kind": "gpu", "device": 0, "handle": "x", "size": -1}] * 3})
+        elif choice == 3:
+            frame = msgpack.packb([1, 2, 3])
+        elif choice == 4:
+            evil.send_multipart([b"two", b"frames"])
+            sent += 1
+            continue
+        else:
+            frame = encode_mesh("pong", {"seq": 1})  # a reply sent to a listener
+        evil.send(frame)
+        sent += 1
+    s = a.wait_for(lambda s: s["mesh"]["bad_messages"] >= sent, timeout=20, what="every bad frame counted")
+    assert s["mesh"]["peers"][0]["node"] is None  # nothing it sent was a valid hello
+    evil.send(b"\x00" * (128 << 10))  # past the frame limit: ZeroMQ drops the connection
+    time.sleep(0.5)
+    assert a.proc.poll() is None
+    assert anon_bytes(a.pid) - base < 16 << 20
+    evil.close()
+    ctx.term()
+    with a.client() as client:
+        assert client.ping()["ok"]
+
+
+def test_mesh_settings_that_cannot_work_stop_the_daemon_with_a_reason(tmp_path) -> None:
+    keys = tmp_path / "keys"
+    mine = _gen_keys(keys)
+    runtime = Path(tempfile.mkdtemp(prefix="mmf-cfg-", dir="/tmp"))
+    port = _free_port()
+    cases = [
+        (f'listen = "tcp://127.0.0.1:{port}"\n', "no mesh secret key", {}),
+        (f'peers = [{{endpoint = "tcp://127.0.0.1:{port}", public_key = "{mine}"}}]\n', "listen is not", {}),
+        (f'listen = "tcp://127.0.0.1:{port}"\nmesh_secret_file = "{keys / "mesh.secret"}"\n'
+         f'peers = [{{endpoint = "tcp://127.0.0.1:{port + 1}", public_key = "{mine}"}}]\n', "own public key", {}),
+        (f'listen = "tcp://127.0.0.1:{port}"\npeers = [{{endpoint = "tcp://x:1", public_key = "short"}}]\n', "public_key", {}),
+        (f'listen = "tcp://127.0.0.1:{port}"\n', "mesh.secret", {"CREDENTIALS_DIRECTORY": str(tmp_path / "none")}),
+    ]
+    try:
+        for body, why, env in cases:
+            config = tmp_path / "m.toml"
+            config.write_text("[mmfeatd]\n" + body)
+            r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--config", str(config), "--runtime-dir", str(runtime),
+                                "--backend", "host", "--pool-mb", "8"], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, **env})
+            assert r.returncode in (1, 2) and why in r.stderr, (body, r.stderr[-2000:])
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
