@@ -26,6 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from mmfeat.protos.mesh import MAX_MESH_FRAME, MeshError, MeshHello, MeshPing, MeshPong, decode_mesh, encode_mesh
 
 from .config import Peer, Settings
+from .connection_cap import ConnectionCap, IsOurs
 from .mesh_keys import SECRET_FILE, KeyFileError, load_secret
 
 log = logging.getLogger("mmfeatd.mesh")
@@ -86,7 +87,7 @@ def secret_file(settings: Settings, environ: Optional[dict[str, str]] = None) ->
 
 
 class Mesh:
-    def __init__(self, ctx: zmq.Context, settings: Settings, hello_body: HelloBody) -> None:
+    def __init__(self, ctx: zmq.Context, settings: Settings, hello_body: HelloBody, is_ours: IsOurs) -> None:
         try:
             public, secret = load_secret(secret_file(settings))
         except KeyFileError as exc:
@@ -109,6 +110,11 @@ class Mesh:
         # is 30 s): a stranger on the network holds an fd here for moments, not half a minute.
         self.router.handshake_ivl = HANDSHAKE_MS
         self._limit(self.router)
+        # Strangers on the network can connect (CURVE only keeps them from saying anything): a flood of
+        # connections is shed as on the control socket, before it can exhaust fds and abort libzmq.
+        self._cap = ConnectionCap(ctx, "mesh listener", 4 * len(settings.peers) + 16, is_ours,
+                                  "Firewall listen to the cluster's nodes")
+        self._cap.watch(self.router)
         try:
             self.router.bind(settings.listen)
         except zmq.ZMQError as exc:
@@ -241,6 +247,8 @@ class Mesh:
             "public_key": self.public_key,
             "refused": self.refused,
             "bad_messages": self.bad_messages,
+            "connections": self._cap.connections,
+            "connections_refused": self._cap.refused,
             "peers": [
                 {
                     "endpoint": p.config.endpoint,
@@ -267,6 +275,7 @@ class Mesh:
     def close(self) -> None:
         for peer in getattr(self, "peers", {}).values():
             peer.dealer.close(0)
-        if getattr(self, "router", None) is not None:
-            self.router.close(0)
+        self._cap.unwatch(self.router)
+        self.router.close(0)
+        self._cap.close()
         self._auth.stop()

@@ -106,7 +106,7 @@ class Server:
         self.core.endpoint = self._control.endpoint
         self.core.resource_stats = self._resource_stats
         if self.settings.listen:
-            self._mesh = Mesh(self._ctx, self.settings, self._mesh_hello)
+            self._mesh = Mesh(self._ctx, self.settings, self._mesh_hello, self._owns)
             self.core.mesh_stats = self._mesh.stats
         self._guard = MemoryGuard(self.settings.control_memory_mb << 20)
         log.info("fd limit %d: up to %d clients and %d control connections", fd_limit, clients, self._control.max_connections)

@@ -24,7 +24,7 @@ import zmq
 from mmfeat.daemon.mesh_keys import KeyFileError, load_secret
 from mmfeat.protos.mesh import MESH_VERSION, encode_mesh
 
-from .conftest import Daemon, anon_bytes, start_daemon
+from .conftest import Daemon, anon_bytes, fd_count, start_daemon
 
 
 def _free_port() -> int:
@@ -56,13 +56,13 @@ class Cluster:
     def endpoint(self, name: str) -> str:
         return f"tcp://127.0.0.1:{self.ports[name]}"
 
-    def start(self, name: str, peers: list[str], *args: str) -> Daemon:
+    def start(self, name: str, peers: list[str], *args: str, nofile: int | None = None) -> Daemon:
         listed = ", ".join(f'{{endpoint = "{self.endpoint(p)}", public_key = "{self.keys[p]}"}}' for p in peers)
         config = self.root / f"{name}.toml"
         config.write_text(f'[mmfeatd]\nnode_id = "{name}"\nlisten = "{self.endpoint(name)}"\n'
                           f'mesh_secret_file = "{self.root / f"keys-{name}" / "mesh.secret"}"\npeers = [{listed}]\n')
         runtime = Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
-        d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args)
+        d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args, nofile=nofile)
         self.daemons[name] = d
         return d
 
@@ -236,3 +236,36 @@ def test_mesh_settings_that_cannot_work_stop_the_daemon_with_a_reason(tmp_path) 
             assert r.returncode in (1, 2) and why in r.stderr, (body, r.stderr[-2000:])
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+_TCP_FLOOD = """
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket()
+    try:
+        s.connect(("127.0.0.1", int(sys.argv[1]))); held.append(s)
+    except OSError:
+        s.close()
+print("flooding", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_a_connection_flood_on_the_mesh_port_is_shed_not_fatal(cluster) -> None:
+    cluster.node("a")
+    cluster.node("b")
+    a = cluster.start("a", ["b"], nofile=4096)
+    flood = subprocess.Popen([sys.executable, "-c", _TCP_FLOOD, str(cluster.ports["a"]), "6000", "3"], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert flood.stdout.readline().strip() == "flooding"
+        assert a.proc.poll() is None, a.proc.communicate()[1][-3000:]
+        assert fd_count(a.pid) < 4096
+    finally:
+        flood.kill()
+        flood.wait()
+    s = a.wait_for(lambda s: s["mesh"]["connections"] <= 2, what="the flood's connections to go")
+    assert s["mesh"]["connections_refused"] > 0
+    cluster.start("b", ["a"])  # a real peer still gets in afterwards
+    a.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up", what="b up after the flood")
