@@ -16,5 +16,6 @@ echo "== wheels for the GPU node: $pins"
 $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl $pins
+rm -rf build/lib  # setuptools copies sources there and never removes a deleted module
 $py -m pip wheel -q --no-deps --no-build-isolation -w .whl .
 ls -l .whl
