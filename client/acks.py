@@ -42,14 +42,14 @@ class Acks:
             self._background().submit(desc.lease_ref(), count, os.urandom(8), _completion_event(after))
             return None
         if not wait:
-            self._send_now(desc.lease_ref(), desc.lease, desc.gen, count)
+            self._send_now(desc.lease_ref(), count)
             return None
         return self._waiting_ack(desc, count)
 
-    def _send_now(self, lease: dict[str, Any], slot: int, gen: int, count: int) -> None:
+    def _send_now(self, lease: dict[str, Any], count: int) -> None:
         """The ack without waiting: in the table if it takes it, else a quiet message."""
         session = self._connect()
-        if session.table.add_acks(slot, gen, count):
+        if _table_ack(session, lease, count):
             return
         # Not in the table: the feature ended (the daemon logs and counts an over-ack), or no arenas.
         if not session.try_send("ack", lease=lease, count=count, ack_id=os.urandom(8)):
@@ -85,7 +85,7 @@ class Acks:
 
             def send(lease: dict[str, Any], count: int, ack_id: bytes) -> None:
                 session = self._connect()
-                if not session.table.add_acks(lease["lease"], lease["gen"], count):
+                if not _table_ack(session, lease, count):
                     session.send("ack", lease=lease, count=count, ack_id=ack_id)
 
             self._acker = Acker(send, lambda timeout: self._connect().sync(timeout))
@@ -95,6 +95,15 @@ class Acks:
         if self._acker is not None:
             self._acker.close(self._timeout)
             self._acker = None
+
+
+def _table_ack(session: Session, lease: dict[str, Any], count: int) -> bool:
+    """The ack as a store into this daemon's lease table, if the lease is this daemon's and live there.
+    A descriptor from before a restart names slots and generations that start again in the new table
+    (the same slot, generation and range as a new feature, often): only its epoch tells them apart."""
+    if lease["epoch"] != session.epoch:
+        return False  # the message path: the daemon refuses it as STALE
+    return session.table.add_acks(lease["lease"], lease["gen"], lease["pool"], lease["offset"], lease["nbytes"], count)
 
 
 def _completion_event(after: Any) -> Optional[Any]:

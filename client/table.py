@@ -62,11 +62,12 @@ class LeaseTableView:
             return STATE_MISMATCH
         return word & 3
 
-    def add_acks(self, lease: int, gen: int, count: int) -> bool:
-        """Add ``count`` acks to the lease's ack word if it still names generation ``gen``; False if it
-        does not (the feature ended, or the slot holds another one) or the word would overflow. The
-        compare-and-swap is sequentially consistent: it is ordered after this thread's reads of the
-        feature, on aarch64 too."""
+    def add_acks(self, lease: int, gen: int, pool: int, offset: int, nbytes: int, count: int) -> bool:
+        """Add ``count`` acks to the lease's ack word if its slot still holds generation ``gen`` with
+        exactly this range; False if not (the feature ended, the slot holds another one) or the word
+        would overflow. The caller checks the daemon's epoch: slots and generations start again after a
+        restart. The compare-and-swap is sequentially consistent: it is ordered after this thread's
+        reads of the feature, on aarch64 too."""
         if self._words is None or not 0 <= lease < self.slots:
             return False
         at = self._acks + 8 * lease
@@ -75,9 +76,8 @@ class LeaseTableView:
         for _ in range(_CAS_TRIES):  # bounded: under a peer that rewrites the word without end, send a message
             if seen >> 32 != want or (seen & ACK_COUNT_MASK) + count > ACK_COUNT_MASK:
                 return False
-            state = self._state(lease)
-            if state >> 2 != gen or not state & 3:
-                return False  # ended: the daemon says why (a message ack)
+            if self.state(lease, gen, pool, offset, nbytes) <= STATE_FREE:
+                return False  # ended, or another range: the daemon says why (a message ack)
             ok, seen = self._words.cas(at // 8, seen, seen + count)
             if ok:
                 return True

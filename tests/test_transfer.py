@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
 import torch
 
 from mmfeat.client import Client
+from mmfeat.protos import ErrorCode, MmfeatError
 
 from . import workers
 from .conftest import assert_fds_settle, fd_count
@@ -100,3 +102,27 @@ def test_descriptor_from_restarted_daemon_is_stale(runtime_dir, daemon_factory) 
         fresh = c.put(torch.ones(1000), consumers=1)
         assert c.get(fresh).sum().item() == 1000
         c.ack(fresh)
+
+
+def test_an_ack_of_a_descriptor_from_before_a_restart_never_counts_for_a_new_feature(runtime_dir, daemon_factory) -> None:
+    # After a restart the first arena lands where the old one was and slot generations start again, so
+    # the old descriptor names the same slot, generation and range as the new daemon's first feature:
+    # only its epoch tells them apart.
+    d1 = daemon_factory("--pool-mb", "16", "--drain-timeout", "0")
+    with Client(runtime_dir, inline_threshold=0) as producer:
+        old = producer.put(torch.ones(1000), consumers=2)
+    d1.stop()
+    d1.proc.communicate()
+    d2 = daemon_factory("--pool-mb", "16")
+    with Client(runtime_dir, inline_threshold=0) as producer, Client(runtime_dir) as consumer:
+        new = producer.put(torch.ones(1000), consumers=2)
+        assert (new.lease, new.gen, new.offset, new.nbytes) == (old.lease, old.gen, old.offset, old.nbytes) != ()
+        consumer.ack(old)  # not waiting: refused by the new daemon as STALE, logged, never applied
+        with pytest.raises(MmfeatError) as info:
+            consumer.ack(old, wait=True)
+        assert info.value.code is ErrorCode.STALE
+        assert consumer.flush(5.0)
+        assert consumer.ack(new, wait=True)["remaining"] == 1  # the new feature still waits for its second ack
+        assert d2.stats()["counters"]["acks"] == 1
+        consumer.ack(new)
+    assert d2.pool()["leases"]["PUBLISHED"] == 0
