@@ -186,7 +186,9 @@ class Server:
                     self._reload()
                     self.notifier.ready(self._status())
             # Rounded up: pyzmq truncates to whole milliseconds, and 0 would spin until the next sweep.
-            wake_at = min(next_tick, next_sweep, time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf)
+            # The watchdog too: an idle loop sleeps a second, and WatchdogSec may ask for pings more often.
+            wake_at = min(next_tick, next_sweep, time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf,
+                          next_watchdog if next_watchdog is not None else math.inf)
             timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))  # pyzmq retries EINTR after running signal handlers
             if self._control.router in events:
