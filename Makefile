@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,cuda,examples]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,cuda,examples,mesh]"
 	touch $(STAMP)
 
 # Most of the suite's time is waiting on daemons and child processes it starts: one worker per core

@@ -48,24 +48,25 @@ class Acker:
         self._thread = threading.Thread(target=self._run, name="mmfeat-acker", daemon=True)
         self._thread.start()
 
-    def submit(self, lease: dict[str, Any], count: int, ack_id: bytes, event: Optional[Any]) -> None:
+    def submit(self, fields: dict[str, Any], count: int, ack_id: bytes, event: Optional[Any]) -> None:
+        """``fields``: the ack request's lease (and owner node, for another node's feature)."""
         with self._cond:
             self._pending += 1
-        self._queue.put((lease, count, ack_id, event))
+        self._queue.put((fields, count, ack_id, event))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            lease, count, ack_id, event = item
+            fields, count, ack_id, event = item
             try:
                 if event is not None:
                     _wait_for(event)  # the consumer's GPU work that read the feature is done
-                self._send(lease, count, ack_id)
+                self._send(fields, count, ack_id)
             except MmfeatError as exc:
                 self.failed += 1
-                log.warning("background ack of lease %s failed: %s", lease.get("lease"), exc)
+                log.warning("background ack of lease %s failed: %s", fields["lease"].get("lease"), exc)
             except Exception:  # never let the thread die: later acks would hang flush()
                 self.failed += 1
-                log.exception("background ack of lease %s failed", lease.get("lease"))
+                log.exception("background ack of lease %s failed", fields["lease"].get("lease"))
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()

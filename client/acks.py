@@ -4,7 +4,8 @@ By default an ack is a compare-and-swap on the feature's ack word in the lease t
 round trip; the daemon applies it on its next sweep. ``wait=True`` sends it on the fd channel instead
 and returns the daemon's answer. ``after=`` (a CUDA stream or event) hands it to a thread that adds it
 once the GPU work is done. Where the table cannot take it (the daemon offers no arenas, no libatomic,
-or the feature already ended and the daemon should say so), it goes as a message.
+or the feature already ended and the daemon should say so), it goes as a message. Another node's
+feature is acked through this node's daemon, which relays the ack to the owner (batched).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError
 
+from .channel import ControlChannel
 from .session import Session
 
 log = logging.getLogger("mmfeat.client")
@@ -27,8 +29,9 @@ _MAX_UNCONFIRMED_ACKS = 1024
 
 
 class Acks:
-    def __init__(self, connect: Callable[[], Session], timeout: float) -> None:
+    def __init__(self, connect: Callable[[], Session], channel: ControlChannel, timeout: float) -> None:
         self._connect = connect
+        self._channel = channel
         self._timeout = timeout
         self._acker: Optional[Any] = None
         self._unconfirmed: dict[tuple[int, int, int], bytes] = {}
@@ -38,32 +41,38 @@ class Acks:
             raise ValueError("count must be between 1 and 4096")
         if desc.is_inline:
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
+        session = self._connect()
+        fields: dict[str, Any] = {"lease": desc.lease_ref()}
+        if desc.node != session.node:
+            fields["node"] = desc.node  # relayed to the owner's daemon by ours
         if after is not None:
-            self._background().submit(desc.lease_ref(), count, os.urandom(8), _completion_event(after))
+            self._background().submit(fields, count, os.urandom(8), _completion_event(after))
             return None
         if not wait:
-            self._send_now(desc.lease_ref(), count)
+            self._send_now(session, fields, count)
             return None
-        return self._waiting_ack(desc, count)
+        return self._waiting_ack(desc, fields, count)
 
-    def _send_now(self, lease: dict[str, Any], count: int) -> None:
+    def _send_now(self, session: Session, fields: dict[str, Any], count: int) -> None:
         """The ack without waiting: in the table if it takes it, else a quiet message."""
-        session = self._connect()
-        if _table_ack(session, lease, count):
+        if _table_ack(session, fields, count):
             return
-        # Not in the table: the feature ended (the daemon logs and counts an over-ack), or no arenas.
-        if not session.try_send("ack", lease=lease, count=count, ack_id=os.urandom(8)):
+        # Not in the table: another node's feature, one that ended (the daemon logs and counts an
+        # over-ack), or no arenas.
+        if not session.try_send("ack", count=count, ack_id=os.urandom(8), **fields):
             # A full fd channel (the daemon is behind): the caller must not wait.
-            self._background().submit(lease, count, os.urandom(8), None)
+            self._background().submit(fields, count, os.urandom(8), None)
 
-    def _waiting_ack(self, desc: Descriptor, count: int) -> dict[str, Any]:
+    def _waiting_ack(self, desc: Descriptor, fields: dict[str, Any], count: int) -> dict[str, Any]:
         # A retry of an ack that timed out reuses its id, so the daemon applies it once even if the first
         # one did land; a deliberate second ack of the same descriptor gets a new id.
         key = (desc.epoch, desc.lease, desc.gen)
         ack_id = self._unconfirmed.pop(key, None) or os.urandom(8)
         try:
-            # On the fd channel: ordered after this process's own publishes, which travel there too.
-            reply = self._connect().call("ack", lease=desc.lease_ref(), count=count, ack_id=ack_id)
+            if "node" in fields:  # answered from the owner's node: on the control socket, which waits for it
+                reply = self._channel.call("ack", count=count, ack_id=ack_id, **fields)
+            else:  # on the fd channel: ordered after this process's own publishes, which travel there too
+                reply = self._connect().call("ack", count=count, ack_id=ack_id, **fields)
         except DaemonUnavailableError:
             self._unconfirmed[key] = ack_id
             while len(self._unconfirmed) > _MAX_UNCONFIRMED_ACKS:
@@ -83,10 +92,10 @@ class Acks:
         if self._acker is None or self._acker.pid != os.getpid():
             from .acker import Acker
 
-            def send(lease: dict[str, Any], count: int, ack_id: bytes) -> None:
+            def send(fields: dict[str, Any], count: int, ack_id: bytes) -> None:
                 session = self._connect()
-                if not _table_ack(session, lease, count):
-                    session.send("ack", lease=lease, count=count, ack_id=ack_id)
+                if not _table_ack(session, fields, count):
+                    session.send("ack", count=count, ack_id=ack_id, **fields)
 
             self._acker = Acker(send, lambda timeout: self._connect().sync(timeout))
         return self._acker
@@ -97,12 +106,13 @@ class Acks:
             self._acker = None
 
 
-def _table_ack(session: Session, lease: dict[str, Any], count: int) -> bool:
+def _table_ack(session: Session, fields: dict[str, Any], count: int) -> bool:
     """The ack as a store into this daemon's lease table, if the lease is this daemon's and live there.
     A descriptor from before a restart names slots and generations that start again in the new table
     (the same slot, generation and range as a new feature, often): only its epoch tells them apart."""
-    if lease["epoch"] != session.epoch:
-        return False  # the message path: the daemon refuses it as STALE
+    lease = fields["lease"]
+    if lease["epoch"] != session.epoch or "node" in fields:
+        return False  # the message path: the daemon refuses it as STALE, or relays it
     return session.table.add_acks(lease["lease"], lease["gen"], lease["pool"], lease["offset"], lease["nbytes"], count)
 
 

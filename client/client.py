@@ -61,7 +61,7 @@ class Client:
         self._connect_lock = threading.Lock()
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold, fallback)
         self._consumer = Consumer(self._connect, self._channel)
-        self._acks = Acks(self._connect, timeout)
+        self._acks = Acks(self._connect, self._channel, timeout)
         # A process that exits (or drops the client) without close() still reports its fallbacks.
         self._report_at_exit = weakref.finalize(self, self._fallbacks.close, 1.0)
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Union
 
 import torch
 
 from mmfeat.protos.descriptor import Descriptor
-from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 
 from . import tensors as tz
 from .channel import ControlChannel
@@ -28,7 +29,7 @@ class Consumer:
             return _finish(out, desc.many, False, device)
         session = self._connect()
         if desc.node != session.node:
-            raise MmfeatError(ErrorCode.FORBIDDEN, f"descriptor is from node {desc.node!r}; this client's daemon is {session.node!r}")
+            return self._remote(session, desc, copy, verify, device)
         if desc.epoch != session.epoch:
             raise MmfeatError(
                 ErrorCode.STALE, f"descriptor is from daemon epoch {desc.epoch}, the daemon is now epoch {session.epoch}: it restarted; re-send the feature"
@@ -44,6 +45,26 @@ class Consumer:
             # The lease may have ended while we copied; then the copy may hold someone else's bytes.
             self.verify(session, desc)
         return out
+
+    def _remote(self, session: Session, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
+        """Another node's feature: this node's daemon pulls it into its own pool (and gives the copy's
+        lease), or relays the owner's FABRIC handle; either way the read is local from then on."""
+        try:
+            reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout)
+        except MmfeatError as exc:
+            if exc.code is ErrorCode.PEER_UNAVAILABLE:
+                raise DaemonUnavailableError(exc.message) from None
+            raise
+        if "fabric" in reply:
+            from .cuda_import import map_cuda_pool
+
+            info = {**reply["fabric"], "kind": "cuda", "uuid": None}
+            pool = map_cuda_pool(f"mesh:{info['node']}", info, None).tensor
+            out = [tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors]
+            return _finish(out, desc.many, copy, device)
+        local = dataclasses.replace(desc, node=session.node, **{k: reply["lease"][k] for k in
+                                                                ("pool", "epoch", "lease", "gen", "token", "offset")})
+        return self.get(local, copy, verify, device)
 
     def verify(self, session: Session, desc: Descriptor) -> None:
         """Raise unless the lease table shows ``desc``'s lease live with exactly its pool, offset and size.

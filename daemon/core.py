@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from mmfeat import atomics
 from mmfeat.protos.errors import ErrorCode, MmfeatError
@@ -14,7 +14,7 @@ from .allocator import Allocator
 from .config import Settings
 from .counters import Counters
 from .lease_table import LeaseTable
-from .ledger import FreeObserver, Ledger
+from .ledger import EndReason, FreeObserver, Lease, Ledger
 from .pools import Pool
 from .sessions import ATTACH_GRACE_S, PeerCred, SessionTable
 from .sweeper import Sweeper
@@ -24,6 +24,9 @@ class DaemonCore:
     def __init__(self, settings: Settings, pools: list[Pool], observer: Optional[FreeObserver] = None) -> None:
         self.settings = settings
         self.pools = {p.pool_id: p for p in pools}
+        # Told of every freed lease: metrics, and the mesh (copies of other nodes' features; peers that
+        # pulled one of ours).
+        self.free_observers: list[FreeObserver] = [observer] if observer is not None else []
         # Changes every start, so descriptors from a previous run are refused as STALE.
         self.epoch = secrets.randbits(62)
         self.started = time.monotonic()
@@ -38,6 +41,8 @@ class DaemonCore:
         self.resource_stats: Callable[[], dict] = dict
         # Set by the server when it runs a mesh: its peers, for stats (None without one).
         self.mesh_stats: Callable[[], Optional[dict]] = lambda: None
+        # Set by the server when it runs a mesh: gets and acks of other nodes' features (daemon/remote.py).
+        self.remote: Optional[Any] = None
         self.table = LeaseTable(settings.max_leases, self.epoch)
         self.ledger = Ledger(
             {p.pool_id: Allocator(p.size) for p in pools},
@@ -46,7 +51,7 @@ class DaemonCore:
             settings.reserve_ttl,
             settings.ack_ttl,
             settings.max_leases,
-            observer,
+            self._on_free,
             self.table,
             settings.max_session_mb << 20,
             settings.arena_mb << 20,
@@ -57,6 +62,10 @@ class DaemonCore:
         # Arenas need compare-and-swap in the lease table (clients ack there): without libatomic, every
         # feature takes the message path.
         self.arenas_enabled = settings.arena_mb > 0 and atomics.AVAILABLE
+
+    def _on_free(self, lease: Lease, reason: EndReason, now: float) -> None:
+        for observe in self.free_observers:
+            observe(lease, reason, now)
 
     def sweep(self, now: float) -> int:
         """Apply what clients wrote into the lease table; the number of words applied."""

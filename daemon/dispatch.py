@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
@@ -14,7 +14,7 @@ from mmfeat.protos.messages import FD_CHANNEL_OPS, REQUEST_MODELS
 from mmfeat.protos.version import PROTOCOL_VERSION
 
 from .core import DaemonCore
-from .handlers import HANDLERS
+from .handlers import HANDLERS, Deferred
 
 log = logging.getLogger("mmfeatd.dispatch")
 
@@ -31,8 +31,13 @@ def _request_id(msg: dict) -> Optional[Any]:
     return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
 
 
-def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, session: Optional[bytes] = None) -> Optional[bytes]:
-    """The reply to ``frame``; None for a quiet request that succeeded (it is answered only if it fails).
+SendLater = Callable[[bytes], None]
+
+
+def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, session: Optional[bytes] = None,
+             send_later: Optional[SendLater] = None) -> Optional[bytes]:
+    """The reply to ``frame``; None for a quiet request that succeeded (it is answered only if it fails),
+    and for one whose answer comes later, through ``send_later`` (it waits on another node).
 
     ``session`` is set for a frame that came on a session's fd channel: only FD_CHANNEL_OPS are taken
     there, and the connection's session stands in for any the frame names.
@@ -82,6 +87,14 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
         return error_reply(req_id, ErrorCode.BAD_REQUEST, f"{op}: field {where}: {first['msg']} ({exc.error_count()} error(s))")
     try:
         body = HANDLERS[op](core, req, now)
+        if isinstance(body, Deferred):
+            if quiet:
+                body.start(None)
+                return None
+            if send_later is None:
+                raise MmfeatError(ErrorCode.BAD_REQUEST, f"{op} waits for another node's daemon; send it on the control socket")
+            body.start(lambda result: send_later(_result_reply(req_id, result)))
+            return None
     except MmfeatError as exc:
         return error_reply(req_id, exc.code, exc.message)
     except Exception:
@@ -91,3 +104,10 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
         return None
     body.update(v=PROTOCOL_VERSION, id=req_id, ok=True)
     return encode(body)
+
+
+def _result_reply(req_id: Any, result: Any) -> bytes:
+    """The reply to a deferred request: its body, or the error it ended with."""
+    if isinstance(result, MmfeatError):
+        return error_reply(req_id, result.code, result.message)
+    return encode({**result, "v": PROTOCOL_VERSION, "id": req_id, "ok": True})

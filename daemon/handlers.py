@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 from mmfeat.protos import messages as m
 from mmfeat.protos.codec import MAX_REQUEST_BYTES
@@ -20,6 +21,21 @@ from .sessions import MAX_PENDING_SESSIONS
 log = logging.getLogger("mmfeatd")
 
 Reply = dict[str, Any]
+Respond = Callable[[Any], None]  # a reply body, or the MmfeatError the request ended with
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A reply that waits on another node: dispatch calls ``start`` with where the answer goes (None for
+    a quiet request, which wants none). ``start`` may raise MmfeatError before it takes anything on."""
+
+    start: Callable[[Optional[Respond]], None]
+
+
+def _remote(core: DaemonCore) -> Any:
+    if core.remote is None:
+        raise MmfeatError(ErrorCode.PEER_UNAVAILABLE, "this daemon has no mesh: set listen and peers to reach other nodes")
+    return core.remote
 
 
 def _lease_reply(core: DaemonCore, lease: Any) -> Reply:
@@ -118,8 +134,12 @@ def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> Reply:
     return _lease_reply(core, core.ledger.publish(req.lease, req.session, now))
 
 
-def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Reply:
-    """``count`` consumers are done; acks beyond what the lease expects are counted, not applied."""
+def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Union[Reply, Deferred]:
+    """``count`` consumers are done; acks beyond what the lease expects are counted, not applied. An ack
+    of another node's feature is relayed to its daemon, batched; a waiting one is answered from there."""
+    if req.node is not None and req.node != core.settings.node_id:
+        remote = _remote(core)
+        return Deferred(lambda respond: remote.relay_ack(req.node, req.lease, req.count, req.ack_id, respond, now))
     core.sweep(now)  # the lease may be a feature published in an arena since the last sweep
     result = core.ledger.ack(req.lease, req.count, now, req.ack_id)
     return {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked,
@@ -137,6 +157,18 @@ def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> Reply:
     """Is this lease live, with this generation and token? Consumers verify before reading."""
     core.sweep(now)
     return _lease_reply(core, core.ledger.lookup(req.lease))
+
+
+def remote_get(core: DaemonCore, req: m.RemoteGetRequest, now: float) -> Deferred:
+    """A feature another node's daemon owns, made readable here: answered once it is (SPEC.md, section 11)."""
+    remote = _remote(core)
+
+    def start(respond: Optional[Respond]) -> None:
+        if respond is None:
+            raise MmfeatError(ErrorCode.BAD_REQUEST, "remote_get cannot be quiet: its answer is the copy")
+        remote.get(req.node, req.lease, req.wait_s, respond, now)
+
+    return Deferred(start)
 
 
 def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> Reply:
@@ -161,7 +193,7 @@ def pool_info(core: DaemonCore, req: m.EmptyRequest, now: float) -> Reply:
     return {"epoch": core.epoch, "pools": [p.info(core.epoch) for p in core.pools.values()]}
 
 
-Handler = Callable[[DaemonCore, Any, float], Reply]
+Handler = Callable[[DaemonCore, Any, float], Union[Reply, Deferred]]
 
 HANDLERS: dict[str, Handler] = {
     "hello": hello,
@@ -170,6 +202,7 @@ HANDLERS: dict[str, Handler] = {
     "ack": ack,
     "release": release,
     "lookup": lookup,
+    "remote_get": remote_get,
     "arena": arena,
     "arena_return": arena_return,
     "fallback": fallback,

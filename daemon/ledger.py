@@ -127,7 +127,9 @@ class Ledger:
 
     # --- the lifecycle -------------------------------------------------------------------------
 
-    def reserve(self, session: bytes, pool_id: int, nbytes: int, consumers: int, now: float) -> Lease:
+    def reserve(self, session: bytes, pool_id: int, nbytes: int, consumers: int, now: float,
+                ttl: Optional[float] = None, quota: bool = True) -> Lease:
+        """``ttl`` and ``quota`` are for the daemon's own leases (a pulled copy): its hold and no session quota."""
         alloc = self.allocators[pool_id]
         if nbytes > alloc.capacity:
             self.counters.too_large += 1
@@ -138,7 +140,7 @@ class Ledger:
         if self.live >= self.max_leases:
             self.counters.pool_full += 1
             raise MmfeatError(ErrorCode.POOL_FULL, f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
-        if self.session_quota:
+        if self.session_quota and quota:
             held = self._bytes_by_session.get(session, 0)
             if held + align_up(nbytes, alloc.alignment) > self.session_quota:
                 self.counters.over_quota += 1
@@ -173,7 +175,7 @@ class Ledger:
             remaining=consumers,
             state=LeaseState.RESERVED,
             session=session,
-            deadline=now + self.reserve_ttl,
+            deadline=now + (self.reserve_ttl if ttl is None else ttl),
             reserved_at=now,
             size=alloc.size_of(offset),
         )

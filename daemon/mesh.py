@@ -6,9 +6,9 @@ message's sender is known by the key it proved, never by what it says. Each side
 epoch, pools with their FABRIC handle bytes) when it connects and whenever the other asks for it, and
 a ping every HEARTBEAT_S; a peer silent for DOWN_AFTER_S is marked down and what it said is dropped.
 
-This is the membership layer of the mesh (issue 10): routing gets, relaying acks and pulling features
-with NIXL build on it. Every frame is untrusted input: validated by protos.mesh, counted when bad,
-never a crash.
+This is the membership layer; what travels over it for features (checks after pulls, relayed acks,
+ended notices) is daemon/remote.py's, which the mesh hands every other request and reply to. Every
+frame is untrusted input: validated by protos.mesh, counted when bad, never a crash.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from mmfeat.protos.mesh import MAX_MESH_FRAME, MeshError, MeshHello, MeshPing, MeshPong, decode_mesh, encode_mesh
+from mmfeat.protos.mesh import (
+    MAX_MESH_FRAME, MESH_REPLIES, MESH_REQUESTS, MeshError, MeshHello, MeshPing, MeshPong, decode_mesh, encode_mesh,
+)
 
 from .config import Peer, Settings
 from .connection_cap import ConnectionCap, IsOurs
@@ -35,9 +37,21 @@ HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.5  # three heartbeats missed, and a little slack
 ZAP_DOMAIN = "mmfeat-mesh"
 HANDSHAKE_MS = 3000
-_HWM = 64  # heartbeats and hellos only: a peer that does not read loses them, nothing queues up
+# Messages queued per peer and direction: heartbeats, checks and ack batches; a peer that does not
+# read loses what is past this (a check then times out, acks fall to the owner's ack_ttl).
+_HWM = 1024
 
 HelloBody = Callable[[], dict[str, Any]]
+
+
+class PeerHandler(Protocol):
+    """What the mesh hands on: requests and replies about features, and peers coming and going."""
+
+    def on_request(self, peer: "PeerState", op: str, body: Any, now: float) -> Optional[tuple[str, dict[str, Any]]]: ...
+
+    def on_reply(self, peer: "PeerState", op: str, body: Any, now: float) -> None: ...
+
+    def on_peer_change(self, peer: "PeerState", now: float) -> None: ...
 
 
 class MeshConfigError(Exception):
@@ -99,6 +113,7 @@ class Mesh:
             raise MeshConfigError("peers lists this node's own public key; list the other nodes only")
         self._keys = _KeyList({p.public_key.encode() for p in settings.peers})  # ZAP asks with Z85 text
         self.bad_messages = 0
+        self.handler: Optional[PeerHandler] = None
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("mmfeatd.mesh.zap"))
         self._auth.start()
         self._auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self._keys)
@@ -172,17 +187,27 @@ class Mesh:
         except MeshError as exc:
             self._bad(peer, str(exc))
             return
+        if op not in MESH_REQUESTS:
+            self._bad(peer, f"{op} is not sent to a listener")
+            return
         self._seen(peer, now)
         identity = frames[0].bytes
         if isinstance(body, MeshHello):
+            changed = peer.hello is None or peer.hello.epoch != body.epoch or peer.hello.nixl != body.nixl
             if peer.hello is not None and peer.hello.epoch != body.epoch:
                 log.warning("mesh: peer %s (%s) restarted: epoch %d -> %d", body.node, peer.config.endpoint,
                             peer.hello.epoch, body.epoch)
             peer.hello = body
+            if changed and self.handler is not None:
+                self.handler.on_peer_change(peer, now)
         elif isinstance(body, MeshPing):
             self._reply(identity, encode_mesh("pong", {"seq": body.seq, "need_hello": peer.hello is None}))
-        else:
-            self._bad(peer, f"{op} is not sent to a listener")
+        elif peer.hello is None:
+            self._bad(peer, f"{op} before hello")  # it restarted and we have not heard who it is now
+        elif self.handler is not None:
+            reply = self.handler.on_request(peer, op, body, now)
+            if reply is not None:
+                self._reply(identity, encode_mesh(*reply))
 
     def _from_dealer(self, peer: PeerState, frames: list[bytes], now: float) -> None:
         try:
@@ -192,8 +217,13 @@ class Mesh:
         except MeshError as exc:
             self._bad(peer, str(exc))
             return
-        if not isinstance(body, MeshPong):
+        if op not in MESH_REPLIES:
             self._bad(peer, f"{op} is not a reply")
+            return
+        if not isinstance(body, MeshPong):
+            self._seen(peer, now)
+            if self.handler is not None and peer.hello is not None:
+                self.handler.on_reply(peer, op, body, now)
             return
         sent = peer.sent_at.pop(body.seq, None)
         if sent is not None:
@@ -227,12 +257,24 @@ class Mesh:
                 log.warning("mesh: peer %s (%s) stopped answering; marked down", peer.hello.node if peer.hello else "?",
                             peer.config.endpoint)
                 peer.state, peer.hello, peer.rtt_s = "down", None, None
+                if self.handler is not None:
+                    self.handler.on_peer_change(peer, now)
 
     def _send(self, peer: PeerState, op: str, body: dict[str, Any]) -> None:
+        self.send(peer, op, body)  # heartbeats and hellos are not worth queueing beyond the HWM
+
+    def send(self, peer: PeerState, op: str, body: dict[str, Any]) -> bool:
+        """A request to ``peer`` on its DEALER; False if it cannot be queued (not connected, not reading)."""
         try:
             peer.dealer.send(encode_mesh(op, body), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # not connected, or not reading: heartbeats are not worth queueing
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def peer_for_node(self, node: str) -> Optional[PeerState]:
+        """The peer that is up and said it is ``node``."""
+        return next((p for p in self.peers.values() if p.state == "up" and p.hello is not None and p.hello.node == node),
+                    None)
 
     def _reply(self, identity: bytes, frame: bytes) -> None:
         try:
@@ -256,7 +298,8 @@ class Mesh:
                     "state": p.state,
                     "node": p.hello.node if p.hello else None,
                     "epoch": p.hello.epoch if p.hello else None,
-                    "pools": [pool.model_dump(exclude={"fabric"}) | {"fabric": pool.fabric is not None}
+                    "pools": [pool.model_dump(exclude={"fabric", "addr"})
+                              | {"fabric": pool.fabric is not None, "pullable": pool.addr != 0}
                               for pool in p.hello.pools] if p.hello else [],
                     "rtt_ms": round(p.rtt_s * 1e3, 3) if p.rtt_s is not None else None,
                     "last_seen_s": round(now - p.last_seen, 3) if p.last_seen else None,

@@ -6,6 +6,7 @@ a second one stops at once. SIGHUP reloads what can change without a restart.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import signal
@@ -24,6 +25,8 @@ from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
 from .mesh import Mesh
+from .puller import NixlUnavailable, Puller, Region, agent_name
+from .remote import RemoteFeatures
 from .control_socket import ControlSocket
 from .resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .sd_notify import Notifier
@@ -76,6 +79,8 @@ class Server:
         self._guard: Optional[MemoryGuard] = None
         self._wake: tuple[socket.socket, ...] = ()  # the signal wake-up pair, while serve() runs
         self._mesh: Optional[Mesh] = None
+        self._puller: Optional[Puller] = None
+        self._remote: Optional[RemoteFeatures] = None
         self._fd_limit = 0
 
     @property
@@ -106,8 +111,13 @@ class Server:
         self.core.endpoint = self._control.endpoint
         self.core.resource_stats = self._resource_stats
         if self.settings.listen:
+            no_puller = self._start_puller()
             self._mesh = Mesh(self._ctx, self.settings, self._mesh_hello, self._owns)
-            self.core.mesh_stats = self._mesh.stats
+            self._remote = RemoteFeatures(self.core, self._mesh, self._puller, no_puller)
+            self._mesh.handler = self._remote
+            self.core.remote = self._remote
+            self.core.free_observers.append(self._remote.on_free)
+            self.core.mesh_stats = self._mesh_stats
         self._guard = MemoryGuard(self.settings.control_memory_mb << 20)
         log.info("fd limit %d: up to %d clients and %d control connections", fd_limit, clients, self._control.max_connections)
 
@@ -122,14 +132,43 @@ class Server:
             "control_resets": self._control.resets,
         }
 
+    def _start_puller(self) -> str:
+        """NIXL, with every pool it can register; what a client is told if it cannot start ("" if it did)."""
+        regions = []
+        for pool in self.core.pools.values():
+            mapped = pool.map_for_pulls()
+            if mapped is not None:
+                regions.append(Region(pool.pool_id, mapped[0], pool.size, mapped[1], mapped[2]))
+        try:
+            if not regions:
+                raise NixlUnavailable("no pool of this daemon can be registered with NIXL (only host pools are)")
+            self._puller = Puller(agent_name(self.settings.node_id, self.core.epoch), regions)
+        except NixlUnavailable as exc:
+            log.warning("mesh: features of other nodes cannot be pulled here: %s", exc)
+            return f"this daemon cannot pull features from other nodes: {exc}"
+        return ""
+
     def _mesh_hello(self) -> dict:
-        return {"node": self.settings.node_id, "epoch": self.core.epoch,
-                "pools": [{k: v for k, v in p.info(self.core.epoch).items() if k not in ("epoch", "uuid")}
-                          for p in self.core.pools.values()]}
+        regions = self._puller.regions if self._puller is not None else {}
+        pools = []
+        for p in self.core.pools.values():
+            info = {k: v for k, v in p.info(self.core.epoch).items() if k not in ("epoch", "uuid")}
+            info["addr"] = regions[p.pool_id].addr if p.pool_id in regions else 0
+            pools.append(info)
+        return {"node": self.settings.node_id, "epoch": self.core.epoch, "pools": pools,
+                "nixl": self._puller.metadata if self._puller is not None else None}
+
+    def _mesh_stats(self) -> dict:
+        assert self._mesh is not None and self._remote is not None
+        stats = self._mesh.stats() | self._remote.stats()
+        for peer in stats["peers"]:
+            peer.update(self._remote.peer_counters(peer["public_key"]).as_dict())
+        return stats
 
     def _owns(self, fd: int) -> bool:
         """An fd of the daemon's own, which the control socket's connection cap must never shut down."""
-        return (self._fds is not None and self._fds.owns(fd)) or any(fd == end.fileno() for end in self._wake)
+        return ((self._fds is not None and self._fds.owns(fd)) or any(fd == end.fileno() for end in self._wake)
+                or (self._puller is not None and self._puller.owns(fd)))
 
     def _on_fd_close(self, token: bytes) -> None:
         n = self.core.end_session(token)
@@ -188,7 +227,8 @@ class Server:
             # Rounded up: pyzmq truncates to whole milliseconds, and 0 would spin until the next sweep.
             # The watchdog too: an idle loop sleeps a second, and WatchdogSec may ask for pings more often.
             wake_at = min(next_tick, next_sweep, time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf,
-                          next_watchdog if next_watchdog is not None else math.inf)
+                          next_watchdog if next_watchdog is not None else math.inf,
+                          self._remote.next_flush if self._remote is not None else math.inf)
             timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))  # pyzmq retries EINTR after running signal handlers
             if self._control.router in events:
@@ -200,6 +240,11 @@ class Server:
             now = time.monotonic()
             if self._mesh is not None and any(sock in events for sock in self._mesh.sockets()):
                 self._mesh.on_events(now)
+            if self._remote is not None:
+                if self._puller is not None and self._puller.fileno() in events:
+                    self._remote.on_pulled(self._puller.results(), now)
+                if now >= self._remote.next_flush:
+                    self._remote.flush(now)
             # No client (not even one handshaking or only on the control socket, whose memory the tick
             # watches) and nothing live.
             idle = len(self._fds) == 0 and self._control.connections == 0 and self.core.ledger.live == 0
@@ -214,6 +259,8 @@ class Server:
                 self.core.tick(now)
                 if self._mesh is not None:
                     self._mesh.tick(now)
+                if self._remote is not None:
+                    self._remote.tick(now)
                 self._fds.close_stale_handshakes()
                 if self._check_memory():
                     poller = self._poller()
@@ -241,6 +288,8 @@ class Server:
             poller.register(self._wake[0].fileno(), zmq.POLLIN)
         for sock in self._mesh.sockets() if self._mesh is not None else ():
             poller.register(sock, zmq.POLLIN)
+        if self._puller is not None:
+            poller.register(self._puller.fileno(), zmq.POLLIN)
         return poller
 
     def _check_memory(self) -> bool:
@@ -298,19 +347,32 @@ class Server:
                 self.core.counters.bad_requests += 1
                 reply = error_reply(None, ErrorCode.TOO_LARGE, f"request of {len(body[0])} B exceeds {MAX_REQUEST_BYTES} B")
             else:
-                reply = dispatch(self.core, body[0])
+                reply = dispatch(self.core, body[0], send_later=functools.partial(self._send_later, identity))
                 if reply is None:
-                    continue  # a quiet request that succeeded
+                    continue  # a quiet request that succeeded, or one answered later
             try:
                 router.send(identity, _MORE_NOBLOCK)
                 router.send(reply, _NOBLOCK)
             except zmq.ZMQError:
                 pass  # the peer is gone or not reading; its request died with it
 
+    def _send_later(self, identity: bytes, reply: bytes) -> None:
+        router = self._control.router if self._control is not None else None
+        if router is None:
+            return
+        try:
+            router.send(identity, _MORE_NOBLOCK)
+            router.send(reply, _NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the client gave up and left
+
     def close(self) -> None:
         if self._mesh is not None:
             self._mesh.close()
             self._mesh = None
+        if self._puller is not None:
+            self._puller.close()
+            self._puller = None
         if self._fds is not None:
             self._fds.close()
             self._fds = None

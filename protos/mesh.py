@@ -13,11 +13,15 @@ from typing import Annotated, Any, Optional
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-MESH_VERSION = 1
-# A hello carries a few pools and their handle bytes; nothing legitimate comes near this.
+MESH_VERSION = 2
+# A hello carries a few pools, their handle bytes and NIXL metadata; an ack batch at most MAX_MESH_BATCH
+# entries of about 100 B. Nothing legitimate comes near this.
 MAX_MESH_FRAME = 64 << 10
 MAX_MESH_POOLS = 64
+MAX_MESH_BATCH = 256
+MAX_NIXL_METADATA = 16 << 10
 FABRIC_HANDLE_BYTES = 64
+TOKEN_BYTES = 16
 
 Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
@@ -39,6 +43,9 @@ class MeshPool(_Mesh):
     size: Count
     # The FABRIC handle's bytes (cuMemExportToShareableHandle), for importers in the same NVLink domain.
     fabric: Optional[Annotated[bytes, Field(min_length=FABRIC_HANDLE_BYTES, max_length=FABRIC_HANDLE_BYTES)]] = None
+    # Where the pool starts in the sender's NIXL registration (its own address space); 0: not registered,
+    # so it cannot be pulled from.
+    addr: Count = 0
 
 
 class MeshHello(_Mesh):
@@ -47,6 +54,68 @@ class MeshHello(_Mesh):
     node: Name
     epoch: Count
     pools: Annotated[list[MeshPool], Field(max_length=MAX_MESH_POOLS)]
+    # The sender's NIXL agent metadata (opaque to mmfeat), None when it has no NIXL: with it a peer can
+    # READ the registered pools. It travels only here, over CURVE, to listed peers.
+    nixl: Optional[Annotated[bytes, Field(min_length=1, max_length=MAX_NIXL_METADATA)]] = None
+
+
+class MeshLease(_Mesh):
+    """A lease of the receiving daemon, as a descriptor names it (every field must match its record)."""
+
+    pool: Count
+    epoch: Count
+    lease: Count
+    gen: Count
+    token: Annotated[bytes, Field(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES)]
+    offset: Count
+    nbytes: Annotated[int, Field(gt=0, le=1 << 48)]
+
+
+class MeshCheck(_Mesh):
+    """After a pull: is this lease still live and published? (Then the bytes read were its bytes.)"""
+
+    req: Count
+    lease: MeshLease
+
+
+class MeshChecked(_Mesh):
+    req: Count
+    code: Annotated[str, Field(max_length=32)] = ""  # empty: live; else the ErrorCode that says why not
+    message: Annotated[str, Field(max_length=512)] = ""
+
+
+class MeshAck(_Mesh):
+    lease: MeshLease
+    count: Annotated[int, Field(ge=1, le=4096)] = 1
+    ack_id: Optional[Annotated[bytes, Field(min_length=8, max_length=16)]] = None
+
+
+class MeshAcks(_Mesh):
+    """Consumers on the sender's node are done with these features of the receiver's."""
+
+    batch: Count
+    acks: Annotated[list[MeshAck], Field(min_length=1, max_length=MAX_MESH_BATCH)]
+
+
+class MeshAckResult(_Mesh):
+    remaining: Count = 0
+    freed: bool = False
+    over_acked: Count = 0
+    code: Annotated[str, Field(max_length=32)] = ""
+    message: Annotated[str, Field(max_length=512)] = ""
+
+
+class MeshAcked(_Mesh):
+    batch: Count
+    results: Annotated[list[MeshAckResult], Field(max_length=MAX_MESH_BATCH)]
+
+
+class MeshEnded(_Mesh):
+    """Features of the sender's that the receiver pulled have ended: its copies may go."""
+
+    epoch: Count
+    leases: Annotated[list[Annotated[list[Count], Field(min_length=2, max_length=2)]],
+                      Field(min_length=1, max_length=MAX_MESH_BATCH)]  # [lease, gen]
 
 
 class MeshPing(_Mesh):
@@ -60,7 +129,15 @@ class MeshPong(_Mesh):
     need_hello: bool = False  # the listener has no hello from this peer (it restarted, or missed it)
 
 
-MESH_OPS: dict[str, type[_Mesh]] = {"hello": MeshHello, "ping": MeshPing, "pong": MeshPong}
+MESH_OPS: dict[str, type[_Mesh]] = {
+    "hello": MeshHello, "ping": MeshPing, "pong": MeshPong,
+    "check": MeshCheck, "checked": MeshChecked,
+    "acks": MeshAcks, "acked": MeshAcked,
+    "ended": MeshEnded,
+}
+# Which way each op travels: requests from a daemon's DEALER to the peer's ROUTER, replies back.
+MESH_REQUESTS = frozenset({"hello", "ping", "check", "acks", "ended"})
+MESH_REPLIES = frozenset({"pong", "checked", "acked"})
 
 
 def encode_mesh(op: str, body: dict[str, Any]) -> bytes:
@@ -75,7 +152,7 @@ def decode_mesh(frame: bytes) -> tuple[str, _Mesh]:
         raise MeshError(f"mesh frame of {len(frame)} B exceeds {MAX_MESH_FRAME} B")
     try:
         raw = msgpack.unpackb(frame, raw=False, max_bin_len=MAX_MESH_FRAME, max_str_len=MAX_MESH_FRAME,
-                              max_array_len=MAX_MESH_POOLS, max_map_len=32, max_ext_len=0)
+                              max_array_len=MAX_MESH_BATCH, max_map_len=32, max_ext_len=0)
     except Exception as exc:
         raise MeshError(f"not msgpack: {type(exc).__name__}") from None
     if not isinstance(raw, dict):

@@ -55,8 +55,13 @@ class PublishRequest(_Message):
     lease: LeaseRef
 
 
+NodeName = Annotated[str, Field(min_length=1, max_length=128)]
+
+
 class AckRequest(_Message):
     lease: LeaseRef
+    # The node whose daemon owns the lease, when it is not this one: the ack is relayed there (mesh).
+    node: Optional[NodeName] = None
     count: Consumers = 1
     # Chosen by the consumer per logical ack and reused on a retry, so a retry is applied once.
     ack_id: Optional[Annotated[bytes, Field(min_length=8, max_length=16)]] = None
@@ -69,6 +74,15 @@ class ReleaseRequest(_Message):
 
 class LookupRequest(_Message):
     lease: LeaseRef
+
+
+class RemoteGetRequest(_Message):
+    """A feature of another node's daemon: this daemon makes it readable here (a pulled copy)."""
+
+    node: NodeName
+    lease: LeaseRef
+    # How long the client waits; the daemon answers within it, with an error if it must.
+    wait_s: Annotated[float, Field(gt=0, le=600, strict=False)] = 5.0
 
 
 class ArenaRequest(_Message):
@@ -114,6 +128,7 @@ REQUEST_MODELS: dict[str, type[_Message]] = {
     "ack": AckRequest,
     "release": ReleaseRequest,
     "lookup": LookupRequest,
+    "remote_get": RemoteGetRequest,
     "arena": ArenaRequest,
     "arena_return": ArenaReturnRequest,
     "fallback": FallbackRequest,

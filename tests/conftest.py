@@ -153,3 +153,14 @@ def daemon_factory(runtime_dir: Path) -> Iterator:
 @pytest.fixture
 def daemon(daemon_factory) -> Daemon:
     return daemon_factory("--pool-mb", "128")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator:
+    """Nodes for mesh tests (tests/cluster.py); every daemon still running is stopped afterwards."""
+    from .cluster import Cluster
+
+    c = Cluster(tmp_path)
+    yield c
+    for name in list(c.daemons):
+        c.stop(name)

@@ -27,6 +27,11 @@ class Pool(ABC):
     def fabric_handle(self) -> Optional[bytes]:
         return None
 
+    def map_for_pulls(self) -> Optional[tuple[int, str, int]]:
+        """(address, NIXL memory type, device) of a mapping of the whole pool in this process, for peers'
+        NIXL READs; None if this backend has none (its features cannot be pulled)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release the memory and every fd; idempotent."""

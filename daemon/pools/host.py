@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import mmap
 import os
 from typing import Optional
 
@@ -42,6 +44,7 @@ class HostPool(Pool):
         self.pool_id = pool_id
         self.size = size
         self._fd: Optional[int] = None
+        self._map: Optional[mmap.mmap] = None
         avail = available_memory()
         if size > avail:
             raise PoolCreateError(
@@ -68,7 +71,21 @@ class HostPool(Pool):
             raise RuntimeError("pool is closed")
         return self._fd
 
+    def map_for_pulls(self) -> Optional[tuple[int, str, int]]:
+        # The daemon never touches feature bytes itself; this mapping is only for NIXL to serve peers' READs.
+        if self._fd is None:
+            raise RuntimeError("pool is closed")
+        if self._map is None:
+            self._map = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED)
+        view = ctypes.c_char.from_buffer(self._map)
+        addr = ctypes.addressof(view)
+        del view  # a live export would keep the mapping from ever closing
+        return addr, "DRAM", 0
+
     def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -18,7 +18,7 @@ _EXTRA = re.compile(r"""\s*(?:and\s+)?extra\s*==\s*["']([^"']+)["']\s*(?:and\s+)
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
-def requirements(wheel: str, extras: set[str], without: set[str]) -> list[str]:
+def requirements(wheel: str, extras: set[str], without: set[str], base: bool = True) -> list[str]:
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         headers = Parser().parsestr(z.read(meta).decode())
@@ -30,6 +30,8 @@ def requirements(wheel: str, extras: set[str], without: set[str]) -> list[str]:
             if found.group(1) not in extras:
                 continue
             marker = _EXTRA.sub(" ", marker).strip()
+        elif not base:
+            continue
         name = _NAME.match(spec).group(1).lower().replace("_", "-")
         if name in without:
             continue
@@ -42,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("wheel")
     ap.add_argument("--extra", action="append", default=[], help="an extra whose requirements to add")
     ap.add_argument("--without", action="append", default=[], help="a package to leave out")
+    ap.add_argument("--extras-only", action="store_true", help="leave out the base requirements too")
     args = ap.parse_args(argv)
-    for line in requirements(args.wheel, set(args.extra), {w.lower() for w in args.without}):
+    for line in requirements(args.wheel, set(args.extra), {w.lower() for w in args.without}, not args.extras_only):
         print(line)
     return 0
 

@@ -1,0 +1,256 @@
+"""Pulls of other nodes' features into this daemon's pool, with NIXL (UCX: RDMA, GPUDirect, shared
+memory or TCP, whatever the nodes have). Not a transfer engine of ours: one NIXL READ per feature.
+
+A NIXL agent is not thread-safe as the daemon creates it (no listener thread), so one thread owns it:
+the control loop hands it jobs through a queue and reads results back when the thread's socket wakes
+its poll. A transfer that outlives its deadline is aborted by releasing its handle; until NIXL lets
+go, the job is not reported, so the local range it writes into is never handed to anyone else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+log = logging.getLogger("mmfeatd.puller")
+
+# Tried in order: the meta package, then the CUDA 12 and 13 builds (mmfeat[mesh] installs nixl-cu12).
+_NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 1e-3
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL cannot be loaded or started here; the message says what to install."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """Memory of this daemon's that peers may READ: one pool's mapping."""
+
+    pool: int
+    addr: int
+    size: int
+    mem: str  # "DRAM" or "VRAM"
+    device: int  # 0 for DRAM; the CUDA ordinal for VRAM
+
+
+@dataclass(frozen=True)
+class ReadJob:
+    job: int
+    peer: str  # the peer's public key
+    remote_addr: int
+    remote_mem: str
+    remote_device: int
+    local_addr: int
+    local_mem: str
+    local_device: int
+    nbytes: int
+    deadline: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class Result:
+    job: int
+    ok: bool
+    error: str = ""
+
+
+def load_nixl() -> Any:
+    errors = []
+    for name in _NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise NixlUnavailable("NIXL is not installed (pip install 'mmfeat[mesh]'); " + "; ".join(errors))
+
+
+class Puller:
+    def __init__(self, name: str, regions: list[Region]) -> None:
+        api = load_nixl()
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
+        try:
+            self._agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+            if "UCX" not in self._agent.backends:
+                raise NixlUnavailable("NIXL has no UCX backend here")
+            for r in regions:
+                self._agent.register_memory([(r.addr, r.size, r.device, f"pool{r.pool}")], r.mem)
+            self.metadata: bytes = self._agent.get_agent_metadata()
+        except NixlUnavailable:
+            raise
+        except Exception as exc:  # nixl raises its bindings' own exception types
+            raise NixlUnavailable(f"NIXL failed to start: {type(exc).__name__}: {exc}") from None
+        self.regions = {r.pool: r for r in regions}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: list[Result] = []
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
+        self._stop = False
+        self.in_flight = 0  # jobs handed over and not reported yet (the loop's view)
+        self._thread = threading.Thread(target=self._run, name="mmfeatd-puller", daemon=True)
+        self._thread.start()
+
+    # --- the control loop's side ---------------------------------------------------------------
+
+    def fileno(self) -> int:
+        return self._wake_r.fileno()
+
+    def owns(self, fd: int) -> bool:
+        return fd in (self._wake_r.fileno(), self._wake_w.fileno())
+
+    def add_peer(self, peer: str, metadata: bytes) -> None:
+        self._jobs.put(("add", peer, metadata))
+
+    def remove_peer(self, peer: str) -> None:
+        self._jobs.put(("remove", peer, None))
+
+    def read(self, job: ReadJob) -> None:
+        self.in_flight += 1
+        self._jobs.put(("read", job.peer, job))
+
+    def results(self) -> list[Result]:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            done, self._results = self._results, []
+        self.in_flight -= len(done)
+        return done
+
+    def close(self) -> None:
+        self._stop = True
+        self._jobs.put(("stop", "", None))
+        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            log.warning("the NIXL thread did not stop within 10 s; leaving it")
+            return
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # --- the thread's side ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        agents: dict[str, bytes] = {}  # peer -> its NIXL agent name
+        leaving: set[str] = set()
+        active: list[tuple[ReadJob, Any]] = []
+        pause = _POLL_MIN_S
+        while not self._stop:
+            try:
+                item = self._jobs.get_nowait() if active else self._jobs.get()  # idle: sleep until a job comes
+            except queue.Empty:
+                item = None
+            if item is not None:
+                kind, peer, arg = item
+                if kind == "add":
+                    self._forget(agents, peer)
+                    leaving.discard(peer)
+                    try:
+                        agents[peer] = self._agent.add_remote_agent(arg)
+                    except Exception as exc:
+                        log.warning("NIXL refused a peer's metadata: %s: %s", type(exc).__name__, exc)
+                elif kind == "remove":
+                    leaving.add(peer)
+                elif kind == "read":
+                    started = self._start(agents, arg)
+                    if isinstance(started, Result):
+                        self._report(started)
+                    else:
+                        active.append((arg, started))
+                pause = _POLL_MIN_S
+                continue
+            still = []
+            for job, handle in active:
+                result = self._poll(job, handle)
+                if result is None:
+                    still.append((job, handle))
+                else:
+                    self._report(result)
+            active = still
+            for peer in [p for p in leaving if not any(j.peer == p for j, _ in active)]:
+                self._forget(agents, peer)
+                leaving.discard(peer)
+            if active:
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_S)
+        for _, handle in active:
+            self._release(handle)
+
+    def _start(self, agents: dict[str, bytes], job: ReadJob) -> Any:
+        name = agents.get(job.peer)
+        if name is None:
+            return Result(job.job, False, "no NIXL metadata from this peer (it has no NIXL, or its hello was refused)")
+        try:
+            local = self._agent.get_xfer_descs([(job.local_addr, job.nbytes, job.local_device)], job.local_mem)
+            remote = self._agent.get_xfer_descs([(job.remote_addr, job.nbytes, job.remote_device)], job.remote_mem)
+            handle = self._agent.initialize_xfer("READ", local, remote, name)
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            return Result(job.job, False, f"NIXL READ failed to start: {type(exc).__name__}: {exc}")
+        if state == "DONE":
+            self._release(handle)
+            return Result(job.job, True)
+        if state == "ERR":
+            return self._end(handle, job, "NIXL READ failed")
+        return handle
+
+    def _poll(self, job: ReadJob, handle: Any) -> Optional[Result]:
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            state, why = "ERR", f"{type(exc).__name__}: {exc}"
+        else:
+            why = "NIXL READ failed"
+        if state == "DONE":
+            self._release(handle)
+            return Result(job.job, True)
+        if state == "ERR":
+            return self._end(handle, job, why)
+        if time.monotonic() > job.deadline:
+            return self._end(handle, job, "NIXL READ did not finish in time")
+        return None
+
+    def _end(self, handle: Any, job: ReadJob, why: str) -> Optional[Result]:
+        """A failed or late transfer: reported once NIXL has let go of its buffers (else kept polling)."""
+        if not self._release(handle):
+            return None if time.monotonic() < job.deadline + 60 else Result(job.job, False, why + " (and NIXL kept its handle)")
+        return Result(job.job, False, why)
+
+    def _release(self, handle: Any) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception:
+            return False
+
+    def _forget(self, agents: dict[str, bytes], peer: str) -> None:
+        name = agents.pop(peer, None)
+        if name is not None:
+            try:
+                self._agent.remove_remote_agent(name.decode() if isinstance(name, bytes) else name)
+            except Exception as exc:
+                log.debug("NIXL remove_remote_agent: %s", exc)
+
+    def _report(self, result: Result) -> None:
+        with self._lock:
+            self._results.append(result)
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is pending already
+
+
+def agent_name(node: str, epoch: int) -> str:
+    """Unique per daemon run: a restarted peer is a new agent, never confused with its old self."""
+    return f"mmfeatd:{node}:{epoch:x}:{os.getpid()}"

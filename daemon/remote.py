@@ -1,0 +1,472 @@
+"""Features that cross nodes: gets of other nodes' features, and this node's side of theirs.
+
+As the consumer's node (a client here asks for a feature another node's daemon owns):
+- ``get`` pulls the lease's bytes into a lease of this daemon's pool with one NIXL READ, then asks the
+  owner over the mesh whether the lease is still live (``check``): only then were the bytes read its
+  bytes, and the copy is published here and handed to every client waiting for it. Concurrent and later
+  gets of the same feature on this node share the copy. It is freed when the owner says the feature
+  ended (every consumer, local or remote, acked it) or by this daemon's ``ack_ttl``.
+- A FABRIC pool in the same NVLink domain is not pulled: the client gets the relayed handle and maps
+  the owner's memory itself, after the same ``check``.
+- ``relay_ack`` batches consumers' acks per owner (one ``acks`` message per ACK_BATCH_S, not per ack).
+
+As the owner (another node pulls or acks a feature of ours): ``on_check`` records who pulled what,
+``on_acks`` applies acks with the usual clamp and counts, and every freed feature that a peer pulled
+is announced to it (``ended``), batched the same way.
+
+Everything a peer sends is untrusted beyond its identity: leases are resolved by the ledger exactly as
+a local client's would be.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.mesh import MAX_MESH_BATCH, MeshAck, MeshPool
+from mmfeat.protos.messages import LeaseRef
+
+from .core import DaemonCore
+from .ledger import EndReason, Lease, LeaseState
+from .mesh import Mesh, PeerState
+from .puller import Puller, ReadJob, Result
+
+log = logging.getLogger("mmfeatd.remote")
+
+ACK_BATCH_S = 0.002
+# A copy is reserved for as long as its pull may take; it is published or released explicitly when the
+# pull ends, and this only bounds a pull that never reports.
+PULL_HOLD_S = 3600.0
+# A check answer that takes longer than this (past the client's own deadline) means the owner is gone.
+CHECK_TIMEOUT_S = 30.0
+
+Respond = Callable[[Any], None]  # called once with a reply body (dict) or an MmfeatError
+
+
+@dataclass
+class PeerCounters:
+    pulls: int = 0
+    bytes_pulled: int = 0
+    pull_failures: int = 0
+    shared_gets: int = 0  # gets served from a copy pulled (or being pulled) for another get
+    checks_served: int = 0
+    bytes_served: int = 0
+    acks_relayed: int = 0
+    acks_received: int = 0
+    acks_dropped: int = 0
+    ended_sent: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Copy:
+    key: tuple
+    peer: str
+    node: str
+    epoch: int
+    owner_lease: tuple[int, int]
+    local: Lease
+    state: str = "pulling"  # pulling, checking, ready; failed while a pull it gave up on still runs
+    waiters: list[tuple[Respond, float]] = field(default_factory=list)
+    deadline: float = 0.0
+
+
+@dataclass
+class _Check:
+    peer: str
+    copy: Optional[_Copy]  # None on the FABRIC route, where nothing is copied
+    waiters: list[tuple[Respond, float]]
+    pool: Optional[MeshPool]
+    ref: LeaseRef
+    deadline: float
+
+
+@dataclass
+class _Outbox:
+    acks: list[tuple[MeshAck, Optional[Respond]]] = field(default_factory=list)
+    ended: list[list[int]] = field(default_factory=list)
+
+
+def route(pool: MeshPool, local_fabric: bool) -> str:
+    """How a feature in a peer's ``pool`` reaches a client here: "fabric" (the client maps the owner's
+    memory through the relayed FABRIC handle) or "pull" (NIXL copies it into this node's pool)."""
+    if pool.kind == "cuda" and pool.handle == "fabric" and pool.fabric is not None and local_fabric:
+        return "fabric"
+    return "pull"
+
+
+class RemoteFeatures:
+    def __init__(self, core: DaemonCore, mesh: Mesh, puller: Optional[Puller], no_puller: str) -> None:
+        self.core = core
+        self.mesh = mesh
+        self.puller = puller
+        self._no_puller = no_puller
+        self.session = secrets.token_bytes(16)  # the producer of pulled copies; no client can name it
+        self._ids = itertools.count(1)
+        self._copies: dict[tuple, _Copy] = {}
+        self._by_job: dict[int, _Copy] = {}
+        self._by_local: dict[tuple[int, int], _Copy] = {}
+        self._by_owner: dict[tuple[str, int, int, int], list[_Copy]] = {}
+        self._checks: dict[int, _Check] = {}
+        self._batches: dict[tuple[str, int], tuple[float, list[Optional[Respond]]]] = {}
+        self._outbox: dict[str, _Outbox] = {}
+        self._pulled_by: dict[tuple[int, int], set[str]] = {}
+        self.counters: dict[str, PeerCounters] = {}
+        self.next_flush = float("inf")
+        # FABRIC pools here mean this node's probe found a multi-node NVLink domain with IMEX.
+        self.local_fabric = any(p.handle == "fabric" for p in core.pools.values())
+
+    def peer_counters(self, peer: str) -> PeerCounters:
+        return self.counters.setdefault(peer, PeerCounters())
+
+    # --- a client here asks for another node's feature ----------------------------------------
+
+    def get(self, node: str, ref: LeaseRef, timeout: float, respond: Respond, now: float) -> None:
+        peer = self._peer(node)
+        hello = peer.hello
+        assert hello is not None
+        if ref.epoch != hello.epoch:
+            raise MmfeatError(ErrorCode.STALE, f"descriptor is from epoch {ref.epoch} of node {node!r}'s daemon, which "
+                                               f"is now epoch {hello.epoch}: it restarted and the feature is gone")
+        pool = next((p for p in hello.pools if p.pool == ref.pool), None)
+        if pool is None:
+            raise MmfeatError(ErrorCode.NOT_FOUND, f"node {node!r}'s daemon has no pool {ref.pool}")
+        if ref.offset + ref.nbytes > pool.size:
+            raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{ref.offset}, +{ref.nbytes}) is outside pool {ref.pool} of {node!r}")
+        deadline = now + timeout * 0.9
+        if route(pool, self.local_fabric) == "fabric":
+            self._check(peer, ref, None, [(respond, deadline)], pool, now)
+            return
+        key = (peer.config.public_key, *ref.model_dump().values())
+        copy = self._copies.get(key)
+        if copy is not None:
+            if copy.state == "ready":
+                if self.core.ledger.live_lease(copy.local.lease_id) is copy.local:
+                    self.peer_counters(copy.peer).shared_gets += 1
+                    respond(self._copy_reply(copy))
+                    return
+                self._forget(copy)  # expired here; pull again
+            elif copy.state != "failed":
+                self.peer_counters(copy.peer).shared_gets += 1
+                copy.waiters.append((respond, deadline))
+                copy.deadline = max(copy.deadline, deadline)
+                return
+        self._pull(peer, node, ref, pool, key, (respond, deadline), now)
+
+    def _peer(self, node: str) -> PeerState:
+        if not node or node == self.core.settings.node_id:
+            raise MmfeatError(ErrorCode.BAD_REQUEST, "remote_get names this node; get() reads its features directly")
+        peer = self.mesh.peer_for_node(node)
+        if peer is None:
+            raise MmfeatError(ErrorCode.PEER_UNAVAILABLE,
+                              f"node {node!r} is not a peer that is up (listed in peers, answering heartbeats); "
+                              "see mmfeat stats on both nodes")
+        return peer
+
+    def _pull(self, peer: PeerState, node: str, ref: LeaseRef, pool: MeshPool, key: tuple,
+              waiter: tuple[Respond, float], now: float) -> None:
+        if self.puller is None:
+            raise MmfeatError(ErrorCode.NO_TRANSPORT, self._no_puller)
+        if not pool.addr:
+            raise MmfeatError(ErrorCode.NO_TRANSPORT, f"pool {pool.pool} of node {node!r} is not registered with NIXL "
+                                                       "(only host pools are pulled); send such features inline")
+        assert peer.hello is not None
+        if peer.hello.nixl is None:
+            raise MmfeatError(ErrorCode.NO_TRANSPORT, f"node {node!r}'s daemon has no NIXL; install 'mmfeat[mesh]' there")
+        local_pool = next(iter(self.puller.regions))
+        region = self.puller.regions[local_pool]
+        self.core.sweep(now)  # acks written since the last sweep may free the room this needs
+        lease = self.core.ledger.reserve(self.session, local_pool, ref.nbytes, 1, now, ttl=PULL_HOLD_S, quota=False)
+        copy = _Copy(key, peer.config.public_key, node, ref.epoch, (ref.lease, ref.gen), lease, waiters=[waiter],
+                     deadline=waiter[1])
+        job = next(self._ids)
+        self._copies[key] = copy
+        self._by_job[job] = copy
+        self._by_local[(lease.lease_id, lease.gen)] = copy
+        self._by_owner.setdefault((copy.peer, ref.epoch, ref.lease, ref.gen), []).append(copy)
+        self.peer_counters(copy.peer).pulls += 1
+        self.puller.read(ReadJob(
+            job, copy.peer, pool.addr + ref.offset, "DRAM" if pool.kind == "host" else "VRAM",
+            0 if pool.kind == "host" else pool.device, region.addr + lease.offset, region.mem, region.device,
+            ref.nbytes, waiter[1],
+        ))
+
+    def on_pulled(self, results: list[Result], now: float) -> None:
+        for result in results:
+            copy = self._by_job.pop(result.job, None)
+            if copy is None:
+                continue
+            if copy.state == "failed":  # its waiters were answered already; the range can go now
+                self._release(copy, now)
+                continue
+            if not result.ok:
+                self.peer_counters(copy.peer).pull_failures += 1
+                self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"pull from node {copy.node!r} failed: {result.error}"), now)
+                continue
+            self.peer_counters(copy.peer).bytes_pulled += copy.local.nbytes
+            peer = self.mesh.peers.get(copy.peer)
+            copy.state = "checking"
+            ref = LeaseRef.model_validate({k: v for k, v in zip(LeaseRef.model_fields, copy.key[1:])})
+            if peer is None or not self._check(peer, ref, copy, copy.waiters, None, now):
+                self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {copy.node!r} cannot be asked now"), now)
+
+    def _check(self, peer: PeerState, ref: LeaseRef, copy: Optional[_Copy], waiters: list[tuple[Respond, float]],
+               pool: Optional[MeshPool], now: float) -> bool:
+        req = next(self._ids)
+        if not self.mesh.send(peer, "check", {"req": req, "lease": ref.model_dump()}):
+            if copy is None:
+                raise MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {peer.hello.node if peer.hello else '?'!r} is not reading")
+            return False
+        deadline = max((d for _, d in waiters), default=now + CHECK_TIMEOUT_S)
+        self._checks[req] = _Check(peer.config.public_key, copy, waiters, pool, ref, deadline)
+        return True
+
+    def on_checked(self, peer: PeerState, req: int, code: str, message: str, now: float) -> None:
+        check = self._checks.get(req)
+        if check is None or check.peer != peer.config.public_key:
+            return  # late, or an answer to a question this peer was never asked
+        del self._checks[req]
+        copy, pool, ref = check.copy, check.pool, check.ref
+        error = _error(code, message, peer) if code else None
+        if copy is None:  # the FABRIC route: nothing was copied
+            assert pool is not None and peer.hello is not None
+            for respond, _ in check.waiters:
+                respond(error or {"fabric": {"node": peer.hello.node, "epoch": peer.hello.epoch, "pool": pool.pool,
+                                             "size": pool.size, "device": pool.device, "handle": pool.fabric},
+                                  "lease": ref.model_dump()})
+            return
+        if copy.state != "checking":
+            return
+        if error is not None:
+            self._fail(copy, error, now)
+            return
+        local = copy.local
+        self.core.ledger.publish(_ref(self.core, local), self.session, now)
+        copy.state = "ready"
+        reply = self._copy_reply(copy)
+        for respond, _ in copy.waiters:
+            respond(reply)
+        copy.waiters = []
+
+    def _copy_reply(self, copy: _Copy) -> dict[str, Any]:
+        return {"lease": _ref(self.core, copy.local).model_dump()}
+
+    def _fail(self, copy: _Copy, error: MmfeatError, now: float) -> None:
+        for respond, _ in copy.waiters:
+            respond(error)
+        copy.waiters = []
+        if any(copy is c for c in self._by_job.values()):
+            copy.state = "failed"  # NIXL may still write into the range: released when the pull reports
+            self._copies.pop(copy.key, None)
+        else:
+            self._release(copy, now)
+
+    def _release(self, copy: _Copy, now: float) -> None:
+        self._forget(copy)
+        if self.core.ledger.live_lease(copy.local.lease_id) is copy.local:
+            self.core.ledger.release(_ref(self.core, copy.local), self.session, now)
+
+    def _forget(self, copy: _Copy) -> None:
+        if self._copies.get(copy.key) is copy:
+            del self._copies[copy.key]
+        self._by_local.pop((copy.local.lease_id, copy.local.gen), None)
+        owners = self._by_owner.get((copy.peer, copy.epoch, *copy.owner_lease))
+        if owners is not None:
+            owners[:] = [c for c in owners if c is not copy]
+            if not owners:
+                del self._by_owner[(copy.peer, copy.epoch, *copy.owner_lease)]
+
+    # --- acks of other nodes' features, relayed ------------------------------------------------
+
+    def relay_ack(self, node: str, ref: LeaseRef, count: int, ack_id: Optional[bytes], respond: Optional[Respond],
+                  now: float) -> None:
+        peer = self._peer(node)
+        assert peer.hello is not None
+        if ref.epoch != peer.hello.epoch:
+            raise MmfeatError(ErrorCode.STALE, f"the feature is from epoch {ref.epoch} of node {node!r}'s daemon, now "
+                                               f"epoch {peer.hello.epoch}: it restarted, and its features are gone")
+        box = self._outbox.setdefault(peer.config.public_key, _Outbox())
+        box.acks.append((MeshAck(lease=ref.model_dump(), count=count, ack_id=ack_id), respond))
+        if len(box.acks) >= MAX_MESH_BATCH:
+            self._flush_peer(peer.config.public_key, box, now)
+        else:
+            self.next_flush = min(self.next_flush, now + ACK_BATCH_S)
+
+    def flush(self, now: float) -> None:
+        """Send what waited for its batch; the loop calls this once ``next_flush`` has passed."""
+        for key, box in list(self._outbox.items()):
+            self._flush_peer(key, box, now)
+        self._outbox.clear()
+        self.next_flush = float("inf")
+
+    def _flush_peer(self, key: str, box: _Outbox, now: float) -> None:
+        peer = self.mesh.peers.get(key)
+        counters = self.peer_counters(key)
+        while box.acks:
+            chunk, box.acks = box.acks[:MAX_MESH_BATCH], box.acks[MAX_MESH_BATCH:]
+            batch = next(self._ids)
+            body = {"batch": batch, "acks": [a.model_dump() for a, _ in chunk]}
+            if peer is None or peer.state != "up" or not self.mesh.send(peer, "acks", body):
+                counters.acks_dropped += len(chunk)
+                for _, respond in chunk:
+                    if respond is not None:
+                        respond(MmfeatError(ErrorCode.PEER_UNAVAILABLE, "the owner's node is not reachable; its "
+                                                                        "ack_ttl frees the feature"))
+                continue
+            counters.acks_relayed += sum(a.count for a, _ in chunk)
+            if any(r is not None for _, r in chunk):
+                self._batches[(key, batch)] = (now + CHECK_TIMEOUT_S, [r for _, r in chunk])
+        while box.ended:
+            chunk, box.ended = box.ended[:MAX_MESH_BATCH], box.ended[MAX_MESH_BATCH:]
+            if peer is not None and self.mesh.send(peer, "ended", {"epoch": self.core.epoch, "leases": chunk}):
+                counters.ended_sent += len(chunk)
+
+    def on_acked(self, peer: PeerState, batch: int, results: list[Any]) -> None:
+        entry = self._batches.pop((peer.config.public_key, batch), None)
+        if entry is None:
+            return
+        for respond, result in zip(entry[1], results):
+            if respond is not None:
+                respond(_error(result.code, result.message, peer) if result.code else
+                        {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked})
+
+    # --- our features, as other nodes see them -------------------------------------------------
+
+    def on_check(self, peer: PeerState, ref: LeaseRef, now: float) -> tuple[str, str]:
+        """(code, message) for a peer's check; ("", "") when the lease is live and published."""
+        self.core.sweep(now)  # a feature published in an arena is known from the next sweep
+        try:
+            lease = self.core.ledger.lookup(ref)
+        except MmfeatError as exc:
+            return exc.code.value, exc.message
+        if lease.state is not LeaseState.PUBLISHED:
+            return ErrorCode.BAD_STATE.value, f"lease {ref.lease} is not published yet"
+        self._pulled_by.setdefault((lease.lease_id, lease.gen), set()).add(peer.config.public_key)
+        counters = self.peer_counters(peer.config.public_key)
+        counters.checks_served += 1
+        counters.bytes_served += lease.nbytes
+        return "", ""
+
+    def on_acks(self, peer: PeerState, acks: list[MeshAck], now: float) -> list[dict[str, Any]]:
+        self.core.sweep(now)
+        counters = self.peer_counters(peer.config.public_key)
+        results = []
+        for a in acks:
+            try:
+                r = self.core.ledger.ack(LeaseRef.model_validate(a.lease.model_dump()), a.count, now, a.ack_id)
+            except MmfeatError as exc:
+                results.append({"code": exc.code.value, "message": exc.message[:512]})
+                continue
+            counters.acks_received += a.count
+            results.append({"remaining": r.remaining, "freed": r.freed, "over_acked": r.over_acked})
+        return results
+
+    def on_ended(self, peer: PeerState, epoch: int, leases: list[list[int]], now: float) -> None:
+        for lease_id, gen in leases:
+            for copy in list(self._by_owner.get((peer.config.public_key, epoch, lease_id, gen), ())):
+                if copy.state == "ready":
+                    self._release(copy, now)
+
+    def on_free(self, lease: Lease, reason: EndReason, now: float) -> None:
+        """The ledger freed ``lease``: a copy of ours is gone, or peers that pulled a feature of ours are told."""
+        copy = self._by_local.get((lease.lease_id, lease.gen))
+        if copy is not None and copy.local is lease:
+            self._forget(copy)
+        peers = self._pulled_by.pop((lease.lease_id, lease.gen), None)
+        for key in peers or ():
+            self._outbox.setdefault(key, _Outbox()).ended.append([lease.lease_id, lease.gen])
+            self.next_flush = min(self.next_flush, now + ACK_BATCH_S)
+
+    # --- what the mesh hands on ----------------------------------------------------------------
+
+    def on_request(self, peer: PeerState, op: str, body: Any, now: float) -> Optional[tuple[str, dict[str, Any]]]:
+        if op == "check":
+            code, message = self.on_check(peer, LeaseRef.model_validate(body.lease.model_dump()), now)
+            return "checked", {"req": body.req, "code": code, "message": message[:512]}
+        if op == "acks":
+            return "acked", {"batch": body.batch, "results": self.on_acks(peer, body.acks, now)}
+        if op == "ended":
+            self.on_ended(peer, body.epoch, body.leases, now)
+        return None
+
+    def on_reply(self, peer: PeerState, op: str, body: Any, now: float) -> None:
+        if op == "checked":
+            self.on_checked(peer, body.req, body.code, body.message, now)
+        elif op == "acked":
+            self.on_acked(peer, body.batch, body.results)
+
+    # --- peers coming and going -----------------------------------------------------------------
+
+    def on_peer_change(self, peer: PeerState, now: float) -> None:
+        """``peer`` went down or restarted: what waits on it fails now; what it said before is void."""
+        key = peer.config.public_key
+        gone = MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {peer.config.endpoint} went down or restarted")
+        for copy in [c for c in self._copies.values() if c.peer == key and c.state != "ready"]:
+            self._fail(copy, gone, now)
+        for req in [r for r, c in self._checks.items() if c.peer == key]:
+            check = self._checks.pop(req)
+            if check.copy is None:
+                for respond, _ in check.waiters:
+                    respond(gone)
+        for bk in [bk for bk in self._batches if bk[0] == key]:
+            for respond in self._batches.pop(bk)[1]:
+                if respond is not None:
+                    respond(gone)
+        self._outbox.pop(key, None)
+        for owned in self._pulled_by.values():
+            owned.discard(key)
+        if self.puller is not None:
+            self.puller.remove_peer(key)
+            if peer.state == "up" and peer.hello is not None and peer.hello.nixl is not None:
+                self.puller.add_peer(key, peer.hello.nixl)
+
+    def tick(self, now: float) -> None:
+        """Answer waiters whose time ran out; give up on checks nobody answered."""
+        late = MmfeatError(ErrorCode.PEER_UNAVAILABLE, "the owner's node did not complete the transfer in time")
+        for copy in list(self._copies.values()):
+            if copy.state in ("pulling", "checking"):
+                due = [w for w in copy.waiters if w[1] <= now]
+                if due:
+                    copy.waiters = [w for w in copy.waiters if w[1] > now]
+                    for respond, _ in due:
+                        respond(late)
+        for req, check in list(self._checks.items()):
+            if now > check.deadline:
+                del self._checks[req]
+                if check.copy is None:
+                    for respond, _ in check.waiters:
+                        respond(late)
+                elif check.copy.state == "checking":
+                    self._fail(check.copy, late, now)
+        for bk, (deadline, responders) in list(self._batches.items()):
+            if now > deadline:
+                del self._batches[bk]
+                for respond in responders:
+                    if respond is not None:
+                        respond(late)
+
+    def stats(self) -> dict[str, Any]:
+        ready = [c for c in self._copies.values() if c.state == "ready"]
+        return {"copies": len(ready), "copy_bytes": sum(c.local.size for c in ready),
+                "pulls_in_flight": len(self._by_job), "transport": "nixl" if self.puller else None,
+                "transport_error": None if self.puller else self._no_puller}
+
+
+def _ref(core: DaemonCore, lease: Lease) -> LeaseRef:
+    return LeaseRef(pool=lease.pool_id, epoch=core.epoch, lease=lease.lease_id, gen=lease.gen, token=lease.token,
+                    offset=lease.offset, nbytes=lease.nbytes)
+
+
+def _error(code: str, message: str, peer: PeerState) -> MmfeatError:
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        ec = ErrorCode.INTERNAL
+    node = peer.hello.node if peer.hello else peer.config.endpoint
+    return MmfeatError(ec, f"node {node!r}: {message}")

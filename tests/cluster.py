@@ -1,0 +1,64 @@
+"""Nodes for mesh tests: CURVE keys made by mmfeatd --gen-keys, a port each, and daemons that list each
+other as peers, all on 127.0.0.1."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .conftest import Daemon, start_daemon
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gen_keys(directory: Path) -> str:
+    r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(directory)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return (directory / "mesh.public").read_text().strip()
+
+
+class Cluster:
+    """Nodes with keys and ports; ``start(name, peers)`` runs a daemon that lists those peers."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.keys: dict[str, str] = {}
+        self.ports: dict[str, int] = {}
+        self.daemons: dict[str, Daemon] = {}
+
+    def node(self, name: str) -> None:
+        self.keys[name] = _gen_keys(self.root / f"keys-{name}")
+        self.ports[name] = _free_port()
+
+    def endpoint(self, name: str) -> str:
+        return f"tcp://127.0.0.1:{self.ports[name]}"
+
+    def start(self, name: str, peers: list[str], *args: str, nofile: int | None = None, env: dict | None = None) -> Daemon:
+        listed = ", ".join(f'{{endpoint = "{self.endpoint(p)}", public_key = "{self.keys[p]}"}}' for p in peers)
+        config = self.root / f"{name}.toml"
+        config.write_text(f'[mmfeatd]\nnode_id = "{name}"\nlisten = "{self.endpoint(name)}"\n'
+                          f'mesh_secret_file = "{self.root / f"keys-{name}" / "mesh.secret"}"\npeers = [{listed}]\n')
+        runtime = Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
+        d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args, nofile=nofile, env=env)
+        self.daemons[name] = d
+        return d
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        d = self.daemons.pop(name)
+        if d.proc.poll() is None:
+            d.proc.send_signal(sig)
+        rc = d.proc.wait(15)
+        _, err = d.proc.communicate()
+        shutil.rmtree(d.runtime_dir, ignore_errors=True)
+        # A mesh daemon stops as cleanly as any: its ZAP thread, DEALERs and listener all close.
+        assert sig != signal.SIGTERM or rc == 0, f"{name} exited {rc} on SIGTERM: {err[-2000:]}"

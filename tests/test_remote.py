@@ -1,0 +1,227 @@
+"""Features that cross nodes: real daemons on 127.0.0.1 as separate nodes, meshed over CURVE, pulling
+with NIXL (UCX) and relaying acks; producers and consumers in their own processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from mmfeat.daemon.mesh_keys import load_secret
+from mmfeat.daemon.remote import route
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.mesh import FABRIC_HANDLE_BYTES, MeshPool, encode_mesh
+
+from . import workers
+from .conftest import anon_bytes, fd_count
+from .cluster import Cluster
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed: make setup installs mmfeat[mesh]")
+
+
+def _meshed(cluster: Cluster, *args: str, nodes: tuple[str, ...] = ("a", "b")) -> list:
+    for n in nodes:
+        cluster.node(n)
+    daemons = [cluster.start(n, [m for m in nodes if m != n], "--pool-mb", "256", *args) for n in nodes]
+    for d in daemons:
+        d.wait_for(lambda s: all(p["state"] == "up" and p["node"] for p in s["mesh"]["peers"]), timeout=20,
+                   what="every peer up")
+    return daemons
+
+
+def _idle(d, what: str) -> dict:
+    """Nothing live and nothing used: every feature and every copy freed."""
+    return d.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0, timeout=20, what=what)
+
+
+def test_a_producer_on_a_feeds_consumers_on_a_and_b_every_byte(cluster) -> None:
+    a, b = _meshed(cluster)
+    fds_b = fd_count(b.pid)
+    ctx = mp.get_context("spawn")
+    q_prod, q_a, q_b, results = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    consumers = [ctx.Process(target=workers.consume, args=(str(d.runtime_dir), q, results, copy))
+                 for d, q, copy in ((a, q_a, False), (b, q_b, False))]
+    producer = ctx.Process(target=workers.produce, args=(str(a.runtime_dir), 2, q_prod))
+    for p in (*consumers, producer):
+        p.start()
+    n = 0
+    while (item := q_prod.get(timeout=120)) is not None:
+        q_a.put(item)
+        q_b.put(item)
+        n += 1
+    q_a.put(None)
+    q_b.put(None)
+    out = [results.get(timeout=180) for _ in consumers]
+    for p in (*consumers, producer):
+        p.join(30)
+    assert out == [("ok", n), ("ok", n)], out  # every byte compared, put_many and features up to 24 MiB included
+    _idle(a, "a to free every feature once both nodes acked")
+    s = _idle(b, "b to drop every pulled copy")
+    peer = s["mesh"]["peers"][0]
+    assert peer["pulls"] == n and peer["pull_failures"] == 0 and peer["acks_relayed"] == n
+    assert peer["bytes_pulled"] >= 24 << 20
+    served = a.stats()["mesh"]["peers"][0]
+    assert served["checks_served"] == n and served["acks_received"] == n and served["ended_sent"] == n
+    assert s["mesh"]["copies"] == 0 and a.stats()["counters"]["over_acks"] == 0
+    assert fd_count(b.pid) <= fds_b + 2  # UCX may keep a connection to the peer open
+
+
+def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_owner(cluster) -> None:
+    a, b = _meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as c1, b.client() as c2:
+        x = torch.randn(3, 1 << 20)  # 12 MiB: long enough a pull for the second get to find it under way
+        desc = producer.put(x, consumers=3)
+        got: dict[str, torch.Tensor] = {}
+        threads = [threading.Thread(target=lambda c=c, k=k: got.__setitem__(k, c.get(desc))) for k, c in (("1", c1), ("2", c2))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert torch.equal(got["1"], x) and torch.equal(got["2"], x)
+        assert torch.equal(c1.get(desc.to_bytes(), copy=True), x)  # a later get: the same copy
+        peer = b.stats()["mesh"]["peers"][0]
+        assert peer["pulls"] == 1 and peer["shared_gets"] == 2
+        assert c1.ack(desc, wait=True) == {"remaining": 2, "freed": False, "over_acked": 0}
+        got.clear()  # the views go before the acks that end them
+        # A consumer that never read (a cache hit) acks too; over-acks are clamped and counted at the owner.
+        assert c2.ack(desc, count=4, wait=True) == {"remaining": 0, "freed": True, "over_acked": 2}
+        with pytest.raises(MmfeatError) as gone:
+            c2.ack(desc, wait=True)
+        assert gone.value.code in (ErrorCode.NOT_FOUND, ErrorCode.STALE)
+    assert a.stats()["counters"]["over_acks"] == 2
+    _idle(a, "a to free the feature")
+    _idle(b, "b to drop its copy once a said the feature ended")
+
+
+def test_a_node_without_nixl_says_what_to_install(cluster, tmp_path) -> None:
+    hidden = tmp_path / "hide"
+    for name in ("nixl", "nixl_cu12", "nixl_cu13"):
+        (hidden / name).mkdir(parents=True)
+        (hidden / name / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    cluster.node("a")
+    cluster.node("b")
+    a = cluster.start("a", ["b"])
+    b = cluster.start("b", ["a"], env={"PYTHONPATH": str(hidden)})
+    s = b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["node"], timeout=20,
+                   what="a up")
+    assert s["mesh"]["transport"] is None and "mmfeat[mesh]" in s["mesh"]["transport_error"]
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as consumer:
+        desc = producer.put(torch.ones(1000), consumers=1)
+        with pytest.raises(MmfeatError) as refused:
+            consumer.get(desc)
+        assert refused.value.code is ErrorCode.NO_TRANSPORT and "mmfeat[mesh]" in refused.value.message
+        assert consumer.ack(desc, wait=True)["freed"]  # acks still cross: the consumer can say it gave up
+    # The feature can still travel inline, as the error says.
+    with a.client(inline_threshold=1 << 30) as producer, b.client() as consumer:
+        desc = producer.put(torch.ones(1000))
+        assert desc.is_inline and torch.equal(consumer.get(desc), torch.ones(1000))
+
+
+def test_an_unlisted_daemon_can_neither_pull_nor_ack(cluster) -> None:
+    a, b = _meshed(cluster)
+    cluster.node("c")
+    c = cluster.start("c", ["a"])  # c lists a, but a does not list c: CURVE refuses c at a's door
+    a.wait_for(lambda s: s["mesh"]["refused"] > 0, timeout=20, what="a to refuse c")
+    with a.client(inline_threshold=0, fallback="error") as producer, c.client(timeout=2) as stranger:
+        desc = producer.put(torch.arange(4096), consumers=1)
+        with pytest.raises(DaemonUnavailableError, match="not a peer that is up"):
+            stranger.get(desc)
+        with pytest.raises(MmfeatError) as refused:
+            stranger.ack(desc, wait=True)
+        assert refused.value.code is ErrorCode.PEER_UNAVAILABLE
+        assert a.pool()["leases"]["PUBLISHED"] == 1  # untouched
+        with b.client() as consumer:
+            assert torch.equal(consumer.get(desc), torch.arange(4096))
+            consumer.ack(desc)
+    _idle(a, "a to free the feature b acked")
+
+
+def test_a_frozen_or_dead_owner_fails_gets_in_time_and_a_restarted_one_is_stale(cluster) -> None:
+    a, b = _meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer:
+        frozen = producer.put(torch.randn(1 << 20), consumers=1)
+        old = producer.put(torch.randn(1000), consumers=1)
+    with b.client(timeout=3) as consumer:
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailableError):
+                consumer.get(frozen)
+            assert time.monotonic() - t0 < 3.5  # the daemon answers within the client's timeout
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        cluster.stop("a", signal.SIGKILL)
+        with pytest.raises(DaemonUnavailableError):
+            consumer.get(old)  # a's daemon is gone; b marks it down within seconds, answers at once
+        a = cluster.start("a", ["b"], "--pool-mb", "256")
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["epoch"] == a.stats()["epoch"],
+                   timeout=20, what="a's new epoch")
+        with pytest.raises(MmfeatError) as stale:
+            consumer.get(old)
+        assert stale.value.code is ErrorCode.STALE
+    _idle(b, "b to release the ranges of the failed pulls")
+
+
+def test_when_the_consumers_node_dies_the_owner_frees_by_ack_ttl(cluster) -> None:
+    a, b = _meshed(cluster, "--ack-ttl", "3")
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as consumer:
+        desc = producer.put(torch.randn(1 << 18), consumers=1)
+        consumer.get(desc)
+        cluster.stop("b", signal.SIGKILL)
+        a.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "down", timeout=20, what="b down")
+        s = _idle(a, "a to free b's share by ack_ttl")
+    assert s["counters"]["expired"] == 1 and s["counters"]["acks"] == 0
+
+
+def test_hostile_feature_messages_from_an_authenticated_peer_leave_the_owner_consistent(cluster) -> None:
+    a, b = _meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer:
+        desc = producer.put(torch.arange(1 << 16), consumers=1)
+    lease = desc.lease_ref()
+    public, secret = load_secret(cluster.root / "keys-b" / "mesh.secret")
+    ctx = zmq.Context()
+    evil = ctx.socket(zmq.DEALER)
+    evil.linger = 0
+    evil.curve_serverkey = cluster.keys["a"].encode()
+    evil.curve_publickey, evil.curve_secretkey = public, secret
+    evil.connect(cluster.endpoint("a"))
+    epoch = a.stats()["epoch"]
+    evil.send(encode_mesh("hello", {"node": "b", "epoch": 5, "pools": []}))
+    base_mem, base_fds = anon_bytes(a.pid), fd_count(a.pid)
+    forged = [
+        {**lease, "token": b"\0" * 16}, {**lease, "gen": lease["gen"] + 1}, {**lease, "nbytes": lease["nbytes"] + 256},
+        {**lease, "pool": 9}, {**lease, "lease": 1 << 40}, {**lease, "epoch": epoch + 1},
+    ]
+    for k in range(600):
+        bad = forged[k % len(forged)]
+        evil.send(encode_mesh("check", {"req": k, "lease": bad}))
+        evil.send(encode_mesh("acks", {"batch": k, "acks": [{"lease": bad, "count": 4096}] * 8}))
+        evil.send(encode_mesh("ended", {"epoch": epoch, "leases": [[k, k]] * 4}))
+        evil.send(encode_mesh("acked", {"batch": k, "results": []}))  # a reply, sent as a request
+    answers = []
+    while evil.poll(2000):
+        answers.append(evil.recv())
+    assert len(answers) >= 1000  # a check and an acks answer each, while the HWM allows
+    s = a.stats()
+    assert a.proc.poll() is None and s["pools"][0]["leases"]["PUBLISHED"] == 1  # no forged ack took effect
+    assert s["counters"]["acks"] == 0 and s["mesh"]["bad_messages"] >= 600
+    assert anon_bytes(a.pid) - base_mem < 16 << 20 and fd_count(a.pid) <= base_fds + 2
+    evil.close()
+    ctx.term()
+    with b.client() as consumer:  # the real b still reads and acks
+        assert torch.equal(consumer.get(desc), torch.arange(1 << 16))
+        assert consumer.ack(desc, wait=True)["freed"]
+
+
+def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> None:
+    fabric = MeshPool(pool=0, kind="cuda", device=0, handle="fabric", size=1 << 30, fabric=b"\1" * FABRIC_HANDLE_BYTES)
+    assert route(fabric, local_fabric=True) == "fabric"
+    assert route(fabric, local_fabric=False) == "pull"  # no MNNVL domain here: the bytes are pulled
+    posix = MeshPool(pool=0, kind="cuda", device=0, handle="posix_fd", size=1 << 30)
+    assert route(posix, local_fabric=True) == "pull"
+    assert route(MeshPool(pool=0, kind="host", device=-1, handle="posix_fd", size=1 << 20), local_fabric=True) == "pull"
