@@ -34,7 +34,8 @@ class Deferred:
 
 def _remote(core: DaemonCore) -> Any:
     if core.remote is None:
-        raise MmfeatError(ErrorCode.PEER_UNAVAILABLE, "this daemon has no mesh: set listen and peers to reach other nodes")
+        raise MmfeatError(ErrorCode.FORBIDDEN, "the feature is another node's and this daemon has no mesh: set listen "
+                                               "and peers on both nodes to reach other nodes' features")
     return core.remote
 
 

@@ -9,7 +9,6 @@ go, the job is not reported, so the local range it writes into is never handed t
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import queue
@@ -19,16 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from mmfeat.nixl import NixlUnavailable, load_nixl
+
 log = logging.getLogger("mmfeatd.puller")
 
-# Tried in order: the meta package, then the CUDA 12 and 13 builds (mmfeat[mesh] installs nixl-cu12).
-_NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
-
-
-class NixlUnavailable(RuntimeError):
-    """NIXL cannot be loaded or started here; the message says what to install."""
 
 
 @dataclass(frozen=True)
@@ -61,16 +56,6 @@ class Result:
     job: int
     ok: bool
     error: str = ""
-
-
-def load_nixl() -> Any:
-    errors = []
-    for name in _NIXL_MODULES:
-        try:
-            return importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    raise NixlUnavailable("NIXL is not installed (pip install 'mmfeat[mesh]'); " + "; ".join(errors))
 
 
 class Puller:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import zmq
 
+from mmfeat.nixl import NixlUnavailable
 from mmfeat.protos.codec import MAX_REQUEST_BYTES
 from mmfeat.protos.errors import ErrorCode
 from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint, fd_socket_path
@@ -25,7 +26,7 @@ from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
 from .mesh import Mesh
-from .puller import NixlUnavailable, Puller, Region, agent_name
+from .puller import Puller, Region, agent_name
 from .remote import RemoteFeatures
 from .control_socket import ControlSocket
 from .resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit

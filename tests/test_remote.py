@@ -74,7 +74,7 @@ def test_a_producer_on_a_feeds_consumers_on_a_and_b_every_byte(cluster) -> None:
 def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_owner(cluster) -> None:
     a, b = _meshed(cluster)
     with a.client(inline_threshold=0, fallback="error") as producer, b.client() as c1, b.client() as c2:
-        x = torch.randn(3, 1 << 20)  # 12 MiB: long enough a pull for the second get to find it under way
+        x = torch.randn(4, 4 << 20)  # 64 MiB: long enough a pull for the second get to find it under way
         desc = producer.put(x, consumers=3)
         got: dict[str, torch.Tensor] = {}
         threads = [threading.Thread(target=lambda c=c, k=k: got.__setitem__(k, c.get(desc))) for k, c in (("1", c1), ("2", c2))]

@@ -32,6 +32,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, help="write one record per row here")
     p.add_argument("--plot", type=Path, help="write throughput against size here (PNG, needs matplotlib)")
     p.add_argument("--use-running", action="store_true", help="measure the daemon at --runtime-dir instead of a private one")
+    p.add_argument("--remote", action="store_true",
+                   help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "
+                        "and plain ZMQ TCP bytes (needs mmfeat[mesh])")
 
 
 def _count_for(size: int, override: Optional[int]) -> int:
@@ -170,6 +173,10 @@ def _run_data_plane(
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.remote:
+        from .remote import run_remote_bench
+
+        return run_remote_bench(args)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     counts = [int(c) for c in args.consumers.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]

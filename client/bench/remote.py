@@ -1,0 +1,287 @@
+"""``mmfeat bench --remote``: features pulled across nodes, against the bare transfer they are made of.
+
+Two private daemons on 127.0.0.1 play two nodes, meshed over CURVE. In one invocation, per size:
+- remote: a producer process puts into node A's pool, a consumer process on node B gets each feature
+  (its daemon pulls it with NIXL and checks it with A), reads every byte and acks (relayed to A);
+- nixl_read: the bare NIXL READ of the same bytes between two processes, each read then read through
+  once, as the consumer does: what a pull is made of, the ceiling for `remote`;
+- zmq_tcp: the bytes over a plain ZeroMQ TCP socket (what a server sends without mmfeat);
+- local: the same producer and a consumer on node A, for the latency a remote get adds.
+Descriptors travel producer -> consumer over ZeroMQ TCP, as they would in a server's own messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from .report import MiB, human_size, parse_size
+
+REMOTE_MODES = ("remote", "local", "nixl_read", "zmq_tcp")
+WINDOW = 4
+WARMUP = 5  # features (or reads) before the clock starts: connections, mappings, first touches
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nodes(work: Path, pool_mb: int) -> dict[str, tuple[Path, subprocess.Popen]]:
+    """Daemons "bench-a" and "bench-b", each listing the other, both answering, both seeing the other up."""
+    from mmfeat.client.channel import ControlChannel
+    from mmfeat.client.daemon_process import spawn_daemon
+    from mmfeat.protos.paths import control_endpoint
+
+    names = ("bench-a", "bench-b")
+    keys, ports = {}, {n: _port() for n in names}
+    for n in names:
+        public, secret = zmq.curve_keypair()
+        path = work / f"{n}.secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret.decode() + "\n")
+        keys[n] = (public.decode(), path)
+    out = {}
+    for n in names:
+        (other,) = [m for m in names if m != n]
+        config = work / f"{n}.toml"
+        config.write_text(f'[mmfeatd]\nnode_id = "{n}"\nlisten = "tcp://127.0.0.1:{ports[n]}"\n'
+                          f'mesh_secret_file = "{keys[n][1]}"\n'
+                          f'peers = [{{endpoint = "tcp://127.0.0.1:{ports[other]}", public_key = "{keys[other][0]}"}}]\n')
+        rt = work / n
+        rt.mkdir()
+        out[n] = (rt, spawn_daemon(rt, ["--config", str(config), "--backend", "host", "--pool-mb", str(pool_mb),
+                                        "--log-level", "WARNING"], timeout=60))
+    for n, (rt, _) in out.items():
+        ch = ControlChannel(control_endpoint(rt), 5.0)
+        try:
+            deadline = time.monotonic() + 30
+            while not all(p["state"] == "up" and p["node"] for p in ch.call("stats")["mesh"]["peers"]):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"mmfeat bench --remote: {n} never saw its peer up")
+                time.sleep(0.1)
+        finally:
+            ch.close()
+    return out
+
+
+def _read_every_byte(buf: Any) -> int:
+    import torch
+
+    t = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(buf, dtype=torch.uint8)
+    return int(t.view(torch.int64).sum()) if t.numel() % 8 == 0 else int(t.sum())
+
+
+def _producer(mode: str, runtime_dir: str, port: int, size: int, count: int, out: Any) -> None:
+    import torch
+
+    from mmfeat.client import Client
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.bind(f"tcp://127.0.0.1:{port}")
+    done = ctx.socket(zmq.PULL)
+    done.bind(f"tcp://127.0.0.1:{port + 1 if port < 65535 else port - 1}")
+    payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    client = Client(runtime_dir, inline_threshold=0, fallback="error") if mode in ("remote", "local") else None
+    if client is not None:
+        client.connect()
+    sent = acked = 0
+    while acked < count:
+        while sent < count and sent - acked < WINDOW:
+            if client is not None:
+                push.send_multipart([msgpack.packb(sent), client.put(payload).to_bytes()])
+            else:
+                push.send_multipart([msgpack.packb(sent), payload.numpy()], copy=False)
+            sent += 1
+        done.recv()
+        acked += 1
+    if client is not None:
+        client.close()
+    push.close(0)
+    done.close(0)
+    ctx.term()
+
+
+def _consumer(mode: str, runtime_dir: str, port: int, count: int, out: Any) -> None:
+    import torch  # before the clock starts
+
+    torch.set_num_threads(1)
+
+    from mmfeat.client import Client
+    from mmfeat.protos.descriptor import Descriptor
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(f"tcp://127.0.0.1:{port}")
+    done = ctx.socket(zmq.PUSH)
+    done.connect(f"tcp://127.0.0.1:{port + 1 if port < 65535 else port - 1}")
+    client = Client(runtime_dir) if mode in ("remote", "local") else None
+    if client is not None:
+        client.connect()
+    get_s = []
+    t0 = time.monotonic()
+    for i in range(count):
+        if i == WARMUP:
+            t0, get_s = time.monotonic(), []
+        _, body = pull.recv_multipart(copy=False)
+        if client is not None:
+            desc = Descriptor.from_bytes(body.bytes)
+            t0 = time.monotonic()
+            got = client.get(desc)
+            get_s.append(time.monotonic() - t0)
+            _read_every_byte(got)
+            del got
+            client.ack(desc)
+        else:
+            _read_every_byte(body.buffer)
+        done.send(b"")
+    elapsed = time.monotonic() - t0
+    if client is not None:
+        client.flush()
+        client.close()
+    out.put((elapsed, get_s))
+    pull.close(0)
+    done.close(0)
+    ctx.term()
+
+
+def _nixl_owner(size: int, meta_q: Any, stop_q: Any) -> None:
+    from mmfeat.nixl import load_nixl
+
+    api = load_nixl()
+    fd = os.memfd_create("bench")
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size)
+    mm[:] = os.urandom(min(size, 1 << 20)) * max(1, size // (1 << 20)) if size >= 1 << 20 else os.urandom(size)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    agent = api.nixl_agent("bench-owner", api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    agent.register_memory([(addr, size, 0, "bench")], "DRAM")
+    meta_q.put((agent.get_agent_metadata(), addr))
+    stop_q.get()
+
+
+def _nixl_reader(size: int, count: int, meta_q: Any, out: Any) -> None:
+    import torch  # before the clock starts
+
+    torch.set_num_threads(1)
+
+    from mmfeat.nixl import load_nixl
+
+    api = load_nixl()
+    metadata, remote_addr = meta_q.get(timeout=60)
+    mm = mmap.mmap(-1, size)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    agent = api.nixl_agent("bench-reader", api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    agent.register_memory([(addr, size, 0, "")], "DRAM")
+    name = agent.add_remote_agent(metadata)
+    local = agent.get_xfer_descs([(addr, size, 0)], "DRAM")
+    remote = agent.get_xfer_descs([(remote_addr, size, 0)], "DRAM")
+    t0 = time.monotonic()
+    for i in range(count):
+        if i == WARMUP:
+            t0 = time.monotonic()
+        handle = agent.initialize_xfer("READ", local, remote, name)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise SystemExit("bare NIXL READ failed")
+        agent.release_xfer_handle(handle)
+        _read_every_byte(memoryview(mm))
+    out.put((time.monotonic() - t0, []))
+
+
+def _run_mode(mode: str, nodes: dict, size: int, count: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    (rt_a, _), (rt_b, _) = nodes["bench-a"], nodes["bench-b"]
+    if mode == "nixl_read":
+        meta_q, stop_q = ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=_nixl_owner, args=(size, meta_q, stop_q)),
+                 ctx.Process(target=_nixl_reader, args=(size, count, meta_q, out))]
+        for p in procs:
+            p.start()
+        elapsed, get_s = out.get(timeout=600)
+        stop_q.put(None)
+    else:
+        port = _port()
+        consumer_rt = rt_b if mode == "remote" else rt_a
+        procs = [ctx.Process(target=_producer, args=(mode, str(rt_a), port, size, count, out)),
+                 ctx.Process(target=_consumer, args=(mode, str(consumer_rt), port, count, out))]
+        for p in procs:
+            p.start()
+        elapsed, get_s = out.get(timeout=600)
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    timed = count - WARMUP
+    row = {"mode": mode, "size": size, "count": timed, "features_per_s": timed / elapsed, "gb_per_s": timed * size / elapsed / 1e9}
+    if get_s:
+        row["get_p50_us"] = statistics.median(get_s) * 1e6
+    return row
+
+
+def run_remote_bench(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    work = Path(tempfile.mkdtemp(prefix="mmfbr-", dir="/tmp"))
+    nodes: dict = {}
+    try:
+        nodes = _nodes(work, max(256, 32 * max(sizes) // MiB))
+        rows = []
+        for size in sizes:
+            count = WARMUP + (args.count or max(20, min(500, (512 * MiB) // size)))
+            for mode in REMOTE_MODES:
+                print(f"bench --remote: {human_size(size)} {mode} ...", flush=True, file=__import__("sys").stderr)
+                rows.append(_run_mode(mode, nodes, size, count))
+        print(_render(rows))
+        if args.json:
+            import json
+
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
+    finally:
+        for _, proc in nodes.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(15)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _render(rows: list[dict[str, Any]]) -> str:
+    lines = ["two daemons on 127.0.0.1 as nodes; consumers read every byte; window 4",
+             f"{'size':>6} {'mode':<10} {'feat/s':>9} {'GB/s':>7} {'x nixl_read':>12} {'get p50 us':>11}"]
+    verdicts = []
+    for size in sorted({r["size"] for r in rows}):
+        by = {r["mode"]: r for r in rows if r["size"] == size}
+        base = by.get("nixl_read", {}).get("features_per_s")
+        for r in by.values():
+            ratio = r["features_per_s"] / base if base else float("nan")
+            r["x_nixl_read"] = ratio
+            p50 = f"{r['get_p50_us']:.0f}" if "get_p50_us" in r else "-"
+            lines.append(f"{human_size(size):>6} {r['mode']:<10} {r['features_per_s']:>9.0f} {r['gb_per_s']:>7.2f} "
+                         f"{ratio:>11.2f}x {p50:>11}")
+        if "remote" in by and "local" in by and "get_p50_us" in by["remote"]:
+            verdicts.append(f"{human_size(size)}: a remote get adds {by['remote']['get_p50_us'] - by['local']['get_p50_us']:.0f} "
+                            f"us at p50 over a local one")
+        if size == 16 * MiB and base:
+            ratio = by["remote"]["features_per_s"] / base
+            verdicts.append(f"{'MET' if ratio >= 0.8 else 'MISSED'} 16M: remote >= 0.8x the bare NIXL READ: {ratio:.2f}x")
+    return "\n".join(lines + [""] + verdicts)
