@@ -47,11 +47,16 @@ def render_stats(s: dict[str, Any]) -> str:
     if mesh:
         lines += ["", f"mesh on {mesh['listen']} as {mesh['public_key']}: refused keys {mesh['refused']}, "
                       f"bad messages {mesh['bad_messages']}",
-                  f"{'node':<16} {'endpoint':<28} {'state':<10} {'rtt ms':>8} {'seen s ago':>10} {'pools':>5}"]
+                  f"pulls with {mesh.get('transport') or 'nothing: ' + str(mesh.get('transport_error'))}; "
+                  f"copies here {mesh.get('copies', 0)} ({mesh.get('copy_bytes', 0) >> 20} MiB)",
+                  f"{'node':<16} {'endpoint':<28} {'state':<10} {'rtt ms':>8} {'seen s ago':>10} {'pools':>5} "
+                  f"{'pulled MiB':>10} {'served MiB':>10} {'acks out':>9} {'acks in':>8}"]
         for p in mesh["peers"]:
             rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f}"
             seen = "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.1f}"
-            lines.append(f"{p['node'] or '?':<16} {p['endpoint']:<28} {p['state']:<10} {rtt:>8} {seen:>10} {len(p['pools']):>5}")
+            lines.append(f"{p['node'] or '?':<16} {p['endpoint']:<28} {p['state']:<10} {rtt:>8} {seen:>10} {len(p['pools']):>5} "
+                         f"{p.get('bytes_pulled', 0) >> 20:>10} {p.get('bytes_served', 0) >> 20:>10} "
+                         f"{p.get('acks_relayed', 0):>9} {p.get('acks_received', 0):>8}")
     return "\n".join(lines)
 
 

@@ -98,6 +98,18 @@ class _StateCollector:
         yield fallbacks
 
 
+# (stats key per peer, metric, help): what crossed between this node and each peer.
+_PEER_COUNTERS = (
+    ("pulls", "mmfeat_mesh_pulls", "Features pulled from a peer's pool (one NIXL READ each)"),
+    ("bytes_pulled", "mmfeat_mesh_pulled_bytes", "Bytes pulled from a peer's pool"),
+    ("pull_failures", "mmfeat_mesh_pull_failures", "Pulls from a peer that failed or ran out of time"),
+    ("bytes_served", "mmfeat_mesh_served_bytes", "Bytes of this node's features a peer pulled (checked)"),
+    ("acks_relayed", "mmfeat_mesh_acks_relayed", "Acks of a peer's features relayed to it"),
+    ("acks_received", "mmfeat_mesh_acks_received", "Acks of this node's features a peer relayed"),
+    ("acks_dropped", "mmfeat_mesh_acks_dropped", "Acks that could not be relayed (peer down); its ack_ttl frees those"),
+)
+
+
 def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
     if not mesh:
         return
@@ -110,6 +122,14 @@ def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
         if p["rtt_ms"] is not None:
             rtt.add_metric([p["node"] or p["endpoint"]], p["rtt_ms"] / 1e3)
     yield rtt
+    for key, name, doc in _PEER_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["peer"])
+        for p in mesh["peers"]:
+            if key in p:
+                family.add_metric([p["node"] or p["endpoint"]], p[key])
+        yield family
+    yield GaugeMetricFamily("mmfeat_mesh_copy_bytes", "Bytes of other nodes' features pulled into this pool, live now",
+                            value=mesh.get("copy_bytes", 0))
     yield CounterMetricFamily("mmfeat_mesh_refused", "Mesh connections refused for an unlisted public key", value=mesh["refused"])
     yield CounterMetricFamily("mmfeat_mesh_bad_messages", "Mesh frames refused as invalid", value=mesh["bad_messages"])
 

@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mmfeat.nixl import NixlUnavailable, load_nixl
+from mmfeat.nixl import NixlUnavailable, load_nixl, make_agent
 
 log = logging.getLogger("mmfeatd.puller")
 
 _POLL_MIN_S = 20e-6
-_POLL_MAX_S = 1e-3
+_POLL_MAX_S = 2e-4  # a finished transfer waits at most this for the thread to notice
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Puller:
         api = load_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
         try:
-            self._agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+            self._agent = make_agent(api, name)
             if "UCX" not in self._agent.backends:
                 raise NixlUnavailable("NIXL has no UCX backend here")
             for r in regions:

@@ -4,6 +4,9 @@ with NIXL (UCX) and relaying acks; producers and consumers in their own processe
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import signal
 import threading
 import time
@@ -13,6 +16,7 @@ import torch
 import zmq
 
 from mmfeat.daemon.mesh_keys import load_secret
+from mmfeat.daemon.metrics import _mesh_metrics
 from mmfeat.daemon.remote import route
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.mesh import FABRIC_HANDLE_BYTES, MeshPool, encode_mesh
@@ -84,8 +88,15 @@ def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_ow
             t.join(30)
         assert torch.equal(got["1"], x) and torch.equal(got["2"], x)
         assert torch.equal(c1.get(desc.to_bytes(), copy=True), x)  # a later get: the same copy
-        peer = b.stats()["mesh"]["peers"][0]
-        assert peer["pulls"] == 1 and peer["shared_gets"] == 2
+        mesh = b.stats()["mesh"]
+        peer = mesh["peers"][0]
+        assert peer["pulls"] == 1 and peer["shared_gets"] == 2 and peer["bytes_pulled"] == 64 << 20
+        assert mesh["copies"] == 1 and mesh["copy_bytes"] == 64 << 20
+        pulled = next(f for f in _mesh_metrics(mesh) if f.name == "mmfeat_mesh_pulled_bytes")
+        assert [(s.labels, s.value) for s in pulled.samples] == [({"peer": "a"}, 64 << 20)]
+        table = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(b.runtime_dir), "stats"],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert "pulls with nixl" in table and "pulled MiB" in table and " 64 " in table, table
         assert c1.ack(desc, wait=True) == {"remaining": 2, "freed": False, "over_acked": 0}
         got.clear()  # the views go before the acks that end them
         # A consumer that never read (a cache hit) acks too; over-acks are clamped and counted at the owner.
@@ -216,6 +227,29 @@ def test_hostile_feature_messages_from_an_authenticated_peer_leave_the_owner_con
     with b.client() as consumer:  # the real b still reads and acks
         assert torch.equal(consumer.get(desc), torch.arange(1 << 16))
         assert consumer.ack(desc, wait=True)["freed"]
+
+
+def _cpu_seconds(pid: int) -> float:
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def test_an_idle_meshed_daemon_with_nixl_costs_next_to_no_cpu(cluster) -> None:
+    # NIXL's own agent class spins its UCX progress thread: a whole core per daemon, forever.
+    a, b = _meshed(cluster)
+    assert a.stats()["mesh"]["transport"] == "nixl"
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as consumer:
+        desc = producer.put(torch.ones(1 << 16), consumers=1)
+        consumer.get(desc)  # UCX has connected both ways
+        consumer.ack(desc)
+    _idle(b, "the copy to go")
+    before = {d.pid: _cpu_seconds(d.pid) for d in (a, b)}
+    time.sleep(3)
+    used = {pid: _cpu_seconds(pid) - cpu0 for pid, cpu0 in before.items()}
+    assert all(u < 0.3 for u in used.values()), f"CPU seconds in 3 idle seconds: {used}"
 
 
 def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> None:

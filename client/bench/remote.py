@@ -144,9 +144,9 @@ def _consumer(mode: str, runtime_dir: str, port: int, count: int, out: Any) -> N
         _, body = pull.recv_multipart(copy=False)
         if client is not None:
             desc = Descriptor.from_bytes(body.bytes)
-            t0 = time.monotonic()
+            g0 = time.monotonic()
             got = client.get(desc)
-            get_s.append(time.monotonic() - t0)
+            get_s.append(time.monotonic() - g0)
             _read_every_byte(got)
             del got
             client.ack(desc)
@@ -164,7 +164,7 @@ def _consumer(mode: str, runtime_dir: str, port: int, count: int, out: Any) -> N
 
 
 def _nixl_owner(size: int, meta_q: Any, stop_q: Any) -> None:
-    from mmfeat.nixl import load_nixl
+    from mmfeat.nixl import load_nixl, make_agent
 
     api = load_nixl()
     fd = os.memfd_create("bench")
@@ -172,7 +172,7 @@ def _nixl_owner(size: int, meta_q: Any, stop_q: Any) -> None:
     mm = mmap.mmap(fd, size)
     mm[:] = os.urandom(min(size, 1 << 20)) * max(1, size // (1 << 20)) if size >= 1 << 20 else os.urandom(size)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-    agent = api.nixl_agent("bench-owner", api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    agent = make_agent(api, "bench-owner")  # set up as the daemon's are
     agent.register_memory([(addr, size, 0, "bench")], "DRAM")
     meta_q.put((agent.get_agent_metadata(), addr))
     stop_q.get()
@@ -183,13 +183,13 @@ def _nixl_reader(size: int, count: int, meta_q: Any, out: Any) -> None:
 
     torch.set_num_threads(1)
 
-    from mmfeat.nixl import load_nixl
+    from mmfeat.nixl import load_nixl, make_agent
 
     api = load_nixl()
     metadata, remote_addr = meta_q.get(timeout=60)
     mm = mmap.mmap(-1, size)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-    agent = api.nixl_agent("bench-reader", api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    agent = make_agent(api, "bench-reader")
     agent.register_memory([(addr, size, 0, "")], "DRAM")
     name = agent.add_remote_agent(metadata)
     local = agent.get_xfer_descs([(addr, size, 0)], "DRAM")
