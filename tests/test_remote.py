@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,8 +94,11 @@ def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_ow
         peer = mesh["peers"][0]
         assert peer["pulls"] == 1 and peer["shared_gets"] == 2 and peer["bytes_pulled"] == 64 << 20
         assert mesh["copies"] == 1 and mesh["copy_bytes"] == 64 << 20
-        pulled = next(f for f in _mesh_metrics(mesh) if f.name == "mmfeat_mesh_pulled_bytes")
-        assert [(s.labels, s.value) for s in pulled.samples] == [({"peer": "a"}, 64 << 20)]
+        families = {f.name: f for f in _mesh_metrics(mesh)}
+        assert [(s.labels, s.value) for s in families["mmfeat_mesh_pulled_bytes"].samples] == [({"peer": "a"}, 64 << 20)]
+        exported = {n + ("_total" if f.type == "counter" else "") for n, f in families.items()}
+        for metric in re.findall(r"`(mmfeat_mesh_[a-z_]+)", (Path(__file__).parents[1] / "README.md").read_text()):
+            assert metric in exported, f"README names {metric}, which a meshed daemon does not export"
         table = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(b.runtime_dir), "stats"],
                                capture_output=True, text=True, timeout=60).stdout
         assert "pulls with nixl" in table and "pulled MiB" in table and " 64 " in table, table
