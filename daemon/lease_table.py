@@ -9,6 +9,7 @@ feature bytes; the daemon still never touches those.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -51,6 +52,15 @@ class LeaseTable:
         if self._fd is None:
             raise RuntimeError("lease table is closed")
         return self._fd
+
+    def address(self) -> int:
+        """Where the table is mapped in this process: registered with NIXL so that peers can check a
+        feature they pulled (its STATE word and entry) without a message."""
+        assert self._mm is not None
+        view = ctypes.c_char.from_buffer(self._mm)
+        addr = ctypes.addressof(view)
+        del view  # a live export would keep the mapping from ever closing
+        return addr
 
     def entry(self, slot: int) -> tuple[int, ...]:
         """The slot's POOL .. TOKEN + 1 words, read plainly: call after an acquire (load or fence) that

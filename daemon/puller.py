@@ -9,7 +9,9 @@ go, the job is not reported, so the local range it writes into is never handed t
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import queue
 import socket
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mmfeat.nixl import NixlUnavailable, load_nixl, make_agent
+from mmfeat.protos.lease_table import ENTRY_BYTES, POOL, STATE, check_entry, word_offset
 
 log = logging.getLogger("mmfeatd.puller")
 
+_SCRATCH_SLOTS = 1024  # verify READs in flight at most, 64 bytes each
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-4  # a finished transfer waits at most this for the thread to notice
 
@@ -38,6 +42,21 @@ class Region:
 
 
 @dataclass(frozen=True)
+class Verify:
+    """After the bytes, READ the owner's lease-table STATE word and entry of the feature's slot: if they
+    still show the feature (generation, range, token), the bytes read were its bytes."""
+
+    table_addr: int
+    slots: int
+    slot: int
+    gen: int
+    pool: int
+    offset: int
+    nbytes: int
+    token: bytes
+
+
+@dataclass(frozen=True)
 class ReadJob:
     job: int
     peer: str  # the peer's public key
@@ -49,6 +68,7 @@ class ReadJob:
     local_device: int
     nbytes: int
     deadline: float  # time.monotonic()
+    verify: Optional[Verify] = None
 
 
 @dataclass(frozen=True)
@@ -56,10 +76,13 @@ class Result:
     job: int
     ok: bool
     error: str = ""
+    code: str = ""  # set when the verify READ showed the feature gone (STALE) or not as named (FORBIDDEN)
 
 
 class Puller:
-    def __init__(self, name: str, regions: list[Region]) -> None:
+    def __init__(self, name: str, regions: list[Region], table: Optional[tuple[int, int]] = None) -> None:
+        """``table``: (address, size) of this daemon's lease table, registered so that pullers can check
+        features in it."""
         api = load_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
         try:
@@ -68,6 +91,16 @@ class Puller:
                 raise NixlUnavailable("NIXL has no UCX backend here")
             for r in regions:
                 self._agent.register_memory([(r.addr, r.size, r.device, f"pool{r.pool}")], r.mem)
+            self.table_addr = 0
+            if table is not None:
+                self._agent.register_memory([(table[0], table[1], 0, "lease-table")], "DRAM")
+                self.table_addr = table[0]
+            # Where verify READs land: the owner's STATE word and entry, 64 bytes a job.
+            self._scratch = mmap.mmap(-1, 64 * _SCRATCH_SLOTS)
+            view = ctypes.c_char.from_buffer(self._scratch)
+            self._scratch_addr = ctypes.addressof(view)
+            del view
+            self._agent.register_memory([(self._scratch_addr, len(self._scratch), 0, "scratch")], "DRAM")
             self.metadata: bytes = self._agent.get_agent_metadata()
         except NixlUnavailable:
             raise
@@ -130,6 +163,8 @@ class Puller:
         agents: dict[str, bytes] = {}  # peer -> its NIXL agent name
         leaving: set[str] = set()
         active: list[tuple[ReadJob, Any]] = []
+        self._free_scratch = list(range(_SCRATCH_SLOTS))
+        self._verifying: dict[int, int] = {}  # job -> scratch slot of its verify READ in flight
         pause = _POLL_MIN_S
         while not self._stop:
             try:
@@ -148,7 +183,9 @@ class Puller:
                 elif kind == "remove":
                     leaving.add(peer)
                 elif kind == "read":
-                    started = self._start(agents, arg)
+                    started = self._start(agents, arg, *self._data_descs(arg))
+                    if isinstance(started, Result):
+                        started = self._advance(agents, arg, started)
                     if isinstance(started, Result):
                         self._report(started)
                     else:
@@ -160,8 +197,12 @@ class Puller:
                 result = self._poll(job, handle)
                 if result is None:
                     still.append((job, handle))
+                    continue
+                after = self._advance(agents, job, result)
+                if isinstance(after, Result):
+                    self._report(after)
                 else:
-                    self._report(result)
+                    still.append((job, after))
             active = still
             for peer in [p for p in leaving if not any(j.peer == p for j, _ in active)]:
                 self._forget(agents, peer)
@@ -172,13 +213,55 @@ class Puller:
         for _, handle in active:
             self._release(handle)
 
-    def _start(self, agents: dict[str, bytes], job: ReadJob) -> Any:
+    @staticmethod
+    def _data_descs(job: ReadJob) -> tuple[list, str, list, str]:
+        return ([(job.local_addr, job.nbytes, job.local_device)], job.local_mem,
+                [(job.remote_addr, job.nbytes, job.remote_device)], job.remote_mem)
+
+    def _advance(self, agents: dict[str, bytes], job: ReadJob, result: Result) -> Any:
+        """A transfer of ``job`` ended with ``result``: its verify READ next (a handle), or its last Result."""
+        if result.ok and job.verify is not None and job.job not in self._verifying:
+            started = self._start_verify(agents, job)  # the bytes are in: now their STATE word and entry
+            return self._advance(agents, job, started) if isinstance(started, Result) else started
+        return self._finish(job, result)
+
+    def _start_verify(self, agents: dict[str, bytes], job: ReadJob) -> Any:
+        v = job.verify
+        assert v is not None
+        if not self._free_scratch:
+            return Result(job.job, False, "too many pulls at once to verify")
+        slot = self._verifying[job.job] = self._free_scratch.pop()
+        local = self._scratch_addr + 64 * slot
+        return self._start(agents, job, [(local, 8, 0), (local + 8, ENTRY_BYTES, 0)], "DRAM",
+                           [(v.table_addr + word_offset(v.slots, v.slot, STATE), 8, 0),
+                            (v.table_addr + word_offset(v.slots, v.slot, POOL), ENTRY_BYTES, 0)], "DRAM")
+
+    def _finish(self, job: ReadJob, result: Result) -> Result:
+        """A job's last transfer ended: with a verify READ, what the owner's table says decides."""
+        slot = self._verifying.pop(job.job, None)
+        if slot is None:
+            return result
+        self._free_scratch.append(slot)
+        if not result.ok:
+            return result
+        v = job.verify
+        assert v is not None
+        raw = self._scratch[64 * slot: 64 * slot + 8 + ENTRY_BYTES]
+        why = check_entry(int.from_bytes(raw[:8], "little"), raw[8:], v.gen, v.pool, v.offset, v.nbytes, v.token)
+        if why == "STALE":
+            return Result(job.job, False, f"lease {v.slot} generation {v.gen} ended or its slot was reused", why)
+        if why:
+            return Result(job.job, False, f"lease {v.slot}'s range or token differ from the descriptor's", why)
+        return result
+
+    def _start(self, agents: dict[str, bytes], job: ReadJob, local_list: list, local_mem: str, remote_list: list,
+               remote_mem: str) -> Any:
         name = agents.get(job.peer)
         if name is None:
             return Result(job.job, False, "no NIXL metadata from this peer (it has no NIXL, or its hello was refused)")
         try:
-            local = self._agent.get_xfer_descs([(job.local_addr, job.nbytes, job.local_device)], job.local_mem)
-            remote = self._agent.get_xfer_descs([(job.remote_addr, job.nbytes, job.remote_device)], job.remote_mem)
+            local = self._agent.get_xfer_descs(local_list, local_mem)
+            remote = self._agent.get_xfer_descs(remote_list, remote_mem)
             handle = self._agent.initialize_xfer("READ", local, remote, name)
             state = self._agent.transfer(handle)
         except Exception as exc:

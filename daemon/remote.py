@@ -33,7 +33,7 @@ from mmfeat.protos.messages import LeaseRef
 from .core import DaemonCore
 from .ledger import EndReason, Lease, LeaseState
 from .mesh import Mesh, PeerState
-from .puller import Puller, ReadJob, Result
+from .puller import Puller, ReadJob, Result, Verify
 
 log = logging.getLogger("mmfeatd.remote")
 
@@ -73,6 +73,7 @@ class _Copy:
     owner_lease: tuple[int, int]
     local: Lease
     state: str = "pulling"  # pulling, checking, ready; failed while a pull it gave up on still runs
+    verified: bool = False  # the pull READs the owner's lease table too: no check message to wait for
     waiters: list[tuple[Respond, float]] = field(default_factory=list)
     deadline: float = 0.0
 
@@ -89,6 +90,7 @@ class _Check:
 
 @dataclass
 class _Outbox:
+    pulled: list[dict[str, Any]] = field(default_factory=list)  # sent first: before an ack that ends one
     acks: list[tuple[MeshAck, Optional[Respond]]] = field(default_factory=list)
     ended: list[list[int]] = field(default_factory=list)
 
@@ -179,12 +181,15 @@ class RemoteFeatures:
         assert peer.hello is not None
         if peer.hello.nixl is None:
             raise MmfeatError(ErrorCode.NO_TRANSPORT, f"node {node!r}'s daemon has no NIXL; install 'mmfeat[mesh]' there")
+        table = peer.hello.table
+        if table is not None and ref.lease >= table.slots:
+            raise MmfeatError(ErrorCode.NOT_FOUND, f"node {node!r}'s daemon has no lease slot {ref.lease}")
         local_pool = next(iter(self.puller.regions))
         region = self.puller.regions[local_pool]
         self.core.sweep(now)  # acks written since the last sweep may free the room this needs
         lease = self.core.ledger.reserve(self.session, local_pool, ref.nbytes, 1, now, ttl=PULL_HOLD_S, quota=False)
         copy = _Copy(key, peer.config.public_key, node, ref.epoch, (ref.lease, ref.gen), lease, waiters=[waiter],
-                     deadline=waiter[1])
+                     deadline=waiter[1], verified=table is not None)
         job = next(self._ids)
         self._copies[key] = copy
         self._by_job[job] = copy
@@ -195,6 +200,9 @@ class RemoteFeatures:
             job, copy.peer, pool.addr + ref.offset, "DRAM" if pool.kind == "host" else "VRAM",
             0 if pool.kind == "host" else pool.device, region.addr + lease.offset, region.mem, region.device,
             ref.nbytes, waiter[1],
+            # The owner's lease table says, after the bytes, whether they were the feature's: no message.
+            Verify(table.addr, table.slots, ref.lease, ref.gen, ref.pool, ref.offset, ref.nbytes, ref.token)
+            if table is not None else None,
         ))
 
     def on_pulled(self, results: list[Result], now: float) -> None:
@@ -206,13 +214,22 @@ class RemoteFeatures:
                 self._release(copy, now)
                 continue
             if not result.ok:
+                if result.code:  # the owner's table showed the feature gone, or not as the descriptor says
+                    self._fail(copy, MmfeatError(ErrorCode(result.code), f"node {copy.node!r}: {result.error}"), now)
+                    continue
                 self.peer_counters(copy.peer).pull_failures += 1
                 self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"pull from node {copy.node!r} failed: {result.error}"), now)
                 continue
             self.peer_counters(copy.peer).bytes_pulled += copy.local.nbytes
             peer = self.mesh.peers.get(copy.peer)
-            copy.state = "checking"
             ref = LeaseRef.model_validate({k: v for k, v in zip(LeaseRef.model_fields, copy.key[1:])})
+            if copy.verified:
+                self._ready(copy, now)
+                box = self._outbox.setdefault(copy.peer, _Outbox())
+                box.pulled.append(ref.model_dump())  # so the owner says when it ends
+                self.next_flush = min(self.next_flush, now + ACK_BATCH_S)
+                continue
+            copy.state = "checking"
             if peer is None or not self._check(peer, ref, copy, copy.waiters, None, now):
                 self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {copy.node!r} cannot be asked now"), now)
 
@@ -246,8 +263,11 @@ class RemoteFeatures:
         if error is not None:
             self._fail(copy, error, now)
             return
-        local = copy.local
-        self.core.ledger.publish(_ref(self.core, local), self.session, now)
+        self._ready(copy, now)
+
+    def _ready(self, copy: _Copy, now: float) -> None:
+        """The copy holds the feature's bytes: published here, handed to everyone waiting for it."""
+        self.core.ledger.publish(_ref(self.core, copy.local), self.session, now)
         copy.state = "ready"
         reply = self._copy_reply(copy)
         for respond, _ in copy.waiters:
@@ -308,6 +328,10 @@ class RemoteFeatures:
     def _flush_peer(self, key: str, box: _Outbox, now: float) -> None:
         peer = self.mesh.peers.get(key)
         counters = self.peer_counters(key)
+        while box.pulled:
+            chunk, box.pulled = box.pulled[:MAX_MESH_BATCH], box.pulled[MAX_MESH_BATCH:]
+            if peer is not None:
+                self.mesh.send(peer, "pulled", {"leases": chunk})  # lost: the copy then lives until ack_ttl
         while box.acks:
             chunk, box.acks = box.acks[:MAX_MESH_BATCH], box.acks[MAX_MESH_BATCH:]
             batch = next(self._ids)
@@ -353,6 +377,21 @@ class RemoteFeatures:
         counters.bytes_served += lease.nbytes
         return "", ""
 
+    def on_pulled_notice(self, peer: PeerState, leases: list[Any], now: float) -> None:
+        """A peer pulled these features of ours: it hears ``ended`` for each (at once, if one is gone)."""
+        self.core.sweep(now)
+        counters = self.peer_counters(peer.config.public_key)
+        for m in leases:
+            try:
+                lease = self.core.ledger.lookup(LeaseRef.model_validate(m.model_dump()))
+            except MmfeatError:
+                self._outbox.setdefault(peer.config.public_key, _Outbox()).ended.append([m.lease, m.gen])
+                self.next_flush = min(self.next_flush, now + ACK_BATCH_S)
+                continue
+            self._pulled_by.setdefault((lease.lease_id, lease.gen), set()).add(peer.config.public_key)
+            counters.checks_served += 1
+            counters.bytes_served += lease.nbytes
+
     def on_acks(self, peer: PeerState, acks: list[MeshAck], now: float) -> list[dict[str, Any]]:
         self.core.sweep(now)
         counters = self.peer_counters(peer.config.public_key)
@@ -391,7 +430,9 @@ class RemoteFeatures:
             return "checked", {"req": body.req, "code": code, "message": message[:512]}
         if op == "acks":
             return "acked", {"batch": body.batch, "results": self.on_acks(peer, body.acks, now)}
-        if op == "ended":
+        if op == "pulled":
+            self.on_pulled_notice(peer, body.leases, now)
+        elif op == "ended":
             self.on_ended(peer, body.epoch, body.leases, now)
         return None
 

@@ -143,7 +143,8 @@ class Server:
         try:
             if not regions:
                 raise NixlUnavailable("no pool of this daemon can be registered with NIXL (only host pools are)")
-            self._puller = Puller(agent_name(self.settings.node_id, self.core.epoch), regions)
+            self._puller = Puller(agent_name(self.settings.node_id, self.core.epoch), regions,
+                                  (self.core.table.address(), self.core.table.size))
         except NixlUnavailable as exc:
             log.warning("mesh: features of other nodes cannot be pulled here: %s", exc)
             return f"this daemon cannot pull features from other nodes: {exc}"
@@ -157,7 +158,9 @@ class Server:
             info["addr"] = regions[p.pool_id].addr if p.pool_id in regions else 0
             pools.append(info)
         return {"node": self.settings.node_id, "epoch": self.core.epoch, "pools": pools,
-                "nixl": self._puller.metadata if self._puller is not None else None}
+                "nixl": self._puller.metadata if self._puller is not None else None,
+                "table": {"addr": self._puller.table_addr, "slots": self.core.table.slots}
+                if self._puller is not None and self._puller.table_addr else None}
 
     def _mesh_stats(self) -> dict:
         assert self._mesh is not None and self._remote is not None

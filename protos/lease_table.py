@@ -61,3 +61,16 @@ def state_word(gen: int, state: int) -> int:
 
 def ack_word(gen: int, acks: int = 0) -> int:
     return (gen & ACK_GEN_MASK) << 32 | acks
+
+
+def check_entry(state: int, entry: bytes, gen: int, pool: int, offset: int, nbytes: int, token: bytes) -> str:
+    """Why a slot's STATE word and 48-byte entry, as read from another process or node, do not show the
+    live feature ``gen`` with this range and token; "" when they do. The entry is written before STATE
+    names its generation and rewritten only after the slot was freed, so an entry read after a STATE
+    naming ``gen`` either belongs to it or to a later feature, whose token differs."""
+    if state >> 2 != gen & GEN_MASK or state & 3 == FREE:
+        return "STALE"
+    pool_, offset_, nbytes_ = struct.unpack_from("<QQQ", entry, 0)
+    if (pool_, offset_, nbytes_) != (pool, offset, nbytes) or entry[32:48] != token:
+        return "FORBIDDEN"
+    return ""

@@ -48,6 +48,14 @@ class MeshPool(_Mesh):
     addr: Count = 0
 
 
+class MeshTable(_Mesh):
+    """Where the sender's lease table (SPEC.md section 5) is registered with its NIXL agent: a puller
+    READs a feature's STATE word and entry after its bytes, to know they were the feature's."""
+
+    addr: Annotated[int, Field(gt=0, le=(1 << 64) - 1)]
+    slots: Annotated[int, Field(gt=0, le=1 << 24)]
+
+
 class MeshHello(_Mesh):
     """Who a daemon is: sent on connecting and again whenever its epoch changes."""
 
@@ -57,6 +65,7 @@ class MeshHello(_Mesh):
     # The sender's NIXL agent metadata (opaque to mmfeat), None when it has no NIXL: with it a peer can
     # READ the registered pools. It travels only here, over CURVE, to listed peers.
     nixl: Optional[Annotated[bytes, Field(min_length=1, max_length=MAX_NIXL_METADATA)]] = None
+    table: Optional[MeshTable] = None  # with nixl: the lease table, registered too
 
 
 class MeshLease(_Mesh):
@@ -110,6 +119,13 @@ class MeshAcked(_Mesh):
     results: Annotated[list[MeshAckResult], Field(max_length=MAX_MESH_BATCH)]
 
 
+class MeshPulled(_Mesh):
+    """The sender pulled these features of the receiver's (and checked them in its lease table): the
+    receiver sends ``ended`` for each when it ends, so the sender can drop its copy."""
+
+    leases: Annotated[list[MeshLease], Field(min_length=1, max_length=MAX_MESH_BATCH)]
+
+
 class MeshEnded(_Mesh):
     """Features of the sender's that the receiver pulled have ended: its copies may go."""
 
@@ -133,10 +149,11 @@ MESH_OPS: dict[str, type[_Mesh]] = {
     "hello": MeshHello, "ping": MeshPing, "pong": MeshPong,
     "check": MeshCheck, "checked": MeshChecked,
     "acks": MeshAcks, "acked": MeshAcked,
+    "pulled": MeshPulled,
     "ended": MeshEnded,
 }
 # Which way each op travels: requests from a daemon's DEALER to the peer's ROUTER, replies back.
-MESH_REQUESTS = frozenset({"hello", "ping", "check", "acks", "ended"})
+MESH_REQUESTS = frozenset({"hello", "ping", "check", "acks", "pulled", "ended"})
 MESH_REPLIES = frozenset({"pong", "checked", "acked"})
 
 

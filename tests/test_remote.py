@@ -30,10 +30,10 @@ from .cluster import Cluster
 pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed: make setup installs mmfeat[mesh]")
 
 
-def _meshed(cluster: Cluster, *args: str, nodes: tuple[str, ...] = ("a", "b")) -> list:
+def _meshed(cluster: Cluster, *args: str, nodes: tuple[str, ...] = ("a", "b"), pool_mb: int = 160) -> list:
     for n in nodes:
         cluster.node(n)
-    daemons = [cluster.start(n, [m for m in nodes if m != n], "--pool-mb", "256", *args) for n in nodes]
+    daemons = [cluster.start(n, [m for m in nodes if m != n], "--pool-mb", str(pool_mb), *args) for n in nodes]
     for d in daemons:
         d.wait_for(lambda s: all(p["state"] == "up" and p["node"] for p in s["mesh"]["peers"]), timeout=20,
                    what="every peer up")
@@ -46,7 +46,7 @@ def _idle(d, what: str) -> dict:
 
 
 def test_a_producer_on_a_feeds_consumers_on_a_and_b_every_byte(cluster) -> None:
-    a, b = _meshed(cluster)
+    a, b = _meshed(cluster, pool_mb=256)
     fds_b = fd_count(b.pid)
     ctx = mp.get_context("spawn")
     q_prod, q_a, q_b, results = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -138,6 +138,22 @@ def test_a_node_without_nixl_says_what_to_install(cluster, tmp_path) -> None:
         assert desc.is_inline and torch.equal(consumer.get(desc), torch.ones(1000))
 
 
+def test_a_descriptor_whose_feature_ended_is_stale_on_another_node_never_new_bytes(cluster) -> None:
+    a, b = _meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer, a.client() as local, b.client() as remote:
+        old = producer.put(torch.full((1 << 16,), 7.0), consumers=1)
+        assert local.ack(old, wait=True)["freed"]
+        # New features take the space (and, in the producer's arena ring, the slots) the old one had.
+        new = [producer.put(torch.full((1 << 16,), float(k)), consumers=1) for k in range(8)]
+        assert any((d.offset, d.pool) == (old.offset, old.pool) for d in new)
+        with pytest.raises(MmfeatError) as stale:
+            remote.get(old)  # the bytes pulled are a new feature's: the owner's table says so
+        assert stale.value.code in (ErrorCode.STALE, ErrorCode.NOT_FOUND)
+        for d in new:
+            local.ack(d)
+    _idle(b, "b to release the range of the refused pull")
+
+
 def test_an_unlisted_daemon_can_neither_pull_nor_ack(cluster) -> None:
     a, b = _meshed(cluster)
     cluster.node("c")
@@ -189,7 +205,6 @@ def test_when_the_consumers_node_dies_the_owner_frees_by_ack_ttl(cluster) -> Non
         desc = producer.put(torch.randn(1 << 18), consumers=1)
         consumer.get(desc)
         cluster.stop("b", signal.SIGKILL)
-        a.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "down", timeout=20, what="b down")
         s = _idle(a, "a to free b's share by ack_ttl")
     assert s["counters"]["expired"] == 1 and s["counters"]["acks"] == 0
 
@@ -213,19 +228,20 @@ def test_hostile_feature_messages_from_an_authenticated_peer_leave_the_owner_con
         {**lease, "token": b"\0" * 16}, {**lease, "gen": lease["gen"] + 1}, {**lease, "nbytes": lease["nbytes"] + 256},
         {**lease, "pool": 9}, {**lease, "lease": 1 << 40}, {**lease, "epoch": epoch + 1},
     ]
-    for k in range(600):
+    for k in range(200):
         bad = forged[k % len(forged)]
         evil.send(encode_mesh("check", {"req": k, "lease": bad}))
         evil.send(encode_mesh("acks", {"batch": k, "acks": [{"lease": bad, "count": 4096}] * 8}))
         evil.send(encode_mesh("ended", {"epoch": epoch, "leases": [[k, k]] * 4}))
+        evil.send(encode_mesh("pulled", {"leases": [bad] * 4}))
         evil.send(encode_mesh("acked", {"batch": k, "results": []}))  # a reply, sent as a request
     answers = []
     while evil.poll(2000):
         answers.append(evil.recv())
-    assert len(answers) >= 1000  # a check and an acks answer each, while the HWM allows
+    assert len(answers) >= 300  # a check and an acks answer each, while the HWM allows
     s = a.stats()
     assert a.proc.poll() is None and s["pools"][0]["leases"]["PUBLISHED"] == 1  # no forged ack took effect
-    assert s["counters"]["acks"] == 0 and s["mesh"]["bad_messages"] >= 600
+    assert s["counters"]["acks"] == 0 and s["mesh"]["bad_messages"] >= 200
     assert anon_bytes(a.pid) - base_mem < 16 << 20 and fd_count(a.pid) <= base_fds + 2
     evil.close()
     ctx.term()
@@ -252,9 +268,9 @@ def test_an_idle_meshed_daemon_with_nixl_costs_next_to_no_cpu(cluster) -> None:
         consumer.ack(desc)
     _idle(b, "the copy to go")
     before = {d.pid: _cpu_seconds(d.pid) for d in (a, b)}
-    time.sleep(3)
+    time.sleep(2)
     used = {pid: _cpu_seconds(pid) - cpu0 for pid, cpu0 in before.items()}
-    assert all(u < 0.3 for u in used.values()), f"CPU seconds in 3 idle seconds: {used}"
+    assert all(u < 0.2 for u in used.values()), f"CPU seconds in 2 idle seconds: {used}"
 
 
 def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> None:
