@@ -89,8 +89,15 @@ class Puller:
             self._agent = make_agent(api, name)
             if "UCX" not in self._agent.backends:
                 raise NixlUnavailable("NIXL has no UCX backend here")
+            registered = []
             for r in regions:
-                self._agent.register_memory([(r.addr, r.size, r.device, f"pool{r.pool}")], r.mem)
+                try:
+                    self._agent.register_memory([(r.addr, r.size, r.device, f"pool{r.pool}")], r.mem)
+                    registered.append(r)
+                except Exception as exc:  # e.g. VRAM with a UCX built without CUDA: that pool is not pulled
+                    log.warning("NIXL cannot register pool %d (%s memory): %s: %s", r.pool, r.mem, type(exc).__name__, exc)
+            if not registered:
+                raise NixlUnavailable("NIXL could register none of this daemon's pools")
             self.table_addr = 0
             if table is not None:
                 self._agent.register_memory([(table[0], table[1], 0, "lease-table")], "DRAM")
@@ -106,7 +113,7 @@ class Puller:
             raise
         except Exception as exc:  # nixl raises its bindings' own exception types
             raise NixlUnavailable(f"NIXL failed to start: {type(exc).__name__}: {exc}") from None
-        self.regions = {r.pool: r for r in regions}
+        self.regions = {r.pool: r for r in registered}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: list[Result] = []
         self._lock = threading.Lock()

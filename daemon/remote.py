@@ -177,7 +177,7 @@ class RemoteFeatures:
             raise MmfeatError(ErrorCode.NO_TRANSPORT, self._no_puller)
         if not pool.addr:
             raise MmfeatError(ErrorCode.NO_TRANSPORT, f"pool {pool.pool} of node {node!r} is not registered with NIXL "
-                                                       "(only host pools are pulled); send such features inline")
+                                                       "(see that daemon's log); send such features inline")
         assert peer.hello is not None
         if peer.hello.nixl is None:
             raise MmfeatError(ErrorCode.NO_TRANSPORT, f"node {node!r}'s daemon has no NIXL; install 'mmfeat[mesh]' there")

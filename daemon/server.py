@@ -137,12 +137,17 @@ class Server:
         """NIXL, with every pool it can register; what a client is told if it cannot start ("" if it did)."""
         regions = []
         for pool in self.core.pools.values():
-            mapped = pool.map_for_pulls()
+            try:
+                mapped = pool.map_for_pulls()
+            except (OSError, RuntimeError) as exc:  # CudaError is a RuntimeError
+                log.warning("mesh: pool %d cannot be mapped for pulls (%s); its features go to other nodes inline",
+                            pool.pool_id, exc)
+                continue
             if mapped is not None:
                 regions.append(Region(pool.pool_id, mapped[0], pool.size, mapped[1], mapped[2]))
         try:
             if not regions:
-                raise NixlUnavailable("no pool of this daemon can be registered with NIXL (only host pools are)")
+                raise NixlUnavailable("no pool of this daemon can be registered with NIXL")
             self._puller = Puller(agent_name(self.settings.node_id, self.core.epoch), regions,
                                   (self.core.table.address(), self.core.table.size))
         except NixlUnavailable as exc:

@@ -43,13 +43,15 @@ class Cluster:
     def endpoint(self, name: str) -> str:
         return f"tcp://127.0.0.1:{self.ports[name]}"
 
-    def start(self, name: str, peers: list[str], *args: str, nofile: int | None = None, env: dict | None = None) -> Daemon:
+    def start(self, name: str, peers: list[str], *args: str, nofile: int | None = None, env: dict | None = None,
+              backend: str = "host") -> Daemon:
         listed = ", ".join(f'{{endpoint = "{self.endpoint(p)}", public_key = "{self.keys[p]}"}}' for p in peers)
         config = self.root / f"{name}.toml"
         config.write_text(f'[mmfeatd]\nnode_id = "{name}"\nlisten = "{self.endpoint(name)}"\n'
                           f'mesh_secret_file = "{self.root / f"keys-{name}" / "mesh.secret"}"\npeers = [{listed}]\n')
         runtime = Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
-        d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args, nofile=nofile, env=env)
+        d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args, nofile=nofile, env=env,
+                         backend=backend)
         self.daemons[name] = d
         return d
 

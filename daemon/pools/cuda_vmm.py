@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from mmfeat import cuda_driver as drv
 
@@ -53,6 +53,7 @@ class CudaVmmPool(Pool):
         self._alloc = None
         self._fd: Optional[int] = None
         self._fabric: Optional[bytes] = None
+        self._va: Any = None  # the daemon's own mapping, made only for NIXL (map_for_pulls)
         self._ctx_retained = False
         try:
             self.uuid = drv.device_uuid(ordinal)
@@ -78,6 +79,30 @@ class CudaVmmPool(Pool):
     def export_fd(self) -> Optional[int]:
         return self._fd
 
+    def map_for_pulls(self) -> Optional[tuple[int, str, int]]:
+        """The pool mapped in the daemon for NIXL to serve peers' READs (VRAM). Made only with a mesh;
+        it takes no HBM beyond the pool's. The primary context is current: VMM calls and the NIXL
+        registration that follows need one."""
+        if self._alloc is None:
+            raise RuntimeError("pool is closed")
+        if self._va is None:
+            cu = drv.cu
+            drv.retain_primary_context(self.device)  # current on this thread; released in close()
+            gran = drv.granularity(drv.allocation_prop(self.device, self.handle))
+            va = drv.ck("cuMemAddressReserve", cu.cuMemAddressReserve(self.size, gran, 0, 0))
+            try:
+                drv.ck("cuMemMap", cu.cuMemMap(va, self.size, 0, self._alloc, 0))
+                try:
+                    drv.ck("cuMemSetAccess", cu.cuMemSetAccess(va, self.size, [drv.access_desc(self.device)], 1))
+                except BaseException:
+                    cu.cuMemUnmap(va, self.size)
+                    raise
+            except BaseException:
+                cu.cuMemAddressFree(va, self.size)
+                raise
+            self._va = va
+        return int(self._va), "VRAM", self.device
+
     def fabric_handle(self) -> Optional[bytes]:
         return self._fabric
 
@@ -87,6 +112,12 @@ class CudaVmmPool(Pool):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._va is not None:
+            drv.cu.cuCtxSynchronize()  # a transfer NIXL started may still read it
+            drv.cu.cuMemUnmap(self._va, self.size)
+            drv.cu.cuMemAddressFree(self._va, self.size)
+            self._va = None
+            drv.release_primary_context(self.device)
         if self._alloc is not None:
             drv.cu.cuMemRelease(self._alloc)
             self._alloc = None

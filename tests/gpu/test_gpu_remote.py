@@ -1,0 +1,35 @@
+"""On a GPU: a feature in one node's CUDA pool, read by a consumer of another node (two daemons on
+one machine, meshed): the owner's pool is mapped in its daemon and registered with NIXL as VRAM, and
+the consumer's daemon pulls it into its own pool. On one machine the pools are POSIX-fd pools, so the
+route is a pull, not the FABRIC relay (which needs two nodes of one NVLink domain)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (mmfeat[mesh]); the device run carries no nixl wheel")
+
+
+def test_a_cuda_pool_feature_is_pulled_by_another_node(cluster) -> None:
+    for n in ("a", "b"):
+        cluster.node(n)
+    a = cluster.start("a", ["b"], "--pool-mb", "256", backend="cuda_vmm")
+    b = cluster.start("b", ["a"], "--pool-mb", "256", backend="cuda_vmm")
+    s = b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["node"], timeout=30,
+                   what="a up")
+    pool = s["mesh"]["peers"][0]["pools"][0]
+    print(f"b's view of a's pool: {pool}; b's transport {s['mesh']['transport']!r} ({s['mesh']['transport_error']})")
+    assert pool["kind"] == "cuda" and pool["fabric"] is False and pool["pullable"], pool
+    torch.cuda.set_device(0)
+    x = torch.randn(4, 1 << 20, device="cuda:0")
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as consumer:
+        desc = producer.put(x, consumers=1)
+        got = consumer.get(desc)
+        assert got.is_cuda and torch.equal(got, x)
+        del got
+        assert consumer.ack(desc, wait=True)["freed"]
+    peer = b.stats()["mesh"]["peers"][0]
+    print(f"pulled {peer['bytes_pulled']} B in {peer['pulls']} pull(s)")
+    assert peer["pulls"] == 1
