@@ -44,23 +44,25 @@ class Cluster:
         return f"tcp://127.0.0.1:{self.ports[name]}"
 
     def start(self, name: str, peers: list[str], *args: str, nofile: int | None = None, env: dict | None = None,
-              backend: str = "host") -> Daemon:
+              backend: str = "host", runtime: Path | None = None, log: Path | None = None) -> Daemon:
+        """``runtime``: a runtime dir to reuse (a restart where clients wait); ``log``: stderr to a file."""
         listed = ", ".join(f'{{endpoint = "{self.endpoint(p)}", public_key = "{self.keys[p]}"}}' for p in peers)
         config = self.root / f"{name}.toml"
         config.write_text(f'[mmfeatd]\nnode_id = "{name}"\nlisten = "{self.endpoint(name)}"\n'
                           f'mesh_secret_file = "{self.root / f"keys-{name}" / "mesh.secret"}"\npeers = [{listed}]\n')
-        runtime = Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
+        runtime = runtime or Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
         d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args, nofile=nofile, env=env,
-                         backend=backend)
+                         backend=backend, log=log)
         self.daemons[name] = d
         return d
 
-    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+    def stop(self, name: str, sig: int = signal.SIGTERM, keep_runtime: bool = False) -> None:
         d = self.daemons.pop(name)
         if d.proc.poll() is None:
             d.proc.send_signal(sig)
         rc = d.proc.wait(15)
         _, err = d.proc.communicate()
-        shutil.rmtree(d.runtime_dir, ignore_errors=True)
+        if not keep_runtime:
+            shutil.rmtree(d.runtime_dir, ignore_errors=True)
         # A mesh daemon stops as cleanly as any: its ZAP thread, DEALERs and listener all close.
         assert sig != signal.SIGTERM or rc == 0, f"{name} exited {rc} on SIGTERM: {err[-2000:]}"
