@@ -29,6 +29,7 @@ demo: $(STAMP)
 CHAOS_SECONDS ?= 120
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS)
+	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS) --nodes 2
 	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000
 
 # The daemon's container image, the one deploy/kubernetes/daemonset.yaml names. Needs podman, buildah

@@ -173,6 +173,8 @@ class RemoteFeatures:
 
     def _pull(self, peer: PeerState, node: str, ref: LeaseRef, pool: MeshPool, key: tuple,
               waiter: tuple[Respond, float], now: float) -> None:
+        if self.core.draining:
+            raise MmfeatError(ErrorCode.DRAINING, "this daemon is shutting down and pulls nothing more; retry on its successor")
         if self.puller is None:
             raise MmfeatError(ErrorCode.NO_TRANSPORT, self._no_puller)
         if not pool.addr:
