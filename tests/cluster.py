@@ -11,6 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import zmq
+
+from mmfeat.daemon.mesh_keys import load_secret
+
 from .conftest import Daemon, start_daemon
 
 
@@ -39,6 +43,17 @@ class Cluster:
     def node(self, name: str) -> None:
         self.keys[name] = _gen_keys(self.root / f"keys-{name}")
         self.ports[name] = _free_port()
+
+    def impersonate(self, ctx: zmq.Context, as_node: str, to_node: str) -> zmq.Socket:
+        """A DEALER that holds ``as_node``'s secret key, connected to ``to_node``: an authenticated peer
+        that can send anything at all."""
+        public, secret = load_secret(self.root / f"keys-{as_node}" / "mesh.secret")
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.curve_serverkey = self.keys[to_node].encode()
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.connect(self.endpoint(to_node))
+        return sock
 
     def endpoint(self, name: str) -> str:
         return f"tcp://127.0.0.1:{self.ports[name]}"

@@ -113,13 +113,8 @@ def test_garbage_from_an_authenticated_peer_is_counted_and_harmless(cluster) -> 
     cluster.node("b")
     a = cluster.start("a", ["b"])
     # We hold b's secret key: an authenticated peer that sends anything at all.
-    public, secret = load_secret(cluster.root / "keys-b" / "mesh.secret")
     ctx = zmq.Context()
-    evil = ctx.socket(zmq.DEALER)
-    evil.linger = 0
-    evil.curve_serverkey = cluster.keys["a"].encode()
-    evil.curve_publickey, evil.curve_secretkey = public, secret
-    evil.connect(cluster.endpoint("a"))
+    evil = cluster.impersonate(ctx, "b", "a")
     evil.send(encode_mesh("ping", {"seq": 7}))
     assert evil.poll(10_000), "a never answered an authenticated ping"
     assert msgpack.unpackb(evil.recv())["seq"] == 7

@@ -17,7 +17,6 @@ import pytest
 import torch
 import zmq
 
-from mmfeat.daemon.mesh_keys import load_secret
 from mmfeat.daemon.metrics import _mesh_metrics
 from mmfeat.daemon.remote import route
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
@@ -214,13 +213,8 @@ def test_hostile_feature_messages_from_an_authenticated_peer_leave_the_owner_con
     with a.client(inline_threshold=0, fallback="error") as producer:
         desc = producer.put(torch.arange(1 << 16), consumers=1)
     lease = desc.lease_ref()
-    public, secret = load_secret(cluster.root / "keys-b" / "mesh.secret")
     ctx = zmq.Context()
-    evil = ctx.socket(zmq.DEALER)
-    evil.linger = 0
-    evil.curve_serverkey = cluster.keys["a"].encode()
-    evil.curve_publickey, evil.curve_secretkey = public, secret
-    evil.connect(cluster.endpoint("a"))
+    evil = cluster.impersonate(ctx, "b", "a")
     epoch = a.stats()["epoch"]
     evil.send(encode_mesh("hello", {"node": "b", "epoch": 5, "pools": []}))
     base_mem, base_fds = anon_bytes(a.pid), fd_count(a.pid)
