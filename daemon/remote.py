@@ -198,14 +198,16 @@ class RemoteFeatures:
         self._by_local[(lease.lease_id, lease.gen)] = copy
         self._by_owner.setdefault((copy.peer, ref.epoch, ref.lease, ref.gen), []).append(copy)
         self.peer_counters(copy.peer).pulls += 1
-        self.puller.read(ReadJob(
+        ended = self.puller.read(ReadJob(
             job, copy.peer, pool.addr + ref.offset, "DRAM" if pool.kind == "host" else "VRAM",
             0 if pool.kind == "host" else pool.device, region.addr + lease.offset, region.mem, region.device,
             ref.nbytes, waiter[1],
             # The owner's lease table says, after the bytes, whether they were the feature's: no message.
             Verify(table.addr, table.slots, ref.lease, ref.gen, ref.pool, ref.offset, ref.nbytes, ref.token)
             if table is not None else None,
-        ))
+        ), now)
+        if ended is not None:
+            self.on_pulled([ended], now)
 
     def on_pulled(self, results: list[Result], now: float) -> None:
         for result in results:

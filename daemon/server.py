@@ -176,8 +176,7 @@ class Server:
 
     def _owns(self, fd: int) -> bool:
         """An fd of the daemon's own, which the control socket's connection cap must never shut down."""
-        return ((self._fds is not None and self._fds.owns(fd)) or any(fd == end.fileno() for end in self._wake)
-                or (self._puller is not None and self._puller.owns(fd)))
+        return (self._fds is not None and self._fds.owns(fd)) or any(fd == end.fileno() for end in self._wake)
 
     def _on_fd_close(self, token: bytes) -> None:
         n = self.core.end_session(token)
@@ -237,7 +236,8 @@ class Server:
             # The watchdog too: an idle loop sleeps a second, and WatchdogSec may ask for pings more often.
             wake_at = min(next_tick, next_sweep, time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf,
                           next_watchdog if next_watchdog is not None else math.inf,
-                          self._remote.next_flush if self._remote is not None else math.inf)
+                          self._remote.next_flush if self._remote is not None else math.inf,
+                          self._puller.next_poll if self._puller is not None else math.inf)
             timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))  # pyzmq retries EINTR after running signal handlers
             if self._control.router in events:
@@ -250,8 +250,8 @@ class Server:
             if self._mesh is not None and any(sock in events for sock in self._mesh.sockets()):
                 self._mesh.on_events(now)
             if self._remote is not None:
-                if self._puller is not None and self._puller.fileno() in events:
-                    self._remote.on_pulled(self._puller.results(), now)
+                if self._puller is not None and now >= self._puller.next_poll:
+                    self._remote.on_pulled(self._puller.poll(now), now)
                 if now >= self._remote.next_flush:
                     self._remote.flush(now)
             # No client (not even one handshaking or only on the control socket, whose memory the tick
@@ -297,8 +297,6 @@ class Server:
             poller.register(self._wake[0].fileno(), zmq.POLLIN)
         for sock in self._mesh.sockets() if self._mesh is not None else ():
             poller.register(sock, zmq.POLLIN)
-        if self._puller is not None:
-            poller.register(self._puller.fileno(), zmq.POLLIN)
         return poller
 
     def _check_memory(self) -> bool:
