@@ -89,6 +89,16 @@ class ControlChannel:
             return reply
         raise MmfeatError.from_reply(reply)
 
+    def hint(self, op: str, **fields: Any) -> None:
+        """``op`` as a quiet request nobody waits for: its error reply, if any, carries the id "hint" and
+        is dropped unread. Never blocks: a hint the socket cannot take now is dropped too."""
+        frame = encode({"v": PROTOCOL_VERSION, "op": op, "id": "hint", "quiet": True, **fields})
+        with self._lock:
+            try:
+                self._socket().send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
     def send_frame(self, frame: bytes) -> None:
         """One raw request frame on this channel's socket, without waiting (tools, protocol tests)."""
         with self._lock:

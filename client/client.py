@@ -173,6 +173,14 @@ class Client:
         """
         return self._consumer.get(_as_descriptor(desc), copy, verify, device)
 
+    def prefetch(self, descs: Union[DescLike, Sequence[DescLike]]) -> None:
+        """Start making other nodes' features readable here without waiting: this node's daemon pulls
+        each now, and a later get() of it finds it pulled or under way. A scheduler that received a batch
+        calls this for the whole batch, then gets each. Does nothing for this node's features and inline
+        ones; a prefetch that fails is dropped (the get then says why)."""
+        for d in descs if isinstance(descs, (list, tuple)) else [descs]:
+            self._consumer.prefetch(_as_descriptor(d))
+
     def ack(self, desc: DescLike, count: int = 1, after: Any = None, wait: bool = False) -> Optional[dict[str, Any]]:
         """Tell the daemon ``count`` consumers are done with this feature. Views from get() must not be
         read afterwards: the memory may be reused at once.

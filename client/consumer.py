@@ -46,6 +46,14 @@ class Consumer:
             self.verify(session, desc)
         return out
 
+    def prefetch(self, desc: Descriptor) -> None:
+        """Have this node's daemon start pulling another node's feature now, so that a later get() finds
+        it pulled or under way. Nothing for this node's features and inline ones; never waits."""
+        if desc.is_inline:
+            return
+        if desc.node != self._connect().node:
+            self._channel.hint("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout)
+
     def _remote(self, session: Session, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
         """Another node's feature: this node's daemon pulls it into its own pool (and gives the copy's
         lease), or relays the owner's FABRIC handle; either way the read is local from then on."""

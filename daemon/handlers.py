@@ -161,15 +161,11 @@ def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> Reply:
 
 
 def remote_get(core: DaemonCore, req: m.RemoteGetRequest, now: float) -> Deferred:
-    """A feature another node's daemon owns, made readable here: answered once it is (SPEC.md, section 11)."""
+    """A feature another node's daemon owns, made readable here: answered once it is (SPEC.md, section 11).
+    A quiet one is a prefetch: the pull starts, and nobody waits for it."""
     remote = _remote(core)
 
-    def start(respond: Optional[Respond]) -> None:
-        if respond is None:
-            raise MmfeatError(ErrorCode.BAD_REQUEST, "remote_get cannot be quiet: its answer is the copy")
-        remote.get(req.node, req.lease, req.wait_s, respond, now)
-
-    return Deferred(start)
+    return Deferred(lambda respond: remote.get(req.node, req.lease, req.wait_s, respond, now))
 
 
 def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> Reply:

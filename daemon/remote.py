@@ -129,7 +129,8 @@ class RemoteFeatures:
 
     # --- a client here asks for another node's feature ----------------------------------------
 
-    def get(self, node: str, ref: LeaseRef, timeout: float, respond: Respond, now: float) -> None:
+    def get(self, node: str, ref: LeaseRef, timeout: float, respond: Optional[Respond], now: float) -> None:
+        """``respond`` None: a prefetch, which starts the pull (or finds it under way) and waits for nothing."""
         peer = self._peer(node)
         hello = peer.hello
         assert hello is not None
@@ -143,23 +144,26 @@ class RemoteFeatures:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{ref.offset}, +{ref.nbytes}) is outside pool {ref.pool} of {node!r}")
         deadline = now + timeout * 0.9
         if route(pool, self.local_fabric) == "fabric":
-            self._check(peer, ref, None, [(respond, deadline)], pool, now)
+            if respond is not None:  # nothing to fetch ahead: the client maps the owner's memory itself
+                self._check(peer, ref, None, [(respond, deadline)], pool, now)
             return
         key = (peer.config.public_key, *ref.model_dump().values())
         copy = self._copies.get(key)
         if copy is not None:
             if copy.state == "ready":
                 if self.core.ledger.live_lease(copy.local.lease_id) is copy.local:
-                    self.peer_counters(copy.peer).shared_gets += 1
-                    respond(self._copy_reply(copy))
+                    if respond is not None:
+                        self.peer_counters(copy.peer).shared_gets += 1
+                        respond(self._copy_reply(copy))
                     return
                 self._forget(copy)  # expired here; pull again
             elif copy.state != "failed":
-                self.peer_counters(copy.peer).shared_gets += 1
-                copy.waiters.append((respond, deadline))
+                if respond is not None:
+                    self.peer_counters(copy.peer).shared_gets += 1
+                    copy.waiters.append((respond, deadline))
                 copy.deadline = max(copy.deadline, deadline)
                 return
-        self._pull(peer, node, ref, pool, key, (respond, deadline), now)
+        self._pull(peer, node, ref, pool, key, [(respond, deadline)] if respond is not None else [], deadline, now)
 
     def _peer(self, node: str) -> PeerState:
         if not node or node == self.core.settings.node_id:
@@ -172,7 +176,7 @@ class RemoteFeatures:
         return peer
 
     def _pull(self, peer: PeerState, node: str, ref: LeaseRef, pool: MeshPool, key: tuple,
-              waiter: tuple[Respond, float], now: float) -> None:
+              waiters: list[tuple[Respond, float]], deadline: float, now: float) -> None:
         if self.core.draining:
             raise MmfeatError(ErrorCode.DRAINING, "this daemon is shutting down and pulls nothing more; retry on its successor")
         if self.puller is None:
@@ -190,8 +194,8 @@ class RemoteFeatures:
         region = self.puller.regions[local_pool]
         self.core.sweep(now)  # acks written since the last sweep may free the room this needs
         lease = self.core.ledger.reserve(self.session, local_pool, ref.nbytes, 1, now, ttl=PULL_HOLD_S, quota=False)
-        copy = _Copy(key, peer.config.public_key, node, ref.epoch, (ref.lease, ref.gen), lease, waiters=[waiter],
-                     deadline=waiter[1], verified=table is not None)
+        copy = _Copy(key, peer.config.public_key, node, ref.epoch, (ref.lease, ref.gen), lease, waiters=waiters,
+                     deadline=deadline, verified=table is not None)
         job = next(self._ids)
         self._copies[key] = copy
         self._by_job[job] = copy
@@ -201,7 +205,7 @@ class RemoteFeatures:
         ended = self.puller.read(ReadJob(
             job, copy.peer, pool.addr + ref.offset, "DRAM" if pool.kind == "host" else "VRAM",
             0 if pool.kind == "host" else pool.device, region.addr + lease.offset, region.mem, region.device,
-            ref.nbytes, waiter[1],
+            ref.nbytes, deadline,
             # The owner's lease table says, after the bytes, whether they were the feature's: no message.
             Verify(table.addr, table.slots, ref.lease, ref.gen, ref.pool, ref.offset, ref.nbytes, ref.token)
             if table is not None else None,

@@ -113,6 +113,28 @@ def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_ow
     _idle(b, "b to drop its copy once a said the feature ended")
 
 
+def test_a_prefetch_pulls_ahead_and_the_get_finds_the_copy(cluster) -> None:
+    a, b = _meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as consumer:
+        batch = [producer.put(torch.full((1 << 18,), float(k)), consumers=1) for k in range(3)]
+        consumer.prefetch(batch)  # as a scheduler does with a batch it received
+        with a.client(inline_threshold=1 << 30) as inliner:
+            consumer.prefetch(inliner.put(torch.ones(8)))  # inline: nothing to do
+        b.wait_for(lambda s: s["mesh"]["copies"] == 3, what="the three prefetched copies")
+        for k, desc in enumerate(batch):
+            assert torch.equal(consumer.get(desc), torch.full((1 << 18,), float(k)))
+            consumer.ack(desc)
+        peer = b.stats()["mesh"]["peers"][0]
+        assert peer["pulls"] == 3 and peer["shared_gets"] == 3  # each get found its copy
+        with a.client() as local:
+            desc = producer.put(torch.ones(1 << 16), consumers=1)
+            local.prefetch(desc)  # a's own feature: no pull
+            local.ack(desc)
+    _idle(a, "a to free every feature")
+    _idle(b, "b to drop every copy")
+    assert b.stats()["mesh"]["peers"][0]["pulls"] == 3
+
+
 def test_a_node_without_nixl_says_what_to_install(cluster, tmp_path) -> None:
     hidden = tmp_path / "hide"
     for name in ("nixl", "nixl_cu12", "nixl_cu13"):
