@@ -66,7 +66,9 @@ class Consumer:
         if "fabric" in reply:
             from .cuda_import import map_cuda_pool
 
-            info = {**reply["fabric"], "kind": "cuda", "uuid": None}
+            # The owner's GPU is on another node: a UUID no local GPU has keeps the import from granting
+            # a local GPU of the same ordinal access as if it were the owner's.
+            info = {**reply["fabric"], "kind": "cuda", "uuid": f"remote:{desc.node}"}
             pool = map_cuda_pool(f"mesh:{info['node']}", info, None).tensor
             out = [tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors]
             return _finish(out, desc.many, copy, device)

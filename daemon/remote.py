@@ -103,6 +103,15 @@ def route(pool: MeshPool, local_fabric: bool) -> str:
     return "pull"
 
 
+def fabric_reply(node: str, epoch: int, pool: MeshPool, ref: LeaseRef) -> dict[str, Any]:
+    """remote_get's answer on the FABRIC route: the owner's pool as a client maps a FABRIC pool of its own
+    daemon (client/cuda_import.py reads ``handle``, ``fabric``, ``size``, ``pool`` and ``epoch``), and the
+    owner's lease to read in it."""
+    return {"fabric": {"node": node, "epoch": epoch, "pool": pool.pool, "size": pool.size, "device": pool.device,
+                       "handle": "fabric", "fabric": pool.fabric},
+            "lease": ref.model_dump()}
+
+
 class RemoteFeatures:
     def __init__(self, core: DaemonCore, mesh: Mesh, puller: Optional[Puller], no_puller: str) -> None:
         self.core = core
@@ -262,9 +271,7 @@ class RemoteFeatures:
         if copy is None:  # the FABRIC route: nothing was copied
             assert pool is not None and peer.hello is not None
             for respond, _ in check.waiters:
-                respond(error or {"fabric": {"node": peer.hello.node, "epoch": peer.hello.epoch, "pool": pool.pool,
-                                             "size": pool.size, "device": pool.device, "handle": pool.fabric},
-                                  "lease": ref.model_dump()})
+                respond(error or fabric_reply(peer.hello.node, peer.hello.epoch, pool, ref))
             return
         if copy.state != "checking":
             return

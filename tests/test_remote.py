@@ -18,9 +18,10 @@ import torch
 import zmq
 
 from mmfeat.daemon.metrics import _mesh_metrics
-from mmfeat.daemon.remote import route
+from mmfeat.daemon.remote import fabric_reply, route
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.mesh import FABRIC_HANDLE_BYTES, MeshPool, encode_mesh
+from mmfeat.protos.messages import LeaseRef
 
 from . import workers
 from .conftest import anon_bytes, fd_count
@@ -296,3 +297,10 @@ def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> No
     posix = MeshPool(pool=0, kind="cuda", device=0, handle="posix_fd", size=1 << 30)
     assert route(posix, local_fabric=True) == "pull"
     assert route(MeshPool(pool=0, kind="host", device=-1, handle="posix_fd", size=1 << 20), local_fabric=True) == "pull"
+    # What the client then maps: the fields client/cuda_import.py reads for a FABRIC pool of its own daemon.
+    ref = LeaseRef(pool=0, epoch=9, lease=3, gen=4, token=b"t" * 16, offset=256, nbytes=1024)
+    reply = fabric_reply("a", 9, fabric, ref)
+    info = reply["fabric"]
+    assert info["handle"] == "fabric" and info["fabric"] == b"\1" * FABRIC_HANDLE_BYTES
+    assert (info["pool"], info["epoch"], info["size"], info["node"]) == (0, 9, 1 << 30, "a")
+    assert reply["lease"] == ref.model_dump()
