@@ -88,9 +88,10 @@ class CudaVmmPool(Pool):
         if self._va is None:
             cu = drv.cu
             drv.retain_primary_context(self.device)  # current on this thread; released in close()
-            gran = drv.granularity(drv.allocation_prop(self.device, self.handle))
-            va = drv.ck("cuMemAddressReserve", cu.cuMemAddressReserve(self.size, gran, 0, 0))
+            va = None
             try:
+                gran = drv.granularity(drv.allocation_prop(self.device, self.handle))
+                va = drv.ck("cuMemAddressReserve", cu.cuMemAddressReserve(self.size, gran, 0, 0))
                 drv.ck("cuMemMap", cu.cuMemMap(va, self.size, 0, self._alloc, 0))
                 try:
                     drv.ck("cuMemSetAccess", cu.cuMemSetAccess(va, self.size, [drv.access_desc(self.device)], 1))
@@ -98,7 +99,9 @@ class CudaVmmPool(Pool):
                     cu.cuMemUnmap(va, self.size)
                     raise
             except BaseException:
-                cu.cuMemAddressFree(va, self.size)
+                if va is not None:
+                    cu.cuMemAddressFree(va, self.size)
+                drv.release_primary_context(self.device)
                 raise
             self._va = va
         return int(self._va), "VRAM", self.device
