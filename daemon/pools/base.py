@@ -11,7 +11,8 @@ class PoolCreateError(RuntimeError):
 
 
 class Pool(ABC):
-    """One exportable memory region. The daemon hands out slices of it and never touches its bytes."""
+    """One exportable memory region. The daemon hands out slices of it and never touches its bytes (a
+    mesh maps it only for NIXL to move them)."""
 
     pool_id: int
     kind: str  # "host" or "cuda"

@@ -1,8 +1,9 @@
 """GPU pool: one cuMemCreate allocation per device, shared as a POSIX fd (one node) or a CUDA FABRIC
 handle (the nodes of one NVLink/IMEX domain).
 
-The daemon never maps the allocation: it never touches feature bytes, so it needs only the physical
-handle and its exported form. Clients import, reserve VA, map and set access for their own device.
+The daemon never touches feature bytes, so it needs only the physical handle and its exported form;
+it maps the allocation only for NIXL, when a mesh runs (map_for_pulls). Clients import, reserve VA,
+map and set access for their own device.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class CudaVmmPool(Pool):
 
     def close(self) -> None:
         # Physical memory is freed once every handle is released and every exported fd closed;
-        # clients' mappings keep it alive until they unmap. The daemon has no mapping of its own.
+        # clients' mappings keep it alive until they unmap. The daemon's own (for NIXL) goes first.
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
