@@ -5,6 +5,8 @@ One place that knows what "up" means: both sockets exist and a ping on the contr
 
 from __future__ import annotations
 
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,25 @@ from mmfeat.protos.errors import MmfeatError
 from mmfeat.protos.paths import CONTROL_SOCKET, FD_SOCKET, control_endpoint
 
 from .channel import ControlChannel
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now and below the kernel's ephemeral range. A port the kernel
+    hands out (bind to 0) is one it may hand out again at once as the source port of some outgoing
+    connection (ZeroMQ's, UCX's), before the daemon it was meant for binds it."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port on {host} between 10000 and {low}")
 
 
 class DaemonStartError(RuntimeError):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,15 +12,14 @@ from pathlib import Path
 
 import zmq
 
+from mmfeat.client.daemon_process import free_tcp_port
 from mmfeat.daemon.mesh_keys import load_secret
 
 from .conftest import Daemon, start_daemon
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()
 
 
 def _gen_keys(directory: Path) -> str:

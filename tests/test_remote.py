@@ -3,6 +3,7 @@ with NIXL (UCX) and relaying acks; producers and consumers in their own processe
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import re
@@ -304,3 +305,17 @@ def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> No
     assert info["handle"] == "fabric" and info["fabric"] == b"\1" * FABRIC_HANDLE_BYTES
     assert (info["pool"], info["epoch"], info["size"], info["node"]) == (0, 9, 1 << 30, "a")
     assert reply["lease"] == ref.model_dump()
+
+
+def test_the_remote_bench_runs(tmp_path) -> None:
+    """A few-second `mmfeat bench --remote`, so that it cannot rot: two meshed daemons of its own."""
+    out = tmp_path / "remote.json"
+    r = subprocess.run([sys.executable, "-m", "mmfeat.client", "bench", "--remote", "--sizes", "64K", "--count", "6",
+                        "--modes", "remote_prefetch,nixl_read", "--json", str(out)], capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"remote_prefetch", "nixl_read"}
+    assert all(row["features_per_s"] > 0 and row["size"] == 64 << 10 for row in rows.values())
+    assert rows["remote_prefetch"]["get_p50_us"] > 0 and rows["nixl_read"]["x_nixl_read"] == 1.0
+    assert "x nixl_read" in r.stdout

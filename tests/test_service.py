@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mmfeat.client import Client
 from mmfeat.client.channel import ControlChannel
+from mmfeat.client.daemon_process import free_tcp_port
 from mmfeat.daemon.config import HELP, Settings, load_settings, tomllib
 from mmfeat.daemon.sd_notify import Notifier
 from mmfeat.protos.codec import decode, encode
@@ -32,9 +33,7 @@ DEPLOY = Path(__file__).parent.parent / "deploy"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()
 
 
 def _finish(d) -> tuple[int, str]:

@@ -21,7 +21,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -41,9 +40,9 @@ WARMUP = 5  # features (or reads) before the clock starts: connections, mappings
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mmfeat.client.daemon_process import free_tcp_port
+
+    return free_tcp_port()
 
 
 def _nodes(work: Path, pool_mb: int) -> dict[str, tuple[Path, subprocess.Popen]]:
@@ -92,7 +91,7 @@ def _read_every_byte(buf: Any) -> int:
     return int(t.view(torch.int64).sum()) if t.numel() % 8 == 0 else int(t.sum())
 
 
-def _producer(mode: str, runtime_dir: str, port: int, size: int, count: int, out: Any) -> None:
+def _producer(mode: str, runtime_dir: str, port: int, done_port: int, size: int, count: int, out: Any) -> None:
     import torch
 
     from mmfeat.client import Client
@@ -101,7 +100,7 @@ def _producer(mode: str, runtime_dir: str, port: int, size: int, count: int, out
     push = ctx.socket(zmq.PUSH)
     push.bind(f"tcp://127.0.0.1:{port}")
     done = ctx.socket(zmq.PULL)
-    done.bind(f"tcp://127.0.0.1:{port + 1 if port < 65535 else port - 1}")
+    done.bind(f"tcp://127.0.0.1:{done_port}")
     payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
     client = Client(runtime_dir, inline_threshold=0, fallback="error") if mode in _POOL_MODES else None
     if client is not None:
@@ -123,7 +122,7 @@ def _producer(mode: str, runtime_dir: str, port: int, size: int, count: int, out
     ctx.term()
 
 
-def _consumer(mode: str, runtime_dir: str, port: int, count: int, out: Any) -> None:
+def _consumer(mode: str, runtime_dir: str, port: int, done_port: int, count: int, out: Any) -> None:
     import torch  # before the clock starts
 
     torch.set_num_threads(1)
@@ -135,7 +134,7 @@ def _consumer(mode: str, runtime_dir: str, port: int, count: int, out: Any) -> N
     pull = ctx.socket(zmq.PULL)
     pull.connect(f"tcp://127.0.0.1:{port}")
     done = ctx.socket(zmq.PUSH)
-    done.connect(f"tcp://127.0.0.1:{port + 1 if port < 65535 else port - 1}")
+    done.connect(f"tcp://127.0.0.1:{done_port}")
     client = Client(runtime_dir) if mode in _POOL_MODES else None
     if client is not None:
         client.connect()
@@ -233,10 +232,10 @@ def _run_mode(mode: str, nodes: dict, size: int, count: int) -> dict[str, Any]:
         elapsed, get_s = out.get(timeout=600)
         stop_q.put(None)
     else:
-        port = _port()
+        port, done_port = _port(), _port()
         consumer_rt = rt_a if mode == "local" else rt_b
-        procs = [ctx.Process(target=_producer, args=(mode, str(rt_a), port, size, count, out)),
-                 ctx.Process(target=_consumer, args=(mode, str(consumer_rt), port, count, out))]
+        procs = [ctx.Process(target=_producer, args=(mode, str(rt_a), port, done_port, size, count, out)),
+                 ctx.Process(target=_consumer, args=(mode, str(consumer_rt), port, done_port, count, out))]
         for p in procs:
             p.start()
         elapsed, get_s = out.get(timeout=600)
@@ -258,9 +257,10 @@ def run_remote_bench(args: argparse.Namespace) -> int:
     try:
         nodes = _nodes(work, max(256, 32 * max(sizes) // MiB))
         rows = []
+        modes = [m for m in args.modes.split(",") if m in REMOTE_MODES] or list(REMOTE_MODES)
         for size in sizes:
             count = WARMUP + (args.count or max(20, min(500, (512 * MiB) // size)))
-            for mode in REMOTE_MODES:
+            for mode in modes:
                 print(f"bench --remote: {human_size(size)} {mode} ...", flush=True, file=__import__("sys").stderr)
                 rows.append(_run_mode(mode, nodes, size, count))
         print(_render(rows))
