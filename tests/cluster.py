@@ -79,3 +79,19 @@ class Cluster:
             shutil.rmtree(d.runtime_dir, ignore_errors=True)
         # A mesh daemon stops as cleanly as any: its ZAP thread, DEALERs and listener all close.
         assert sig != signal.SIGTERM or rc == 0, f"{name} exited {rc} on SIGTERM: {err[-2000:]}"
+
+
+def meshed(cluster: Cluster, *args: str, nodes: tuple[str, ...] = ("a", "b"), pool_mb: int = 160) -> list[Daemon]:
+    """Daemons for ``nodes``, each listing all the others, once every one sees every peer up."""
+    for n in nodes:
+        cluster.node(n)
+    daemons = [cluster.start(n, [m for m in nodes if m != n], "--pool-mb", str(pool_mb), *args) for n in nodes]
+    for d in daemons:
+        d.wait_for(lambda s: all(p["state"] == "up" and p["node"] for p in s["mesh"]["peers"]), timeout=20,
+                   what="every peer up")
+    return daemons
+
+
+def idle(d: Daemon, what: str) -> dict:
+    """Wait until ``d`` has nothing live and nothing used: every feature and every copy freed."""
+    return d.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0, timeout=20, what=what)

@@ -1,0 +1,110 @@
+"""Features across nodes when something fails or attacks: an unlisted daemon, a frozen, dead or
+restarted owner, a dead consumer node, a hostile listed peer. Real daemons on 127.0.0.1 as nodes."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+import zmq
+
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.mesh import encode_mesh
+
+from .cluster import idle, meshed
+from .conftest import anon_bytes, fd_count
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed: make setup installs mmfeat[mesh]")
+
+
+def test_an_unlisted_daemon_can_neither_pull_nor_ack(cluster) -> None:
+    a, b = meshed(cluster)
+    cluster.node("c")
+    c = cluster.start("c", ["a"])  # c lists a, but a does not list c: CURVE refuses c at a's door
+    a.wait_for(lambda s: s["mesh"]["refused"] > 0, timeout=20, what="a to refuse c")
+    with a.client(inline_threshold=0, fallback="error") as producer, c.client(timeout=2) as stranger:
+        desc = producer.put(torch.arange(4096), consumers=1)
+        with pytest.raises(DaemonUnavailableError, match="not a peer that is up"):
+            stranger.get(desc)
+        with pytest.raises(MmfeatError) as refused:
+            stranger.ack(desc, wait=True)
+        assert refused.value.code is ErrorCode.PEER_UNAVAILABLE
+        assert a.pool()["leases"]["PUBLISHED"] == 1  # untouched
+        with b.client() as consumer:
+            assert torch.equal(consumer.get(desc), torch.arange(4096))
+            consumer.ack(desc)
+    idle(a, "a to free the feature b acked")
+
+
+def test_a_frozen_or_dead_owner_fails_gets_in_time_and_a_restarted_one_is_stale(cluster) -> None:
+    a, b = meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer:
+        frozen = producer.put(torch.randn(1 << 20), consumers=1)
+        old = producer.put(torch.randn(1000), consumers=1)
+    with b.client(timeout=3) as consumer:
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailableError):
+                consumer.get(frozen)
+            assert time.monotonic() - t0 < 3.5  # the daemon answers within the client's timeout
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        cluster.stop("a", signal.SIGKILL)
+        with pytest.raises(DaemonUnavailableError):
+            consumer.get(old)  # a's daemon is gone; b marks it down within seconds, answers at once
+        a = cluster.start("a", ["b"], "--pool-mb", "256")
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["epoch"] == a.stats()["epoch"],
+                   timeout=20, what="a's new epoch")
+        with pytest.raises(MmfeatError) as stale:
+            consumer.get(old)
+        assert stale.value.code is ErrorCode.STALE
+    idle(b, "b to release the ranges of the failed pulls")
+
+
+def test_when_the_consumers_node_dies_the_owner_frees_by_ack_ttl(cluster) -> None:
+    a, b = meshed(cluster, "--ack-ttl", "3")
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as consumer:
+        desc = producer.put(torch.randn(1 << 18), consumers=1)
+        consumer.get(desc)
+        cluster.stop("b", signal.SIGKILL)
+        s = idle(a, "a to free b's share by ack_ttl")
+    assert s["counters"]["expired"] == 1 and s["counters"]["acks"] == 0
+
+
+def test_hostile_feature_messages_from_an_authenticated_peer_leave_the_owner_consistent(cluster) -> None:
+    a, b = meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer:
+        desc = producer.put(torch.arange(1 << 16), consumers=1)
+    lease = desc.lease_ref()
+    ctx = zmq.Context()
+    evil = cluster.impersonate(ctx, "b", "a")
+    epoch = a.stats()["epoch"]
+    evil.send(encode_mesh("hello", {"node": "b", "epoch": 5, "pools": []}))
+    base_mem, base_fds = anon_bytes(a.pid), fd_count(a.pid)
+    forged = [
+        {**lease, "token": b"\0" * 16}, {**lease, "gen": lease["gen"] + 1}, {**lease, "nbytes": lease["nbytes"] + 256},
+        {**lease, "pool": 9}, {**lease, "lease": 1 << 40}, {**lease, "epoch": epoch + 1},
+    ]
+    for k in range(200):
+        bad = forged[k % len(forged)]
+        evil.send(encode_mesh("check", {"req": k, "lease": bad}))
+        evil.send(encode_mesh("acks", {"batch": k, "acks": [{"lease": bad, "count": 4096}] * 8}))
+        evil.send(encode_mesh("ended", {"epoch": epoch, "leases": [[k, k]] * 4}))
+        evil.send(encode_mesh("pulled", {"leases": [bad] * 4}))
+        evil.send(encode_mesh("acked", {"batch": k, "results": []}))  # a reply, sent as a request
+    answers = []
+    while evil.poll(2000):
+        answers.append(evil.recv())
+    assert len(answers) >= 300  # a check and an acks answer each, while the HWM allows
+    s = a.stats()
+    assert a.proc.poll() is None and s["pools"][0]["leases"]["PUBLISHED"] == 1  # no forged ack took effect
+    assert s["counters"]["acks"] == 0 and s["mesh"]["bad_messages"] >= 200
+    assert anon_bytes(a.pid) - base_mem < 16 << 20 and fd_count(a.pid) <= base_fds + 2
+    evil.close()
+    ctx.term()
+    with b.client() as consumer:  # the real b still reads and acks
+        assert torch.equal(consumer.get(desc), torch.arange(1 << 16))
+        assert consumer.ack(desc, wait=True)["freed"]
