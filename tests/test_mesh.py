@@ -196,7 +196,7 @@ def test_a_connection_flood_on_the_mesh_port_is_shed_not_fatal(cluster) -> None:
     cluster.node("a")
     cluster.node("b")
     a = cluster.start("a", ["b"], nofile=4096)
-    flood = subprocess.Popen([sys.executable, "-c", _TCP_FLOOD, str(cluster.ports["a"]), "6000", "3"], stdout=subprocess.PIPE,
+    flood = subprocess.Popen([sys.executable, "-c", _TCP_FLOOD, str(cluster.ports["a"]), "4500", "3"], stdout=subprocess.PIPE,
                              text=True)
     try:
         assert flood.stdout.readline().strip() == "flooding"
