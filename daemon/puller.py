@@ -24,6 +24,10 @@ from mmfeat.protos.lease_table import ENTRY_BYTES, POOL, STATE, check_entry, wor
 
 log = logging.getLogger("mmfeatd.puller")
 
+# A transfer NIXL would not let go of when it failed or ran late: kept, with the range it may still
+# write into, and its release retried every _STUCK_RETRY_S until it goes.
+_STUCK = object()
+_STUCK_RETRY_S = 1.0
 _SCRATCH_SLOTS = 1024  # verify READs in flight at most, 64 bytes each
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-4  # a finished transfer waits at most this for the loop to notice
@@ -118,6 +122,8 @@ class Puller:
         self._active: list[tuple[ReadJob, Any]] = []
         self._free_scratch = list(range(_SCRATCH_SLOTS))
         self._verifying: dict[int, int] = {}  # job -> scratch slot of its verify READ in flight
+        self._stuck: list[tuple[ReadJob, Any, str]] = []
+        self._next_stuck_retry = 0.0
         self._pause = _POLL_MIN_S
         self.next_poll = float("inf")  # when the loop should call poll() next
 
@@ -145,7 +151,8 @@ class Puller:
             started = self._advance(job, started)
         if isinstance(started, Result):
             return started
-        self._active.append((job, started))
+        if started is not _STUCK:
+            self._active.append((job, started))
         self._pause = _POLL_MIN_S
         self.next_poll = min(self.next_poll, now + self._pause)
         return None
@@ -159,24 +166,32 @@ class Puller:
             if result is None:
                 still.append((job, handle))
                 continue
-            after = self._advance(job, result)
+            after = result if result is _STUCK else self._advance(job, result)
             if isinstance(after, Result):
                 done.append(after)
-            else:
+            elif after is not _STUCK:
                 still.append((job, after))
         self._active = still
+        if self._stuck and now >= self._next_stuck_retry:
+            kept = []
+            for job, handle, why in self._stuck:
+                if self._release(handle):
+                    done.append(self._finish(job, Result(job.job, False, why)))
+                else:
+                    kept.append((job, handle, why))
+            self._stuck, self._next_stuck_retry = kept, now + _STUCK_RETRY_S
         self._drop_leaving()
         if self._active:
             self._pause = _POLL_MIN_S if done else min(self._pause * 2, _POLL_MAX_S)
             self.next_poll = now + self._pause
         else:
-            self.next_poll = float("inf")
+            self.next_poll = self._next_stuck_retry if self._stuck else float("inf")
         return done
 
     def close(self) -> None:
-        for _, handle in self._active:
+        for handle in [h for _, h in self._active] + [h for _, h, _ in self._stuck]:
             self._release(handle)
-        self._active = []
+        self._active, self._stuck = [], []
 
     def _drop_leaving(self) -> None:
         for peer in [p for p in self._leaving if not any(j.peer == p for j, _ in self._active)]:
@@ -192,7 +207,7 @@ class Puller:
         """A transfer of ``job`` ended with ``result``: its verify READ next (a handle), or its last Result."""
         if result.ok and job.verify is not None and job.job not in self._verifying:
             started = self._start_verify(job)  # the bytes are in: now their STATE word and entry
-            return self._advance(job, started) if isinstance(started, Result) else started
+            return self._advance(job, started) if isinstance(started, Result) else started  # a handle, or _STUCK
         return self._finish(job, result)
 
     def _start_verify(self, job: ReadJob) -> Any:
@@ -242,7 +257,8 @@ class Puller:
             return self._end(handle, job, "NIXL READ failed")
         return handle
 
-    def _poll(self, job: ReadJob, handle: Any) -> Optional[Result]:
+    def _poll(self, job: ReadJob, handle: Any) -> Any:
+        """None while the transfer runs; else its Result, or _STUCK."""
         try:
             state = self._agent.check_xfer_state(handle)
         except Exception as exc:
@@ -258,11 +274,16 @@ class Puller:
             return self._end(handle, job, "NIXL READ did not finish in time")
         return None
 
-    def _end(self, handle: Any, job: ReadJob, why: str) -> Optional[Result]:
-        """A failed or late transfer: reported once NIXL has let go of its buffers (else kept polling)."""
-        if not self._release(handle):
-            return None if time.monotonic() < job.deadline + 60 else Result(job.job, False, why + " (and NIXL kept its handle)")
-        return Result(job.job, False, why)
+    def _end(self, handle: Any, job: ReadJob, why: str) -> Any:
+        """A failed or late transfer: its Result once NIXL has let go of its buffers. If NIXL will not,
+        _STUCK: the job is reported only when a later release succeeds, so the local range it may still
+        write into is never handed to anyone else."""
+        if self._release(handle):
+            return Result(job.job, False, why)
+        log.warning("NIXL kept a transfer it was asked to give up (%s); its %d B stay reserved until it lets go",
+                    why, job.nbytes)
+        self._stuck.append((job, handle, why))
+        return _STUCK
 
     def _release(self, handle: Any) -> bool:
         try:

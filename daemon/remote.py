@@ -69,8 +69,8 @@ class _Copy:
     key: tuple
     peer: str
     node: str
-    epoch: int
-    owner_lease: tuple[int, int]
+    ref: LeaseRef  # the owner's lease, as the descriptor names it
+    job: int  # the pull's
     local: Lease
     state: str = "pulling"  # pulling, checking, ready; failed while a pull it gave up on still runs
     verified: bool = False  # the pull READs the owner's lease table too: no check message to wait for
@@ -203,9 +203,9 @@ class RemoteFeatures:
         region = self.puller.regions[local_pool]
         self.core.sweep(now)  # acks written since the last sweep may free the room this needs
         lease = self.core.ledger.reserve(self.session, local_pool, ref.nbytes, 1, now, ttl=PULL_HOLD_S, quota=False)
-        copy = _Copy(key, peer.config.public_key, node, ref.epoch, (ref.lease, ref.gen), lease, waiters=waiters,
-                     deadline=deadline, verified=table is not None)
         job = next(self._ids)
+        copy = _Copy(key, peer.config.public_key, node, ref, job, lease, waiters=waiters, deadline=deadline,
+                     verified=table is not None)
         self._copies[key] = copy
         self._by_job[job] = copy
         self._by_local[(lease.lease_id, lease.gen)] = copy
@@ -239,7 +239,7 @@ class RemoteFeatures:
                 continue
             self.peer_counters(copy.peer).bytes_pulled += copy.local.nbytes
             peer = self.mesh.peers.get(copy.peer)
-            ref = LeaseRef.model_validate({k: v for k, v in zip(LeaseRef.model_fields, copy.key[1:])})
+            ref = copy.ref
             if copy.verified:
                 self._ready(copy, now)
                 box = self._outbox.setdefault(copy.peer, _Outbox())
@@ -296,7 +296,7 @@ class RemoteFeatures:
         for respond, _ in copy.waiters:
             respond(error)
         copy.waiters = []
-        if any(copy is c for c in self._by_job.values()):
+        if self._by_job.get(copy.job) is copy:
             copy.state = "failed"  # NIXL may still write into the range: released when the pull reports
             self._copies.pop(copy.key, None)
         else:
@@ -311,11 +311,12 @@ class RemoteFeatures:
         if self._copies.get(copy.key) is copy:
             del self._copies[copy.key]
         self._by_local.pop((copy.local.lease_id, copy.local.gen), None)
-        owners = self._by_owner.get((copy.peer, copy.epoch, *copy.owner_lease))
+        owner = (copy.peer, copy.ref.epoch, copy.ref.lease, copy.ref.gen)
+        owners = self._by_owner.get(owner)
         if owners is not None:
             owners[:] = [c for c in owners if c is not copy]
             if not owners:
-                del self._by_owner[(copy.peer, copy.epoch, *copy.owner_lease)]
+                del self._by_owner[owner]
 
     # --- acks of other nodes' features, relayed ------------------------------------------------
 
