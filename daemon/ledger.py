@@ -127,6 +127,12 @@ class Ledger:
 
     # --- the lifecycle -------------------------------------------------------------------------
 
+    def fits(self, pool_id: int, nbytes: int) -> bool:
+        """A reserve of ``nbytes`` outside any session quota would find a slot and a range now."""
+        alloc = self.allocators[pool_id]
+        return (self.live < self.max_leases and self.space.has_single
+                and alloc.largest_free >= align_up(nbytes, alloc.alignment))
+
     def reserve(self, session: bytes, pool_id: int, nbytes: int, consumers: int, now: float,
                 ttl: Optional[float] = None, quota: bool = True) -> Lease:
         """``ttl`` and ``quota`` are for the daemon's own leases (a pulled copy): its hold and no session quota."""

@@ -31,6 +31,11 @@ class SlotSpace:
     def give(self, slot: int) -> None:
         self._free_singles.append(slot)
 
+    @property
+    def has_single(self) -> bool:
+        """take() would return a slot."""
+        return bool(self._free_singles) or self.single_end < self.block_start
+
     def take_block(self) -> Optional[int]:
         """The first slot of a free block, or None."""
         if self._free_blocks:
