@@ -22,7 +22,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="64K,1M,16M,64M", help="feature sizes, e.g. 64K,1M,16M,64M")
     p.add_argument("--consumers", default="1,2,4", help="consumer process counts, e.g. 1,2,4")
     p.add_argument("--modes", default=",".join(MODES),
-                   help=f"subset of {','.join(MODES)} (with --remote: of remote,remote_prefetch,local,nixl_read,zmq_tcp)")
+                   help=f"subset of {','.join(MODES)} (with --remote: of remote,remote_prefetch,remote_premade,local,nixl_read,nixl_read_hot,zmq_tcp)")
     p.add_argument("--count", type=int, default=None, help="features per run (default: by size)")
     p.add_argument("--window", type=int, default=4, help="features in flight at most")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")

@@ -3,8 +3,15 @@
 Two private daemons on 127.0.0.1 play two nodes, meshed over CURVE. In one invocation, per size:
 - remote: a producer process puts into node A's pool, a consumer process on node B gets each feature
   (its daemon pulls it with NIXL and checks it with A), reads every byte and acks (relayed to A);
+- remote_premade: the same gets of features the producer put before the clock started, a batch at a
+  time: the pull alone, as on two machines, where the producer's copies run on the other node's CPUs
+  (here they would share the same cores with the pulls);
 - nixl_read: the bare NIXL READ of the same bytes between two processes, each read then read through
-  once, as the consumer does: what a pull is made of, the ceiling for `remote`;
+  once, as the consumer does: what a pull is made of, the ceiling for `remote`. Each READ moves a
+  feature of its own, from and into a ring of buffers (registered once, like a daemon's pool), because
+  a stream of features is never the same memory twice;
+- nixl_read_hot: the same READ of one buffer over and over, which caches keep warm (flatters the bare
+  READ by 20-40% here; kept so that earlier runs, which used it as the baseline, can be compared);
 - zmq_tcp: the bytes over a plain ZeroMQ TCP socket (what a server sends without mmfeat);
 - remote_prefetch: the same, but the consumer prefetches every descriptor it has received before it
   gets the first of them, as a scheduler does with a batch: pulls overlap the consumer's work;
@@ -33,10 +40,19 @@ import zmq
 
 from .report import MiB, human_size, parse_size
 
-REMOTE_MODES = ("remote", "remote_prefetch", "local", "nixl_read", "zmq_tcp")
-_POOL_MODES = ("remote", "remote_prefetch", "local")
+REMOTE_MODES = ("remote", "remote_prefetch", "remote_premade", "local", "nixl_read", "nixl_read_hot", "zmq_tcp")
+_POOL_MODES = ("remote", "remote_prefetch", "remote_premade", "local")
 WINDOW = 4
 WARMUP = 5  # features (or reads) before the clock starts: connections, mappings, first touches
+_RING_BYTES = 256 * MiB  # nixl_read's ring of buffers, on either side, at most
+
+
+def _premade_batches(count: int, size: int, pool_bytes: int) -> list[int]:
+    """How many features remote_premade puts at a time: a warm-up batch, then batches that fit in a
+    quarter of the pool (the copies on the consumer's node take as much again)."""
+    step = max(1, min(32, pool_bytes // 4 // size))
+    rest = count - WARMUP
+    return [WARMUP] + [min(step, rest - i) for i in range(0, rest, step)]
 
 
 def _port() -> int:
@@ -91,7 +107,8 @@ def _read_every_byte(buf: Any) -> int:
     return int(t.view(torch.int64).sum()) if t.numel() % 8 == 0 else int(t.sum())
 
 
-def _producer(mode: str, runtime_dir: str, port: int, done_port: int, size: int, count: int, out: Any) -> None:
+def _producer(mode: str, runtime_dir: str, port: int, done_port: int, size: int, count: int, batches: list[int],
+              out: Any) -> None:
     import torch
 
     from mmfeat.client import Client
@@ -106,6 +123,13 @@ def _producer(mode: str, runtime_dir: str, port: int, done_port: int, size: int,
     if client is not None:
         client.connect()
     sent = acked = 0
+    for n in batches if mode == "remote_premade" else []:
+        descs = [client.put(payload).to_bytes() for _ in range(n)]
+        for body in descs:
+            push.send_multipart([msgpack.packb(sent), body])
+            sent += 1
+        done.recv()
+        acked = sent
     while acked < count:
         while sent < count and sent - acked < WINDOW:
             if client is not None:
@@ -122,7 +146,7 @@ def _producer(mode: str, runtime_dir: str, port: int, done_port: int, size: int,
     ctx.term()
 
 
-def _consumer(mode: str, runtime_dir: str, port: int, done_port: int, count: int, out: Any) -> None:
+def _consumer(mode: str, runtime_dir: str, port: int, done_port: int, count: int, batches: list[int], out: Any) -> None:
     import torch  # before the clock starts
 
     torch.set_num_threads(1)
@@ -138,7 +162,25 @@ def _consumer(mode: str, runtime_dir: str, port: int, done_port: int, count: int
     client = Client(runtime_dir) if mode in _POOL_MODES else None
     if client is not None:
         client.connect()
-    get_s = []
+    get_s: list[float] = []
+    if mode == "remote_premade":
+        elapsed = 0.0
+        for k, n in enumerate(batches):
+            descs = [Descriptor.from_bytes(pull.recv_multipart()[1]) for _ in range(n)]
+            t0 = time.monotonic()  # the batch is made and its descriptors are here: only the pulls are timed
+            for desc in descs:
+                g0 = time.monotonic()
+                got = client.get(desc)
+                if k:
+                    get_s.append(time.monotonic() - g0)
+                _read_every_byte(got)
+                del got
+                client.ack(desc)
+            if k:
+                elapsed += time.monotonic() - t0
+            done.send(b"")
+        _finish(client, pull, done, out, elapsed, get_s)
+        return
     waiting: list[Any] = []  # received, prefetched, not read yet
     t0 = time.monotonic()
     for i in range(count):
@@ -163,32 +205,37 @@ def _consumer(mode: str, runtime_dir: str, port: int, done_port: int, count: int
         else:
             _read_every_byte(body.buffer)
         done.send(b"")
-    elapsed = time.monotonic() - t0
+    _finish(client, pull, done, out, time.monotonic() - t0, get_s)
+
+
+def _finish(client: Any, pull: Any, done: Any, out: Any, elapsed: float, get_s: list[float]) -> None:
     if client is not None:
         client.flush()
         client.close()
     out.put((elapsed, get_s))
     pull.close(0)
     done.close(0)
-    ctx.term()
+    pull.context.term()
 
 
-def _nixl_owner(size: int, meta_q: Any, stop_q: Any) -> None:
+def _nixl_owner(size: int, ring: int, meta_q: Any, stop_q: Any) -> None:
     from mmfeat.nixl import load_nixl, make_agent
 
     api = load_nixl()
     fd = os.memfd_create("bench")
-    os.ftruncate(fd, size)
-    mm = mmap.mmap(fd, size)
-    mm[:] = os.urandom(min(size, 1 << 20)) * max(1, size // (1 << 20)) if size >= 1 << 20 else os.urandom(size)
+    os.ftruncate(fd, size * ring)
+    mm = mmap.mmap(fd, size * ring)
+    chunk = os.urandom(min(size, MiB))
+    for at in range(0, size * ring, len(chunk)):  # every page written, as a producer's features are
+        mm[at:at + len(chunk)] = chunk[:size * ring - at]
     addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     agent = make_agent(api, "bench-owner")  # set up as the daemon's are
-    agent.register_memory([(addr, size, 0, "bench")], "DRAM")
+    agent.register_memory([(addr, size * ring, 0, "bench")], "DRAM")
     meta_q.put((agent.get_agent_metadata(), addr))
     stop_q.get()
 
 
-def _nixl_reader(size: int, count: int, meta_q: Any, out: Any) -> None:
+def _nixl_reader(size: int, ring: int, count: int, meta_q: Any, out: Any) -> None:
     import torch  # before the clock starts
 
     torch.set_num_threads(1)
@@ -197,36 +244,42 @@ def _nixl_reader(size: int, count: int, meta_q: Any, out: Any) -> None:
 
     api = load_nixl()
     metadata, remote_addr = meta_q.get(timeout=60)
-    mm = mmap.mmap(-1, size)
+    fd = os.memfd_create("bench")
+    os.ftruncate(fd, size * ring)
+    mm = mmap.mmap(fd, size * ring, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # as the daemon maps its pool
     addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     agent = make_agent(api, "bench-reader")
-    agent.register_memory([(addr, size, 0, "")], "DRAM")
+    agent.register_memory([(addr, size * ring, 0, "")], "DRAM")
     name = agent.add_remote_agent(metadata)
-    local = agent.get_xfer_descs([(addr, size, 0)], "DRAM")
-    remote = agent.get_xfer_descs([(remote_addr, size, 0)], "DRAM")
+    local = [agent.get_xfer_descs([(addr + k * size, size, 0)], "DRAM") for k in range(ring)]
+    remote = [agent.get_xfer_descs([(remote_addr + k * size, size, 0)], "DRAM") for k in range(ring)]
+    view = memoryview(mm)
     t0 = time.monotonic()
     for i in range(count):
         if i == WARMUP:
             t0 = time.monotonic()
-        handle = agent.initialize_xfer("READ", local, remote, name)
+        k = i % ring
+        handle = agent.initialize_xfer("READ", local[k], remote[k], name)
         state = agent.transfer(handle)
         while state == "PROC":
             state = agent.check_xfer_state(handle)
         if state != "DONE":
             raise SystemExit("bare NIXL READ failed")
         agent.release_xfer_handle(handle)
-        _read_every_byte(memoryview(mm))
+        _read_every_byte(view[k * size:(k + 1) * size])
     out.put((time.monotonic() - t0, []))
+    del view
 
 
-def _run_mode(mode: str, nodes: dict, size: int, count: int) -> dict[str, Any]:
+def _run_mode(mode: str, nodes: dict, size: int, count: int, pool_bytes: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     (rt_a, _), (rt_b, _) = nodes["bench-a"], nodes["bench-b"]
-    if mode == "nixl_read":
+    if mode in ("nixl_read", "nixl_read_hot"):
+        ring = 1 if mode == "nixl_read_hot" else max(1, min(count, _RING_BYTES // size))
         meta_q, stop_q = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=_nixl_owner, args=(size, meta_q, stop_q)),
-                 ctx.Process(target=_nixl_reader, args=(size, count, meta_q, out))]
+        procs = [ctx.Process(target=_nixl_owner, args=(size, ring, meta_q, stop_q)),
+                 ctx.Process(target=_nixl_reader, args=(size, ring, count, meta_q, out))]
         for p in procs:
             p.start()
         elapsed, get_s = out.get(timeout=600)
@@ -234,8 +287,9 @@ def _run_mode(mode: str, nodes: dict, size: int, count: int) -> dict[str, Any]:
     else:
         port, done_port = _port(), _port()
         consumer_rt = rt_a if mode == "local" else rt_b
-        procs = [ctx.Process(target=_producer, args=(mode, str(rt_a), port, done_port, size, count, out)),
-                 ctx.Process(target=_consumer, args=(mode, str(consumer_rt), port, done_port, count, out))]
+        batches = _premade_batches(count, size, pool_bytes)
+        procs = [ctx.Process(target=_producer, args=(mode, str(rt_a), port, done_port, size, count, batches, out)),
+                 ctx.Process(target=_consumer, args=(mode, str(consumer_rt), port, done_port, count, batches, out))]
         for p in procs:
             p.start()
         elapsed, get_s = out.get(timeout=600)
@@ -255,14 +309,15 @@ def run_remote_bench(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="mmfbr-", dir="/tmp"))
     nodes: dict = {}
     try:
-        nodes = _nodes(work, max(256, 32 * max(sizes) // MiB))
+        pool_mb = max(256, 32 * max(sizes) // MiB)
+        nodes = _nodes(work, pool_mb)
         rows = []
         modes = [m for m in args.modes.split(",") if m in REMOTE_MODES] or list(REMOTE_MODES)
         for size in sizes:
             count = WARMUP + (args.count or max(20, min(500, (512 * MiB) // size)))
             for mode in modes:
                 print(f"bench --remote: {human_size(size)} {mode} ...", flush=True, file=__import__("sys").stderr)
-                rows.append(_run_mode(mode, nodes, size, count))
+                rows.append(_run_mode(mode, nodes, size, count, pool_mb * MiB))
         print(_render(rows))
         if args.json:
             import json
@@ -278,7 +333,7 @@ def run_remote_bench(args: argparse.Namespace) -> int:
 
 def _render(rows: list[dict[str, Any]]) -> str:
     lines = ["two daemons on 127.0.0.1 as nodes; consumers read every byte; window 4",
-             f"{'size':>6} {'mode':<10} {'feat/s':>9} {'GB/s':>7} {'x nixl_read':>12} {'get p50 us':>11}"]
+             f"{'size':>6} {'mode':<15} {'feat/s':>9} {'GB/s':>7} {'x nixl_read':>12} {'get p50 us':>11}"]
     verdicts = []
     for size in sorted({r["size"] for r in rows}):
         by = {r["mode"]: r for r in rows if r["size"] == size}
@@ -287,13 +342,13 @@ def _render(rows: list[dict[str, Any]]) -> str:
             ratio = r["features_per_s"] / base if base else float("nan")
             r["x_nixl_read"] = ratio
             p50 = f"{r['get_p50_us']:.0f}" if "get_p50_us" in r else "-"
-            lines.append(f"{human_size(size):>6} {r['mode']:<10} {r['features_per_s']:>9.0f} {r['gb_per_s']:>7.2f} "
+            lines.append(f"{human_size(size):>6} {r['mode']:<15} {r['features_per_s']:>9.0f} {r['gb_per_s']:>7.2f} "
                          f"{ratio:>11.2f}x {p50:>11}")
         if "remote" in by and "local" in by and "get_p50_us" in by["remote"] and "get_p50_us" in by["local"]:
             verdicts.append(f"{human_size(size)}: a remote get adds {by['remote']['get_p50_us'] - by['local']['get_p50_us']:.0f} "
                             f"us at p50 over a local one")
         if size == 16 * MiB and base:
-            for mode in ("remote", "remote_prefetch"):
+            for mode in ("remote", "remote_prefetch", "remote_premade"):
                 if mode in by:
                     ratio = by[mode]["features_per_s"] / base
                     verdicts.append(f"{'MET' if ratio >= 0.8 else 'MISSED'} 16M: {mode} >= 0.8x the bare NIXL READ: {ratio:.2f}x")
