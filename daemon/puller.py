@@ -87,7 +87,6 @@ class Puller:
         """``table``: (address, size) of this daemon's lease table, registered so that pullers can check
         features in it."""
         api = load_nixl()
-        logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
         try:
             self._agent = make_agent(api, name)
             if "UCX" not in self._agent.backends:

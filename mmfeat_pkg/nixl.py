@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 from typing import Any
 
@@ -27,7 +28,9 @@ def load_nixl() -> Any:
     errors = []
     for name in _NIXL_MODULES:
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
+            logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs every agent and backend at INFO
+            return api
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
     raise NixlUnavailable("NIXL is not installed (pip install 'mmfeat[mesh]'); " + "; ".join(errors))
