@@ -1,14 +1,15 @@
 """Features that cross nodes: gets of other nodes' features, and this node's side of theirs.
 
 As the consumer's node (a client here asks for a feature another node's daemon owns):
-- ``get`` pulls the lease's bytes into a lease of this daemon's pool with one NIXL READ, then asks the
-  owner over the mesh whether the lease is still live (``check``): only then were the bytes read its
-  bytes, and the copy is published here and handed to every client waiting for it. Concurrent and later
-  gets of the same feature on this node share the copy. It is freed when the owner says the feature
-  ended (every consumer, local or remote, acked it) or by this daemon's ``ack_ttl``.
+- ``get`` pulls the lease's bytes into a lease of this daemon's pool with one NIXL READ, then READs the
+  owner's lease-table entry of the lease (a peer without a table is asked with a ``check`` message):
+  only if it still shows the feature were the bytes read its bytes, and the copy is published here and
+  handed to every client waiting for it. Concurrent and later gets of the same feature on this node
+  share the copy. It is freed when the owner says the feature ended (every consumer, local or remote,
+  acked it) or by this daemon's ``ack_ttl``.
 - A FABRIC pool in the same NVLink domain is not pulled: the client gets the relayed handle and maps
-  the owner's memory itself, after the same ``check``.
-- ``relay_ack`` batches consumers' acks per owner (one ``acks`` message per ACK_BATCH_S, not per ack).
+  the owner's memory itself, after a ``check``.
+- ``relay_ack`` hands consumers' acks to the owner, batched (mesh_outbox.py).
 
 As the owner (another node pulls or acks a feature of ours): ``on_check`` records who pulled what,
 ``on_acks`` applies acks with the usual clamp and counts, and every freed feature that a peer pulled
@@ -24,45 +25,25 @@ import itertools
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.mesh import MAX_MESH_BATCH, MeshAck, MeshPool
+from mmfeat.protos.mesh import MeshAck, MeshPool
 from mmfeat.protos.messages import LeaseRef
 
 from .core import DaemonCore
 from .ledger import EndReason, Lease, LeaseState
 from .mesh import Mesh, PeerState
+from .mesh_outbox import MeshOutbox, PeerCounters, Respond, peer_error
 from .puller import Puller, ReadJob, Result, Verify
 
 log = logging.getLogger("mmfeatd.remote")
 
-ACK_BATCH_S = 0.002
 # A copy is reserved for as long as its pull may take; it is published or released explicitly when the
 # pull ends, and this only bounds a pull that never reports.
 PULL_HOLD_S = 3600.0
 # A check answer that takes longer than this (past the client's own deadline) means the owner is gone.
 CHECK_TIMEOUT_S = 30.0
-
-Respond = Callable[[Any], None]  # called once with a reply body (dict) or an MmfeatError
-
-
-@dataclass
-class PeerCounters:
-    pulls: int = 0
-    bytes_pulled: int = 0
-    pull_failures: int = 0
-    shared_gets: int = 0  # gets served from a copy pulled (or being pulled) for another get
-    checks_served: int = 0
-    bytes_served: int = 0
-    acks_relayed: int = 0
-    acks_received: int = 0
-    acks_dropped: int = 0
-    ended_sent: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
 
 @dataclass
 class _Copy:
@@ -86,13 +67,6 @@ class _Check:
     pool: Optional[MeshPool]
     ref: LeaseRef
     deadline: float
-
-
-@dataclass
-class _Outbox:
-    pulled: list[dict[str, Any]] = field(default_factory=list)  # sent first: before an ack that ends one
-    acks: list[tuple[MeshAck, Optional[Respond]]] = field(default_factory=list)
-    ended: list[list[int]] = field(default_factory=list)
 
 
 def route(pool: MeshPool, local_fabric: bool) -> str:
@@ -125,11 +99,9 @@ class RemoteFeatures:
         self._by_local: dict[tuple[int, int], _Copy] = {}
         self._by_owner: dict[tuple[str, int, int, int], list[_Copy]] = {}
         self._checks: dict[int, _Check] = {}
-        self._batches: dict[tuple[str, int], tuple[float, list[Optional[Respond]]]] = {}
-        self._outbox: dict[str, _Outbox] = {}
         self._pulled_by: dict[tuple[int, int], set[str]] = {}
         self.counters: dict[str, PeerCounters] = {}
-        self.next_flush = float("inf")
+        self.outbox = MeshOutbox(mesh, core.epoch, self.peer_counters)
         # FABRIC pools here mean this node's probe found a multi-node NVLink domain with IMEX.
         self.local_fabric = any(p.handle == "fabric" for p in core.pools.values())
 
@@ -243,9 +215,7 @@ class RemoteFeatures:
             ref = copy.ref
             if copy.verified:
                 self._ready(copy, now)
-                box = self._outbox.setdefault(copy.peer, _Outbox())
-                box.pulled.append(ref.model_dump())  # so the owner says when it ends
-                self.next_flush = min(self.next_flush, now + ACK_BATCH_S)
+                self.outbox.pulled(copy.peer, ref.model_dump(), now)  # so the owner says when it ends
                 continue
             copy.state = "checking"
             if peer is None or not self._check(peer, ref, copy, copy.waiters, None, now):
@@ -268,7 +238,7 @@ class RemoteFeatures:
             return  # late, or an answer to a question this peer was never asked
         del self._checks[req]
         copy, pool, ref = check.copy, check.pool, check.ref
-        error = _error(code, message, peer) if code else None
+        error = peer_error(code, message, peer) if code else None
         if copy is None:  # the FABRIC route: nothing was copied
             assert pool is not None and peer.hello is not None
             for respond, _ in check.waiters:
@@ -328,54 +298,7 @@ class RemoteFeatures:
         if ref.epoch != peer.hello.epoch:
             raise MmfeatError(ErrorCode.STALE, f"the feature is from epoch {ref.epoch} of node {node!r}'s daemon, now "
                                                f"epoch {peer.hello.epoch}: it restarted, and its features are gone")
-        box = self._outbox.setdefault(peer.config.public_key, _Outbox())
-        box.acks.append((MeshAck(lease=ref.model_dump(), count=count, ack_id=ack_id), respond))
-        if len(box.acks) >= MAX_MESH_BATCH:
-            self._flush_peer(peer.config.public_key, box, now)
-        else:
-            self.next_flush = min(self.next_flush, now + ACK_BATCH_S)
-
-    def flush(self, now: float) -> None:
-        """Send what waited for its batch; the loop calls this once ``next_flush`` has passed."""
-        for key, box in list(self._outbox.items()):
-            self._flush_peer(key, box, now)
-        self._outbox.clear()
-        self.next_flush = float("inf")
-
-    def _flush_peer(self, key: str, box: _Outbox, now: float) -> None:
-        peer = self.mesh.peers.get(key)
-        counters = self.peer_counters(key)
-        while box.pulled:
-            chunk, box.pulled = box.pulled[:MAX_MESH_BATCH], box.pulled[MAX_MESH_BATCH:]
-            if peer is not None:
-                self.mesh.send(peer, "pulled", {"leases": chunk})  # lost: the copy then lives until ack_ttl
-        while box.acks:
-            chunk, box.acks = box.acks[:MAX_MESH_BATCH], box.acks[MAX_MESH_BATCH:]
-            batch = next(self._ids)
-            body = {"batch": batch, "acks": [a.model_dump() for a, _ in chunk]}
-            if peer is None or peer.state != "up" or not self.mesh.send(peer, "acks", body):
-                counters.acks_dropped += len(chunk)
-                for _, respond in chunk:
-                    if respond is not None:
-                        respond(MmfeatError(ErrorCode.PEER_UNAVAILABLE, "the owner's node is not reachable; its "
-                                                                        "ack_ttl frees the feature"))
-                continue
-            counters.acks_relayed += sum(a.count for a, _ in chunk)
-            if any(r is not None for _, r in chunk):
-                self._batches[(key, batch)] = (now + CHECK_TIMEOUT_S, [r for _, r in chunk])
-        while box.ended:
-            chunk, box.ended = box.ended[:MAX_MESH_BATCH], box.ended[MAX_MESH_BATCH:]
-            if peer is not None and self.mesh.send(peer, "ended", {"epoch": self.core.epoch, "leases": chunk}):
-                counters.ended_sent += len(chunk)
-
-    def on_acked(self, peer: PeerState, batch: int, results: list[Any]) -> None:
-        entry = self._batches.pop((peer.config.public_key, batch), None)
-        if entry is None:
-            return
-        for respond, result in zip(entry[1], results):
-            if respond is not None:
-                respond(_error(result.code, result.message, peer) if result.code else
-                        {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked})
+        self.outbox.ack(peer.config.public_key, MeshAck(lease=ref.model_dump(), count=count, ack_id=ack_id), respond, now)
 
     # --- our features, as other nodes see them -------------------------------------------------
 
@@ -402,8 +325,7 @@ class RemoteFeatures:
             try:
                 lease = self.core.ledger.lookup(LeaseRef.model_validate(m.model_dump()))
             except MmfeatError:
-                self._outbox.setdefault(peer.config.public_key, _Outbox()).ended.append([m.lease, m.gen])
-                self.next_flush = min(self.next_flush, now + ACK_BATCH_S)
+                self.outbox.ended(peer.config.public_key, m.lease, m.gen, now)
                 continue
             self._pulled_by.setdefault((lease.lease_id, lease.gen), set()).add(peer.config.public_key)
             counters.checks_served += 1
@@ -436,8 +358,7 @@ class RemoteFeatures:
             self._forget(copy)
         peers = self._pulled_by.pop((lease.lease_id, lease.gen), None)
         for key in peers or ():
-            self._outbox.setdefault(key, _Outbox()).ended.append([lease.lease_id, lease.gen])
-            self.next_flush = min(self.next_flush, now + ACK_BATCH_S)
+            self.outbox.ended(key, lease.lease_id, lease.gen, now)
 
     # --- what the mesh hands on ----------------------------------------------------------------
 
@@ -457,7 +378,7 @@ class RemoteFeatures:
         if op == "checked":
             self.on_checked(peer, body.req, body.code, body.message, now)
         elif op == "acked":
-            self.on_acked(peer, body.batch, body.results)
+            self.outbox.on_acked(peer, body.batch, body.results)
 
     # --- peers coming and going -----------------------------------------------------------------
 
@@ -472,11 +393,7 @@ class RemoteFeatures:
             if check.copy is None:
                 for respond, _ in check.waiters:
                     respond(gone)
-        for bk in [bk for bk in self._batches if bk[0] == key]:
-            for respond in self._batches.pop(bk)[1]:
-                if respond is not None:
-                    respond(gone)
-        self._outbox.pop(key, None)
+        self.outbox.drop_peer(key, gone)
         for owned in self._pulled_by.values():
             owned.discard(key)
         if self.puller is not None:
@@ -502,12 +419,7 @@ class RemoteFeatures:
                         respond(late)
                 elif check.copy.state == "checking":
                     self._fail(check.copy, late, now)
-        for bk, (deadline, responders) in list(self._batches.items()):
-            if now > deadline:
-                del self._batches[bk]
-                for respond in responders:
-                    if respond is not None:
-                        respond(late)
+        self.outbox.tick(now, late)
 
     def stats(self) -> dict[str, Any]:
         ready = [c for c in self._copies.values() if c.state == "ready"]
@@ -520,11 +432,3 @@ def _ref(core: DaemonCore, lease: Lease) -> LeaseRef:
     return LeaseRef(pool=lease.pool_id, epoch=core.epoch, lease=lease.lease_id, gen=lease.gen, token=lease.token,
                     offset=lease.offset, nbytes=lease.nbytes)
 
-
-def _error(code: str, message: str, peer: PeerState) -> MmfeatError:
-    try:
-        ec = ErrorCode(code)
-    except ValueError:
-        ec = ErrorCode.INTERNAL
-    node = peer.hello.node if peer.hello else peer.config.endpoint
-    return MmfeatError(ec, f"node {node!r}: {message}")

@@ -236,7 +236,7 @@ class Server:
             # The watchdog too: an idle loop sleeps a second, and WatchdogSec may ask for pings more often.
             wake_at = min(next_tick, next_sweep, time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf,
                           next_watchdog if next_watchdog is not None else math.inf,
-                          self._remote.next_flush if self._remote is not None else math.inf,
+                          self._remote.outbox.next_flush if self._remote is not None else math.inf,
                           self._puller.next_poll if self._puller is not None else math.inf)
             timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))  # pyzmq retries EINTR after running signal handlers
@@ -252,8 +252,8 @@ class Server:
             if self._remote is not None:
                 if self._puller is not None and now >= self._puller.next_poll:
                     self._remote.on_pulled(self._puller.poll(now), now)
-                if now >= self._remote.next_flush:
-                    self._remote.flush(now)
+                if now >= self._remote.outbox.next_flush:
+                    self._remote.outbox.flush(now)
             # No client (not even one handshaking or only on the control socket, whose memory the tick
             # watches) and nothing live.
             idle = len(self._fds) == 0 and self._control.connections == 0 and self.core.ledger.live == 0
