@@ -122,3 +122,28 @@ def test_the_image_installs_no_torch_and_its_daemon_and_probes_need_none(install
         daemon.terminate()
         _, err = daemon.communicate(timeout=30)
     assert daemon.returncode == 0, err[-3000:]
+
+
+def test_the_gpu_runs_wheel_slimmer_drops_a_folder_and_its_record_lines(tmp_path) -> None:
+    """tests/gpu/slim_wheel.py makes NIXL's wheel fit the device run's carry: what it repacks still installs,
+    without the dropped folder, and pip's RECORD of it names no dropped file."""
+    import zipfile
+
+    from tests.gpu.slim_wheel import slim
+
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    files = {"demo/__init__.py": "X = 1\n", "demo_ep/big.bin": "x" * 100_000,
+             "demo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n",
+             "demo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + "demo-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in {**files, "demo-1.0.dist-info/RECORD": record}.items():
+            z.writestr(name, text)
+    dropped, size = slim(str(wheel), ["demo_ep"])
+    assert dropped == 1 and size < 10_000
+    with zipfile.ZipFile(wheel) as z:
+        assert "demo_ep/big.bin" not in z.namelist() and "demo_ep" not in z.read("demo-1.0.dist-info/RECORD").decode()
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
+                    str(wheel)], check=True, timeout=120)
+    assert (target / "demo" / "__init__.py").exists() and not (target / "demo_ep").exists()

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run here, before tests/gpu/run.sh goes to a GPU node that reaches no package registry: puts into .whl/
 # (git-ignored) the cp312 x86-64 wheels of what that node's image lacks (pyzmq, pydantic and its
-# three companions, at the versions this checkout's .venv tested) and mmfeat's own wheel.
+# three companions, and NIXL for the cross-node test, at the versions this checkout's .venv tested) and
+# mmfeat's own wheel. NIXL's wheel is repacked without the part mmfeat never imports, to fit the
+# device run's 64 MiB carry (tests/gpu/slim_wheel.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-.venv/bin/python}
@@ -9,13 +11,16 @@ mkdir -p .whl
 rm -f .whl/*.whl
 pins=$($py - <<'PY'
 from importlib.metadata import version
-print(" ".join(f"{n}=={version(n)}" for n in ("pyzmq", "pydantic", "pydantic-core", "annotated-types", "typing-inspection")))
+print(" ".join(f"{n}=={version(n)}" for n in ("pyzmq", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+                                              "nixl-cu12")))
 PY
 )
 echo "== wheels for the GPU node: $pins"
 $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl $pins
+$py tests/gpu/slim_wheel.py .whl/nixl_cu12-*.whl nixl_ep_cu12
 rm -rf build/lib  # setuptools copies sources there and never removes a deleted module
 $py -m pip wheel -q --no-deps --no-build-isolation -w .whl .
 ls -l .whl
+du -sh .whl  # the device run carries at most 64 MiB, the working tree included

@@ -40,6 +40,9 @@ python3 -c "import zmq, pydantic, msgpack, numpy, mmfeat.client, mmfeat.daemon; 
 from mmfeat import atomics, cuda_driver as d; print('zmq', zmq.zmq_version(), '| pydantic', pydantic.VERSION, \
 '| numpy', numpy.__version__, '| libatomic (table acks):', atomics.AVAILABLE, '| driver:', d.driver_unavailable_reason() or 'ok')"
 
+python3 -c "from mmfeat.nixl import load_nixl; load_nixl(); print('NIXL: loads')" \
+  || echo "NIXL: does not load here, so test_gpu_remote.py skips"
+
 stage "GPU tests"
 set +e
 timeout 480 python3 -m pytest -v -m gpu -rA -p no:cacheprovider tests/gpu --junitxml "$out/gpu-junit.xml"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (mmfeat[mesh]); the device run carries no nixl wheel")
+pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed (mmfeat[mesh]; tests/gpu/prepare_wheels.sh carries it)")
 
 
 def test_a_cuda_pool_feature_is_pulled_by_another_node(cluster) -> None:
