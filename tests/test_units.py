@@ -125,7 +125,7 @@ def test_unknown_key_in_file(tmp_path) -> None:
         load_settings(cfg, {}, environ={})
 
 
-def test_ledger_state_accounting_matches_a_walk() -> None:
+def test_ledger_state_accounting_and_fits_match_a_walk() -> None:
     from mmfeat.daemon.counters import Counters
     from mmfeat.daemon.ledger import Ledger, LeaseState
     from mmfeat.protos.messages import LeaseRef
@@ -136,11 +136,14 @@ def test_ledger_state_accounting_matches_a_walk() -> None:
     for step in range(3000):
         op = rng.random()
         if op < 0.4 or not live:
-            pool = rng.choice([0, 1])
+            pool, nbytes = rng.choice([0, 1]), rng.randint(1, 9000 if rng.random() < 0.9 else 300_000)
+            fits = ledger.fits(pool, nbytes)  # what a pull asks before it sweeps for room
             try:
-                lease = ledger.reserve(b"s" * 16, pool, rng.randint(1, 9000), rng.randint(1, 3), now=step * 0.01)
+                lease = ledger.reserve(b"s" * 16, pool, nbytes, rng.randint(1, 3), now=step * 0.01)
             except Exception:
+                assert not fits, (pool, nbytes)
                 continue
+            assert fits, (pool, nbytes)
             live.append(lease)
         else:
             lease = rng.choice(live)
