@@ -5,6 +5,10 @@ connections. So the daemon keeps its own books: the socket monitor reports every
 connection with its fd, and a thread of its own (so that a busy loop never delays it) shuts down each
 connection past ``max_connections`` at once; libzmq then closes it itself. The control socket and
 the mesh listener each have one.
+
+A cap may favour some connections (the mesh: those from listed peers' addresses): one that comes when
+the cap is full takes the place of the oldest connection that is not favoured, so a flood from
+elsewhere cannot keep a listed peer out. Favoured connections still count, and never exceed the cap.
 """
 
 from __future__ import annotations
@@ -25,17 +29,22 @@ _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITO
 _IDLE_WAIT_S = 1.0  # how often the thread looks at its stop flag when nothing happens (a safety net)
 
 IsOurs = Callable[[int], bool]
+Favoured = Callable[[socket.socket], bool]  # asked once per accepted connection, past the cap only
 
 
 class ConnectionCap:
-    def __init__(self, ctx: zmq.Context, name: str, max_connections: int, is_ours: IsOurs, advice: str) -> None:
+    def __init__(self, ctx: zmq.Context, name: str, max_connections: int, is_ours: IsOurs, advice: str,
+                 favoured: Optional[Favoured] = None) -> None:
         self._ctx = ctx
         self.name = name
         self.max_connections = max_connections
         self._is_ours = is_ours  # fds the daemon itself owns: never shut one of those down
         self._advice = advice  # what to do when connections are refused, for the log
-        self._conns: set[int] = set()  # the thread's; others only read its size
+        self._favoured = favoured
+        # fd -> favoured, oldest first; the thread's, others only read its size.
+        self._conns: dict[int, bool] = {}
         self.refused = 0
+        self.evicted = 0  # connections shut down to make room for a favoured one
         self._watched = 0
         # The reading end of the newest ROUTER's monitor, made in watch() and taken over by the thread.
         self._next_monitor: Optional[zmq.Socket] = None
@@ -88,7 +97,7 @@ class ConnectionCap:
                 if fresh is not None:  # the first ROUTER, or a reset: follow the new one
                     if monitor is not None:
                         monitor.close()
-                    monitor, self._conns = fresh, set()
+                    monitor, self._conns = fresh, {}
                 if self._stop.is_set():
                     return
                 if monitor is None:
@@ -116,28 +125,45 @@ class ConnectionCap:
     def _count(self, event: dict) -> None:
         fd = event["value"]
         if event["event"] == zmq.EVENT_DISCONNECTED:
-            self._conns.discard(fd)
+            self._conns.pop(fd, None)
         elif event["event"] == zmq.EVENT_ACCEPTED:
-            self._conns.add(fd)
-            if len(self._conns) > self.max_connections:
-                self._refuse(fd)
+            self._conns.pop(fd, None)  # a reused number: the newest connection goes last
+            favoured = self._favoured is not None and self._with_socket(fd, self._favoured)
+            if len(self._conns) < self.max_connections:
+                self._conns[fd] = favoured
+                return
+            victim = next((old for old, fav in self._conns.items() if not fav), None) if favoured else None
+            if victim is not None:  # a favoured newcomer takes the oldest other connection's place
+                del self._conns[victim]
+                if self._shut_down(victim):
+                    self.evicted += 1
+                self._conns[fd] = True
+            elif self._shut_down(fd):
+                self.refused += 1
+                self._log_refusal()
 
-    def _refuse(self, fd: int) -> None:
-        # The event is read after the fact: the fd may already belong to something else. Ours are
-        # skipped; any other is a libzmq connection, and shutting one down only disconnects a peer.
+    def _with_socket(self, fd: int, use: Callable[[socket.socket], bool]) -> bool:
+        """``use`` on the connection behind ``fd``; False if it is ours, gone, or not a socket. The event is
+        read after the fact: the fd may already belong to something else. Ours are skipped; any other is
+        a libzmq connection, and looking at one or shutting it down only affects that peer."""
         if self._is_ours(fd):
-            return
+            return False
         try:
             s = socket.socket(fileno=fd)
         except OSError:
-            return  # closed meanwhile, or not a socket
+            return False  # closed meanwhile, or not a socket
         try:
-            s.shutdown(socket.SHUT_RDWR)  # libzmq sees the end of the connection and closes the fd itself
-            self.refused += 1
+            return use(s)
         except OSError:
-            pass
+            return False
         finally:
             s.detach()
+
+    def _shut_down(self, fd: int) -> bool:
+        # libzmq sees the end of the connection and closes the fd itself (DISCONNECTED follows).
+        return self._with_socket(fd, lambda s: s.shutdown(socket.SHUT_RDWR) is None)
+
+    def _log_refusal(self) -> None:
         if self.refused & (self.refused - 1) == 0:  # log at 1, 2, 4, 8, ... refusals
             log.warning("%s: %d connections, its limit; refused a new one (%d so far). %s", self.name, len(self._conns),
                         self.refused, self._advice)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,8 +128,11 @@ class Mesh:
         self._limit(self.router)
         # Strangers on the network can connect (CURVE only keeps them from saying anything): a flood of
         # connections is shed as on the control socket, before it can exhaust fds and abort libzmq.
+        # A flood from elsewhere cannot keep out a peer that connects from an address its endpoint names.
+        addresses = peer_addresses(settings.peers)
         self._cap = ConnectionCap(ctx, "mesh listener", 4 * len(settings.peers) + 16, is_ours,
-                                  "Firewall listen to the cluster's nodes")
+                                  "Firewall listen to the cluster's nodes",
+                                  favoured=lambda s: _address(s.getpeername()[0]) in addresses)
         self._cap.watch(self.router)
         try:
             self.router.bind(settings.listen)
@@ -291,6 +295,7 @@ class Mesh:
             "bad_messages": self.bad_messages,
             "connections": self._cap.connections,
             "connections_refused": self._cap.refused,
+            "connections_evicted": self._cap.evicted,  # strangers' connections shut down for a listed peer's
             "peers": [
                 {
                     "endpoint": p.config.endpoint,
@@ -322,3 +327,20 @@ class Mesh:
         self.router.close(0)
         self._cap.close()
         self._auth.stop()
+
+
+def peer_addresses(peers: list[Peer]) -> frozenset[str]:
+    """The IP addresses the peers' endpoints name (host names resolved once, now): connections from them
+    keep their place on a full mesh listener. A name that does not resolve is left out, with a warning."""
+    out: set[str] = set()
+    for p in peers:
+        host = p.endpoint[len("tcp://"):].rsplit(":", 1)[0]
+        try:
+            out.update(_address(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            log.warning("mesh: cannot resolve peer %s (%s); a connection flood may keep it out", p.endpoint, exc)
+    return frozenset(out)
+
+
+def _address(ip: str) -> str:
+    return ip[len("::ffff:"):] if ip.startswith("::ffff:") else ip  # an IPv4 peer seen by a dual-stack listener

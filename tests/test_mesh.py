@@ -17,12 +17,13 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from mmfeat.daemon.mesh_keys import KeyFileError, load_secret
 from mmfeat.protos.mesh import MESH_VERSION, encode_mesh
 
-from .cluster import _free_port, _gen_keys
+from .cluster import _free_port, _gen_keys, idle
 from .conftest import Daemon, anon_bytes, fd_count
 
 
@@ -217,3 +218,52 @@ def test_a_connection_flood_on_the_mesh_port_is_shed_not_fatal(cluster) -> None:
     assert s["mesh"]["connections_refused"] > 0
     cluster.start("b", ["a"])  # a real peer still gets in afterwards
     a.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up", what="b up after the flood")
+
+
+# Connections from 127.0.0.2 (any 127.x address reaches loopback), held open, as fast as the kernel
+# takes them: the listener stays full of strangers that never finish a handshake.
+_STRANGER_FLOOD = """
+import socket, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+held, end = [], time.monotonic() + seconds
+print("flooding", flush=True)
+while time.monotonic() < end:
+    s = socket.socket()
+    s.setblocking(False)
+    try:
+        s.bind(("127.0.0.2", 0))
+        s.connect_ex(("127.0.0.1", port))
+        held.append(s)
+    except OSError:
+        s.close()
+    time.sleep(0.0005)
+"""
+
+
+def test_a_listed_peer_gets_in_and_stays_in_while_strangers_flood_the_mesh_port(cluster) -> None:
+    """The mesh listener's cap is full of a stranger's connections for as long as the flood lasts; a peer
+    connecting from the address its endpoint names takes the place of the oldest stranger, and keeps it.
+    Without that, its connection is shut down again and again, and acks that wait on the owner time out
+    (2 to 30 of 30 in runs here)."""
+    cluster.node("a")
+    cluster.node("b")
+    a = cluster.start("a", ["b"])
+    flood = subprocess.Popen([sys.executable, "-c", _STRANGER_FLOOD, str(cluster.ports["a"]), "30"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout.readline().strip() == "flooding"
+        a.wait_for(lambda s: s["mesh"]["connections_refused"] > 50, what="the flood to fill a's mesh listener")
+        b = cluster.start("b", ["a"])
+        # b hears a's pongs only over its own connection to a's flooded listener; a's hello, over a's.
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["node"] == "a",
+                   timeout=10, what="a up for b during the flood")
+        with a.client(inline_threshold=0, fallback="error") as producer, b.client(timeout=2.0) as consumer:
+            descs = [producer.put(torch.ones(64)) for _ in range(20)]
+            for desc in descs:  # each waits for a's answer, over b's connection to a
+                assert consumer.ack(desc, wait=True)["freed"]
+        assert flood.poll() is None, "the flood ended before the acks did: the test proved nothing"
+        s = idle(a, "a to free the acked features")
+        assert s["mesh"]["connections_evicted"] >= 1 and s["mesh"]["connections_refused"] > 50
+    finally:
+        flood.kill()
+        flood.wait()
