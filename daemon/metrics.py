@@ -132,6 +132,11 @@ def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
                             value=mesh.get("copy_bytes", 0))
     yield CounterMetricFamily("mmfeat_mesh_refused", "Mesh connections refused for an unlisted public key", value=mesh["refused"])
     yield CounterMetricFamily("mmfeat_mesh_bad_messages", "Mesh frames refused as invalid", value=mesh["bad_messages"])
+    yield CounterMetricFamily("mmfeat_mesh_connections_refused", "Connections to the mesh listener shut down past its cap",
+                              value=mesh["connections_refused"])
+    yield CounterMetricFamily("mmfeat_mesh_connections_evicted",
+                              "Connections to the mesh listener shut down to make room for a listed peer's",
+                              value=mesh["connections_evicted"])
 
 
 class Metrics:
