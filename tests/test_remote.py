@@ -213,3 +213,17 @@ def test_the_remote_bench_runs(tmp_path) -> None:
     assert rows["remote_premade"]["get_p50_us"] > 0
     assert rows["nixl_read"]["x_nixl_read"] == 1.0 and all(row["count"] == 6 for row in rows.values())
     assert "x nixl_read" in r.stdout
+
+
+def test_nixl_agents_get_mmfeats_ucx_defaults_unless_the_environment_sets_its_own() -> None:
+    """1 MiB TCP segments (docs/benchmarks.md: 2.4x a bare 16 MiB READ over TCP), set before UCX reads its
+    environment. An operator who sets either keeps both as UCX has them: a receive segment smaller than
+    the send segment (64k against our 1m) stops UCX from starting at all."""
+    code = ("import os; from mmfeat.nixl import load_nixl, make_agent; make_agent(load_nixl(), 'probe'); "
+            "print(os.environ.get('UCX_TCP_TX_SEG_SIZE', '-'), os.environ.get('UCX_TCP_RX_SEG_SIZE', '-'))")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_TCP_")}
+    for given, expected in (({}, ["1m", "1m"]), ({"UCX_TCP_RX_SEG_SIZE": "64k"}, ["-", "64k"])):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env=clean | given)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split() == expected, (given, r.stdout)
