@@ -121,6 +121,28 @@ def test_a_prefetch_pulls_ahead_and_the_get_finds_the_copy(cluster) -> None:
     assert b.stats()["mesh"]["peers"][0]["pulls"] == 3
 
 
+def test_three_nodes_pull_one_feature_and_it_ends_everywhere_after_the_last_ack(cluster) -> None:
+    """One feature of a's with a consumer on each of b and c: both pull it, a frees it only after both
+    acks, and then tells both to drop their copies (it keeps who pulled what per feature, per peer)."""
+    a, b, c = meshed(cluster, nodes=("a", "b", "c"))
+    x = torch.randn(1 << 18)
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as on_b, c.client() as on_c:
+        desc = producer.put(x, consumers=2)
+        assert torch.equal(on_b.get(desc), x) and torch.equal(on_c.get(desc), x)
+        assert on_b.ack(desc, wait=True) == {"remaining": 1, "freed": False, "over_acked": 0}
+        assert a.pool()["leases"]["PUBLISHED"] == 1 and c.stats()["mesh"]["copies"] == 1  # c still reads
+        assert torch.equal(on_c.get(desc), x)  # from the copy c pulled, not a second pull
+        assert on_c.ack(desc, wait=True) == {"remaining": 0, "freed": True, "over_acked": 0}
+    idle(a, "a to free the feature")
+    for node, d in (("b", b), ("c", c)):
+        s = idle(d, f"{node} to drop its copy once a said the feature ended")
+        peer = next(p for p in s["mesh"]["peers"] if p["node"] == "a")
+        assert (peer["pulls"], peer["shared_gets"], peer["acks_relayed"]) == (1, 1 if node == "c" else 0, 1), (node, peer)
+    served = {p["node"]: p for p in a.stats()["mesh"]["peers"]}
+    assert served["b"]["ended_sent"] == served["c"]["ended_sent"] == 1
+    assert served["b"]["acks_received"] == served["c"]["acks_received"] == 1
+
+
 def test_a_node_without_nixl_says_what_to_install(cluster, tmp_path) -> None:
     hidden = tmp_path / "hide"
     for name in ("nixl", "nixl_cu12", "nixl_cu13"):
