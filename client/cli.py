@@ -46,7 +46,8 @@ def render_stats(s: dict[str, Any]) -> str:
     mesh = s.get("mesh")
     if mesh:
         lines += ["", f"mesh on {mesh['listen']} as {mesh['public_key']}: refused keys {mesh['refused']}, "
-                      f"bad messages {mesh['bad_messages']}",
+                      f"bad messages {mesh['bad_messages']}, connections {mesh.get('connections', 0)} "
+                      f"(shed {mesh.get('connections_refused', 0)}, evicted for peers {mesh.get('connections_evicted', 0)})",
                   f"pulls with {mesh.get('transport') or 'nothing: ' + str(mesh.get('transport_error'))}; "
                   f"copies here {mesh.get('copies', 0)} ({mesh.get('copy_bytes', 0) >> 20} MiB)",
                   f"{'node':<16} {'endpoint':<28} {'state':<10} {'rtt ms':>8} {'seen s ago':>10} {'pools':>5} "

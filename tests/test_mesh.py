@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -264,6 +265,9 @@ def test_a_listed_peer_gets_in_and_stays_in_while_strangers_flood_the_mesh_port(
         assert flood.poll() is None, "the flood ended before the acks did: the test proved nothing"
         s = idle(a, "a to free the acked features")
         assert s["mesh"]["connections_evicted"] >= 1 and s["mesh"]["connections_refused"] > 50
+        table = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(a.runtime_dir), "stats"],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert re.search(r"shed \d+, evicted for peers [1-9]", table), table
     finally:
         flood.kill()
         flood.wait()
