@@ -1,10 +1,12 @@
 """Start an ``mmfeatd`` subprocess and wait until it answers: for the demo, the bench and the tests.
 
-One place that knows what "up" means: both sockets exist and a ping on the control socket comes back.
+One place that knows what "up" means: both sockets exist and a ping on the control socket comes back;
+for a mesh of daemons on this machine (``spawn_mesh``), also that each sees every other one up.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import subprocess
@@ -78,3 +80,48 @@ def _stderr(proc: subprocess.Popen) -> Optional[str]:
     except subprocess.TimeoutExpired:
         return "(it still runs)"
     return err if isinstance(err, str) else err.decode(errors="replace")
+
+
+def spawn_mesh(work: Path, names: Sequence[str], args: Sequence[str] = (), timeout: float = 60.0,
+               **popen: Any) -> dict[str, tuple[Path, subprocess.Popen]]:
+    """One daemon per name, each a "node" of a mesh on 127.0.0.1 (its own runtime dir under ``work``, its
+    own CURVE keypair, every other one listed as a peer), returned once every one sees every other up:
+    ``{name: (runtime_dir, process)}``. For the bench and the examples; the caller stops them."""
+    import zmq
+
+    ports = {n: free_tcp_port() for n in names}
+    keys = {}
+    for n in names:
+        public, secret = zmq.curve_keypair()
+        path = work / f"{n}.secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret.decode() + "\n")
+        keys[n] = (public.decode(), path)
+    out: dict[str, tuple[Path, subprocess.Popen]] = {}
+    try:
+        for n in names:
+            listed = ", ".join(f'{{endpoint = "tcp://127.0.0.1:{ports[m]}", public_key = "{keys[m][0]}"}}'
+                               for m in names if m != n)
+            config = work / f"{n}.toml"
+            config.write_text(f'[mmfeatd]\nnode_id = "{n}"\nlisten = "tcp://127.0.0.1:{ports[n]}"\n'
+                              f'mesh_secret_file = "{keys[n][1]}"\npeers = [{listed}]\n')
+            runtime = work / n
+            runtime.mkdir()
+            out[n] = (runtime, spawn_daemon(runtime, ["--config", str(config), *args], timeout=timeout, **popen))
+        deadline = time.monotonic() + timeout
+        for n, (runtime, _) in out.items():
+            channel = ControlChannel(control_endpoint(runtime), 5.0)
+            try:
+                while not all(p["state"] == "up" and p["node"] for p in channel.call("stats")["mesh"]["peers"]):
+                    if time.monotonic() > deadline:
+                        raise DaemonStartError(f"mmfeatd {n!r} did not see every peer up within {timeout:g} s")
+                    time.sleep(0.1)
+            finally:
+                channel.close()
+    except BaseException:
+        for _, proc in out.values():
+            proc.kill()
+            proc.wait(10)
+        raise
+    return out

@@ -63,41 +63,9 @@ def _port() -> int:
 
 def _nodes(work: Path, pool_mb: int) -> dict[str, tuple[Path, subprocess.Popen]]:
     """Daemons "bench-a" and "bench-b", each listing the other, both answering, both seeing the other up."""
-    from mmfeat.client.channel import ControlChannel
-    from mmfeat.client.daemon_process import spawn_daemon
-    from mmfeat.protos.paths import control_endpoint
+    from mmfeat.client.daemon_process import spawn_mesh
 
-    names = ("bench-a", "bench-b")
-    keys, ports = {}, {n: _port() for n in names}
-    for n in names:
-        public, secret = zmq.curve_keypair()
-        path = work / f"{n}.secret"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secret.decode() + "\n")
-        keys[n] = (public.decode(), path)
-    out = {}
-    for n in names:
-        (other,) = [m for m in names if m != n]
-        config = work / f"{n}.toml"
-        config.write_text(f'[mmfeatd]\nnode_id = "{n}"\nlisten = "tcp://127.0.0.1:{ports[n]}"\n'
-                          f'mesh_secret_file = "{keys[n][1]}"\n'
-                          f'peers = [{{endpoint = "tcp://127.0.0.1:{ports[other]}", public_key = "{keys[other][0]}"}}]\n')
-        rt = work / n
-        rt.mkdir()
-        out[n] = (rt, spawn_daemon(rt, ["--config", str(config), "--backend", "host", "--pool-mb", str(pool_mb),
-                                        "--log-level", "WARNING"], timeout=60))
-    for n, (rt, _) in out.items():
-        ch = ControlChannel(control_endpoint(rt), 5.0)
-        try:
-            deadline = time.monotonic() + 30
-            while not all(p["state"] == "up" and p["node"] for p in ch.call("stats")["mesh"]["peers"]):
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"mmfeat bench --remote: {n} never saw its peer up")
-                time.sleep(0.1)
-        finally:
-            ch.close()
-    return out
+    return spawn_mesh(work, ("bench-a", "bench-b"), ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"])
 
 
 def _read_every_byte(buf: Any) -> int:
