@@ -12,7 +12,13 @@ image. The two modes differ in two lines:
 Images are made here from a seed (no downloads); every rank hashes the pixel values it received and
 the run fails unless they match the tokenizer's. Needs the ``[examples]`` extra (transformers, pillow).
 
+With ``--nodes 2`` the ranks are split over two daemons meshed on this machine, as tensor parallelism
+across two nodes is (ranks 0..tp/2-1 with the tokenizer on the first): the second node's ranks get
+each feature pulled into their own daemon's pool (``mmfeat[mesh]``) and their acks relayed, with the
+same two lines of code. Needs ``mmfeat[mesh]``.
+
     python examples/server.py --requests 200 --tp 2
+    python examples/server.py --requests 100 --tp 2 --nodes 2
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import torch
 import zmq
 
 from mmfeat.client import Client, dumps, loads
-from mmfeat.client.daemon_process import DaemonStartError, spawn_daemon
+from mmfeat.client.daemon_process import DaemonStartError, spawn_daemon, spawn_mesh
 
 SIDES = (224, 336, 448, 560, 672)  # square images; Qwen2-VL patches them at 14 px, merges 2x2
 MODES = ("pickle", "mmfeat")
@@ -164,14 +170,17 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs), q)) if xs else float("nan")
 
 
-def run_mode(mode: str, args: argparse.Namespace, runtime_dir: Path, daemon_pid: int) -> dict[str, Any]:
+def run_mode(mode: str, args: argparse.Namespace, runtime_dirs: list[Path], daemon_pids: list[int]) -> dict[str, Any]:
+    """``runtime_dirs``: one daemon per node; rank r runs on node r * nodes // tp, the tokenizer on the first."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    endpoints = [f"ipc://{runtime_dir}/example-{mode}-rank{r}" for r in range(args.tp)]
-    ranks = [ctx.Process(target=rank, args=(mode, r, endpoints, str(runtime_dir), out)) for r in range(args.tp)]
-    tok = ctx.Process(target=tokenizer, args=(mode, endpoints[0], str(runtime_dir), args.requests, args.tp, args.max_images,
-                                              args.window, out))
-    daemon_cpu0 = _proc_cpu(daemon_pid)
+    nodes = len(runtime_dirs)
+    endpoints = [f"ipc://{runtime_dirs[0]}/example-{mode}-rank{r}" for r in range(args.tp)]
+    ranks = [ctx.Process(target=rank, args=(mode, r, endpoints, str(runtime_dirs[r * nodes // args.tp]), out))
+             for r in range(args.tp)]
+    tok = ctx.Process(target=tokenizer, args=(mode, endpoints[0], str(runtime_dirs[0]), args.requests, args.tp,
+                                              args.max_images, args.window, out))
+    daemon_cpu0 = sum(_proc_cpu(pid) for pid in daemon_pids)
     for p in [*ranks, tok]:
         p.start()
     results = {}
@@ -184,7 +193,7 @@ def run_mode(mode: str, args: argparse.Namespace, runtime_dir: Path, daemon_pid:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    daemon_cpu = _proc_cpu(daemon_pid) - daemon_cpu0
+    daemon_cpu = sum(_proc_cpu(pid) for pid in daemon_pids) - daemon_cpu0
     t = results["tokenizer"]
     n = args.requests
     for r in range(args.tp):
@@ -196,7 +205,7 @@ def run_mode(mode: str, args: argparse.Namespace, runtime_dir: Path, daemon_pid:
     transport = [(last[i] - t["ready"][i]) * 1e3 for i in range(n)]
     total = [(last[i] - t["started"][i]) * 1e3 for i in range(n)]
     row = {
-        "mode": mode, "requests": n, "tp": args.tp,
+        "mode": mode, "requests": n, "tp": args.tp, "nodes": nodes,
         "req_per_s": n / (max(last) - t["started"][0]),
         "transport_ms_p50": _pct(transport, 50), "transport_ms_p99": _pct(transport, 99),
         "e2e_ms_p50": _pct(total, 50), "e2e_ms_p99": _pct(total, 99),
@@ -207,6 +216,20 @@ def run_mode(mode: str, args: argparse.Namespace, runtime_dir: Path, daemon_pid:
         "identical": True,
     }
     return row
+
+
+def _pool_left(runtime_dirs: list[Path], patience: float = 15.0) -> int:
+    """Bytes still used in the daemons' pools once every feature, and every copy another node pulled, had
+    time to go: acks relayed across nodes and the owner's word that a feature ended arrive a little later."""
+    deadline = time.monotonic() + patience
+    while True:
+        left = 0
+        for rt in runtime_dirs:
+            with Client(rt) as c:
+                left += c.stats()["pools"][0]["used"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -225,6 +248,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--tp", type=int, default=2, help="scheduler ranks; each needs every image")
+    ap.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                    help="2: the ranks split over two daemons meshed on this machine (needs mmfeat[mesh])")
     ap.add_argument("--max-images", type=int, default=4, help="images per request: 1 to this many")
     ap.add_argument("--window", type=int, default=8, help="requests the tokenizer may have queued ahead of rank 0")
     ap.add_argument("--modes", default=",".join(MODES))
@@ -236,32 +261,48 @@ def main(argv: Optional[list[str]] = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not set(modes) <= set(MODES) or args.tp < 1 or args.requests < 1:
         ap.error(f"--modes is a list of {MODES}; --tp and --requests are positive")
-    runtime_dir = args.runtime_dir or Path(tempfile.mkdtemp(prefix="mmfeat-server-", dir="/tmp"))
-    daemon = None
-    if args.runtime_dir is None:
-        try:
-            daemon = spawn_daemon(runtime_dir, ["--pool-mb", str(args.pool_mb)])
-        except DaemonStartError as exc:
-            print(f"server: {exc}", file=sys.stderr)
-            return 1
+    if args.nodes > 1 and (args.runtime_dir is not None or args.tp < args.nodes):
+        ap.error("--nodes 2 starts its own two daemons (no --runtime-dir) and needs --tp 2 or more")
+    work = Path(tempfile.mkdtemp(prefix="mmfeat-server-", dir="/tmp"))
+    daemons = []
     try:
-        with Client(runtime_dir) as c:
-            daemon_pid = c.stats()["pid"]
-        rows = [run_mode(m, args, runtime_dir, daemon_pid) for m in modes]
-        with Client(runtime_dir) as c:
-            left = c.stats()["pools"][0]["used"] if args.runtime_dir is None else None
+        if args.runtime_dir is not None:
+            runtime_dirs = [args.runtime_dir]
+        elif args.nodes == 1:
+            runtime_dirs = [work]
+            daemons = [spawn_daemon(work, ["--pool-mb", str(args.pool_mb)])]
+        else:
+            mesh = spawn_mesh(work, ("node0", "node1"), ["--backend", "host", "--pool-mb", str(args.pool_mb)])
+            runtime_dirs, daemons = [rt for rt, _ in mesh.values()], [proc for _, proc in mesh.values()]
+    except DaemonStartError as exc:
+        print(f"server: {exc}", file=sys.stderr)
+        return 1
+    try:
+        daemon_pids = []
+        for rt in runtime_dirs:
+            with Client(rt) as c:
+                daemon_pids.append(c.stats()["pid"])
+        rows = [run_mode(m, args, runtime_dirs, daemon_pids) for m in modes]
+        left = _pool_left(runtime_dirs) if args.runtime_dir is None else None
+        pulls = 0
+        for rt in runtime_dirs[1:]:  # what the other nodes' daemons pulled from the first
+            with Client(rt) as c:
+                pulls += sum(p["pulls"] for p in c.stats()["mesh"]["peers"])
     finally:
-        if daemon is not None:
+        for daemon in daemons:
             daemon.send_signal(signal.SIGTERM)
+        for daemon in daemons:
             daemon.wait(30)
-    print(f"{args.requests} requests of 1-{args.max_images} images ({'/'.join(map(str, SIDES))} px), TP={args.tp}; "
-          f"every rank's pixel values identical to the tokenizer's")
+    print(f"{args.requests} requests of 1-{args.max_images} images ({'/'.join(map(str, SIDES))} px), TP={args.tp}"
+          f"{f' over {args.nodes} nodes' if args.nodes > 1 else ''}; every rank's pixel values identical to the tokenizer's")
     print(_table(rows))
+    if args.nodes > 1:
+        print(f"node1's daemon pulled {pulls} features from node0's")
     if left:
         print(f"server: {left} bytes still in the pool after every request was acked", file=sys.stderr)
         return 1
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "pool_used_after": left}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "pool_used_after": left, "pulls": pulls}, indent=2))
     return 0
 
 

@@ -24,3 +24,20 @@ def test_server_example_moves_identical_pixels_both_ways_and_empties_the_pool(tm
     assert all(row["identical"] and row["requests"] == 4 for row in result["rows"])
     assert result["pool_used_after"] == 0
     assert "every rank's pixel values identical" in r.stdout
+
+
+def test_server_example_across_two_nodes_pulls_for_the_far_rank_and_empties_both_pools(tmp_path) -> None:
+    """--nodes 2: rank 1's daemon is another node's; it pulls each feature, relays rank 1's acks, and both
+    pools end empty (the owner's features and the pulled copies)."""
+    pytest.importorskip("transformers", reason="the [examples] extra is not installed (make setup installs it)")
+    pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed: make setup installs mmfeat[mesh]")
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "server.py"), "--requests", "4", "--tp", "2", "--max-images", "2",
+                        "--nodes", "2", "--modes", "mmfeat", "--pool-mb", "256", "--timeout", "300", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert (row["mode"], row["nodes"], row["requests"], row["identical"]) == ("mmfeat", 2, 4, True)
+    assert result["pool_used_after"] == 0 and result["pulls"] >= 4  # rank 1 read every request from a copy
+    assert "TP=2 over 2 nodes" in r.stdout
