@@ -258,7 +258,7 @@ def test_a_listed_peer_gets_in_and_stays_in_while_strangers_flood_the_mesh_port(
         # b hears a's pongs only over its own connection to a's flooded listener; a's hello, over a's.
         b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["node"] == "a",
                    timeout=10, what="a up for b during the flood")
-        with a.client(inline_threshold=0, fallback="error") as producer, b.client(timeout=2.0) as consumer:
+        with a.client(inline_threshold=0, fallback="error") as producer, b.client(timeout=5.0) as consumer:
             descs = [producer.put(torch.ones(64)) for _ in range(20)]
             for desc in descs:  # each waits for a's answer, over b's connection to a
                 assert consumer.ack(desc, wait=True)["freed"]
