@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import random
+import shutil
 import socket
+import tempfile
 import time
+from pathlib import Path
+from typing import Iterator
 
 import msgpack
 import pytest
@@ -13,11 +17,11 @@ import zmq
 
 from mmfeat.protos import PROTOCOL_VERSION, ErrorCode, MmfeatError
 
-from .conftest import assert_fds_settle, fd_count
+from .conftest import Daemon, assert_fds_settle, fd_count, start_daemon
 
 
-@pytest.fixture
-def raw(daemon):
+def _raw_to(daemon: Daemon) -> Iterator:
+    """A raw DEALER on the daemon's control socket: send frames, get the decoded reply."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -31,6 +35,29 @@ def raw(daemon):
     yield send
     sock.close()
     ctx.term()
+
+
+@pytest.fixture
+def raw(daemon):
+    yield from _raw_to(daemon)
+
+
+@pytest.fixture(scope="module")
+def one_daemon() -> Iterator[Daemon]:
+    """One daemon for the 30 malformed requests below: each must leave it serving (the test pings it
+    after every one), so they need no daemon each (0.8 s apiece of make test)."""
+    runtime = Path(tempfile.mkdtemp(prefix="mmf-", dir="/tmp"))
+    d = start_daemon(runtime, "--pool-mb", "16")
+    yield d
+    rc = d.stop()
+    _, err = d.proc.communicate()
+    shutil.rmtree(runtime, ignore_errors=True)
+    assert rc == 0, f"mmfeatd exited {rc} on SIGTERM after the malformed requests: {err}"
+
+
+@pytest.fixture
+def raw_one(one_daemon):
+    yield from _raw_to(one_daemon)
 
 
 def _req(op: str, **fields) -> bytes:
@@ -74,11 +101,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("frames,code", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_typed_error_reply(raw, frames, code) -> None:
-    reply = raw(*frames)
+def test_typed_error_reply(raw_one, one_daemon, frames, code) -> None:
+    reply = raw_one(*frames)
     assert reply["ok"] is False and reply["error"]["code"] == code.value, reply
     assert reply["error"]["message"]
-    assert raw(_req("ping"))["ok"] is True
+    assert raw_one(_req("ping"))["ok"] is True and one_daemon.proc.poll() is None
 
 
 def test_fuzzed_frames_never_kill_the_daemon(daemon, raw) -> None:

@@ -12,15 +12,17 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_server_example_moves_identical_pixels_both_ways_and_empties_the_pool(tmp_path) -> None:
+def test_server_example_moves_identical_pixels_and_empties_the_pool(tmp_path) -> None:
+    """The mmfeat mode only: the pickle mode is the baseline the docs' runs compare against, plain
+    send_pyobj/recv_pyobj, and running it here would add a third of this file's time to make test."""
     pytest.importorskip("transformers", reason="the [examples] extra is not installed (make setup installs it)")
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, str(REPO / "examples" / "server.py"), "--requests", "4", "--tp", "2", "--max-images", "2",
-                        "--pool-mb", "256", "--timeout", "300", "--json", str(out)],
+                        "--modes", "mmfeat", "--pool-mb", "256", "--timeout", "300", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [row["mode"] for row in result["rows"]] == ["pickle", "mmfeat"]
+    assert [row["mode"] for row in result["rows"]] == ["mmfeat"]
     assert all(row["identical"] and row["requests"] == 4 for row in result["rows"])
     assert result["pool_used_after"] == 0
     assert "every rank's pixel values identical" in r.stdout
