@@ -29,7 +29,7 @@ _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITO
 _IDLE_WAIT_S = 1.0  # how often the thread looks at its stop flag when nothing happens (a safety net)
 
 IsOurs = Callable[[int], bool]
-Favoured = Callable[[socket.socket], bool]  # asked once per accepted connection, past the cap only
+Favoured = Callable[[socket.socket], bool]  # asked once per accepted connection
 
 
 class ConnectionCap:
