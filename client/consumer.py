@@ -51,14 +51,17 @@ class Consumer:
         it pulled or under way. Nothing for this node's features and inline ones; never waits."""
         if desc.is_inline:
             return
-        if desc.node != self._connect().node:
-            self._channel.hint("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout)
+        session = self._connect()
+        if desc.node != session.node:
+            self._channel.hint("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout,
+                               **_into_pool(session, None))
 
     def _remote(self, session: Session, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
         """Another node's feature: this node's daemon pulls it into its own pool (and gives the copy's
         lease), or relays the owner's FABRIC handle; either way the read is local from then on."""
         try:
-            reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout)
+            reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout,
+                                       **_into_pool(session, device))
         except MmfeatError as exc:
             if exc.code is ErrorCode.PEER_UNAVAILABLE:
                 raise DaemonUnavailableError(exc.message) from None
@@ -86,6 +89,26 @@ class Consumer:
         self._channel.call("lookup", lease=desc.lease_ref())
         if state == STATE_MISMATCH:  # the daemon found it fine: the table is the authority on ranges
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease {desc.lease}'s range in the lease table differs from the descriptor's")
+
+
+def _into_pool(session: Session, device: Any) -> dict[str, int]:
+    """remote_get's ``into_pool``: the daemon's pool on the GPU this process reads on (``device`` if it is
+    a CUDA one, else the current device once CUDA is in use here), so that a node with a pool per GPU
+    pulls the copy next to the rank that reads it. Nothing for host pools, or without CUDA in use:
+    asking would make a context on a process that never used a GPU."""
+    if device is not None:
+        target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        ordinal = target.index if target.type == "cuda" else None
+        if target.type == "cuda" and ordinal is None:
+            ordinal = torch.cuda.current_device()
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        ordinal = torch.cuda.current_device()
+    else:
+        ordinal = None
+    if ordinal is None or not any(info["kind"] == "cuda" for info in session.pools.values()):
+        return {}
+    pool = session.pool_on_local_device(ordinal)
+    return {"into_pool": pool["pool"]} if pool is not None else {}
 
 
 def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> Tensors:

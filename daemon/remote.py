@@ -77,6 +77,12 @@ def route(pool: MeshPool, local_fabric: bool) -> str:
     return "pull"
 
 
+def copy_pool(pullable: dict[int, Any], into_pool: Optional[int]) -> int:
+    """The pool of this daemon's that a pulled copy goes to: the client's choice (the pool on its GPU)
+    when that pool can take pulls, else the first that can. ``pullable``: pool id -> its registration."""
+    return into_pool if into_pool is not None and into_pool in pullable else next(iter(pullable))
+
+
 def fabric_reply(node: str, epoch: int, pool: MeshPool, ref: LeaseRef) -> dict[str, Any]:
     """remote_get's answer on the FABRIC route: the owner's pool as a client maps a FABRIC pool of its own
     daemon (client/cuda_import.py reads ``handle``, ``fabric``, ``size``, ``pool`` and ``epoch``), and the
@@ -110,8 +116,10 @@ class RemoteFeatures:
 
     # --- a client here asks for another node's feature ----------------------------------------
 
-    def get(self, node: str, ref: LeaseRef, timeout: float, respond: Optional[Respond], now: float) -> None:
-        """``respond`` None: a prefetch, which starts the pull (or finds it under way) and waits for nothing."""
+    def get(self, node: str, ref: LeaseRef, timeout: float, respond: Optional[Respond], now: float,
+            into_pool: Optional[int] = None) -> None:
+        """``respond`` None: a prefetch, which starts the pull (or finds it under way) and waits for nothing.
+        ``into_pool``: where the client would like the copy (copy_pool)."""
         peer = self._peer(node)
         hello = peer.hello
         assert hello is not None
@@ -144,7 +152,8 @@ class RemoteFeatures:
                     copy.waiters.append((respond, deadline))
                 copy.deadline = max(copy.deadline, deadline)
                 return
-        self._pull(peer, node, ref, pool, key, [(respond, deadline)] if respond is not None else [], deadline, now)
+        self._pull(peer, node, ref, pool, key, [(respond, deadline)] if respond is not None else [], deadline, now,
+                   into_pool)
 
     def _peer(self, node: str) -> PeerState:
         if not node or node == self.core.settings.node_id:
@@ -157,7 +166,7 @@ class RemoteFeatures:
         return peer
 
     def _pull(self, peer: PeerState, node: str, ref: LeaseRef, pool: MeshPool, key: tuple,
-              waiters: list[tuple[Respond, float]], deadline: float, now: float) -> None:
+              waiters: list[tuple[Respond, float]], deadline: float, now: float, into_pool: Optional[int]) -> None:
         if self.core.draining:
             raise MmfeatError(ErrorCode.DRAINING, "this daemon is shutting down and pulls nothing more; retry on its successor")
         if self.puller is None:
@@ -171,7 +180,7 @@ class RemoteFeatures:
         table = peer.hello.table
         if table is not None and ref.lease >= table.slots:
             raise MmfeatError(ErrorCode.NOT_FOUND, f"node {node!r}'s daemon has no lease slot {ref.lease}")
-        local_pool = next(iter(self.puller.regions))
+        local_pool = copy_pool(self.puller.regions, into_pool)
         region = self.puller.regions[local_pool]
         if not self.core.ledger.fits(local_pool, ref.nbytes):
             self.core.sweep(now)  # acks written since the last sweep may free the room this needs (a sweep: ~0.1 ms)

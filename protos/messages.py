@@ -83,6 +83,9 @@ class RemoteGetRequest(_Message):
     lease: LeaseRef
     # How long the client waits; the daemon answers within it, with an error if it must.
     wait_s: Annotated[float, Field(gt=0, le=600, strict=False)] = 5.0
+    # The pool of this daemon's (its numbering) the client would read a pulled copy from: the one on its
+    # GPU, on a node with a pool per GPU. A hint: another pool is used if that one cannot take pulls.
+    into_pool: Optional[Annotated[int, Field(ge=0, le=1023)]] = None
 
 
 class ArenaRequest(_Message):

@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmfeat.client.channel import ControlChannel
 from mmfeat.daemon.metrics import _mesh_metrics
-from mmfeat.daemon.remote import fabric_reply, route
+from mmfeat.daemon.remote import copy_pool, fabric_reply, route
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.mesh import FABRIC_HANDLE_BYTES, MeshPool
 from mmfeat.protos.messages import LeaseRef
+from mmfeat.protos.paths import control_endpoint
 
 from . import workers
 from .conftest import fd_count
@@ -220,6 +222,32 @@ def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> No
     assert info["handle"] == "fabric" and info["fabric"] == b"\1" * FABRIC_HANDLE_BYTES
     assert (info["pool"], info["epoch"], info["size"], info["node"]) == (0, 9, 1 << 30, "a")
     assert reply["lease"] == ref.model_dump()
+
+
+def test_a_pulled_copy_goes_to_the_pool_the_client_names_when_that_pool_can_take_it(cluster) -> None:
+    """remote_get's into_pool: on a node with a pool per GPU, the copy lands on the reading rank's GPU. The
+    choice (a unit check) and the protocol (a host daemon, whose one pool is the fallback) on this machine;
+    the GPU run exercises the pools themselves."""
+    assert copy_pool({0: "gpu0", 1: "gpu1", 3: "gpu3"}, 3) == 3
+    assert copy_pool({0: "gpu0", 1: "gpu1"}, 2) == 0  # not registered with NIXL: the first that is
+    assert copy_pool({1: "gpu1"}, None) == 1
+    a, b = meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer:
+        desc = producer.put(torch.arange(1000), consumers=1)
+    channel = ControlChannel(control_endpoint(b.runtime_dir), 10.0)
+    try:
+        with pytest.raises(MmfeatError) as bad:
+            channel.call("remote_get", node="a", lease=desc.lease_ref(), wait_s=5, into_pool=-1)
+        assert bad.value.code is ErrorCode.BAD_REQUEST
+        reply = channel.call("remote_get", node="a", lease=desc.lease_ref(), wait_s=5, into_pool=7)
+        assert reply["lease"]["pool"] == 0 and reply["lease"]["nbytes"] == desc.nbytes
+    finally:
+        channel.close()
+    with b.client() as consumer:
+        assert torch.equal(consumer.get(desc), torch.arange(1000))  # the copy that request made
+        consumer.ack(desc)
+    assert b.stats()["mesh"]["peers"][0]["pulls"] == 1
+    idle(a, "a to free the feature")
 
 
 def test_the_remote_bench_runs(tmp_path) -> None:
