@@ -143,6 +143,23 @@ def test_three_nodes_pull_one_feature_and_it_ends_everywhere_after_the_last_ack(
     served = {p["node"]: p for p in a.stats()["mesh"]["peers"]}
     assert served["b"]["ended_sent"] == served["c"]["ended_sent"] == 1
     assert served["b"]["acks_received"] == served["c"]["acks_received"] == 1
+    # remote_get's into_pool (a pool per GPU: the reading rank's) is checked, and a pool that cannot
+    # take pulls (this host daemon has only pool 0) falls back to one that can.
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client() as on_b:
+        desc = producer.put(torch.arange(1000), consumers=1)
+        channel = ControlChannel(control_endpoint(b.runtime_dir), 10.0)
+        try:
+            with pytest.raises(MmfeatError) as bad:
+                channel.call("remote_get", node="a", lease=desc.lease_ref(), wait_s=5, into_pool=-1)
+            assert bad.value.code is ErrorCode.BAD_REQUEST
+            reply = channel.call("remote_get", node="a", lease=desc.lease_ref(), wait_s=5, into_pool=7)
+            assert reply["lease"]["pool"] == 0 and reply["lease"]["nbytes"] == desc.nbytes
+        finally:
+            channel.close()
+        assert torch.equal(on_b.get(desc), torch.arange(1000))  # the copy that request made
+        on_b.ack(desc)
+    assert next(p for p in b.stats()["mesh"]["peers"] if p["node"] == "a")["pulls"] == 2
+    idle(a, "a to free the second feature")
 
 
 def test_a_node_without_nixl_says_what_to_install(cluster, tmp_path) -> None:
@@ -224,30 +241,13 @@ def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> No
     assert reply["lease"] == ref.model_dump()
 
 
-def test_a_pulled_copy_goes_to_the_pool_the_client_names_when_that_pool_can_take_it(cluster) -> None:
+def test_a_pulled_copy_goes_to_the_pool_the_client_names_when_that_pool_can_take_it() -> None:
     """remote_get's into_pool: on a node with a pool per GPU, the copy lands on the reading rank's GPU. The
-    choice (a unit check) and the protocol (a host daemon, whose one pool is the fallback) on this machine;
-    the GPU run exercises the pools themselves."""
+    choice here; the protocol (validation, the fallback on a host daemon) in the three-node test above; the
+    GPU run exercises the pools themselves."""
     assert copy_pool({0: "gpu0", 1: "gpu1", 3: "gpu3"}, 3) == 3
     assert copy_pool({0: "gpu0", 1: "gpu1"}, 2) == 0  # not registered with NIXL: the first that is
     assert copy_pool({1: "gpu1"}, None) == 1
-    a, b = meshed(cluster)
-    with a.client(inline_threshold=0, fallback="error") as producer:
-        desc = producer.put(torch.arange(1000), consumers=1)
-    channel = ControlChannel(control_endpoint(b.runtime_dir), 10.0)
-    try:
-        with pytest.raises(MmfeatError) as bad:
-            channel.call("remote_get", node="a", lease=desc.lease_ref(), wait_s=5, into_pool=-1)
-        assert bad.value.code is ErrorCode.BAD_REQUEST
-        reply = channel.call("remote_get", node="a", lease=desc.lease_ref(), wait_s=5, into_pool=7)
-        assert reply["lease"]["pool"] == 0 and reply["lease"]["nbytes"] == desc.nbytes
-    finally:
-        channel.close()
-    with b.client() as consumer:
-        assert torch.equal(consumer.get(desc), torch.arange(1000))  # the copy that request made
-        consumer.ack(desc)
-    assert b.stats()["mesh"]["peers"][0]["pulls"] == 1
-    idle(a, "a to free the feature")
 
 
 def test_the_remote_bench_runs(tmp_path) -> None:
