@@ -96,6 +96,8 @@ def _into_pool(session: Session, device: Any) -> dict[str, int]:
     a CUDA one, else the current device once CUDA is in use here), so that a node with a pool per GPU
     pulls the copy next to the rank that reads it. Nothing for host pools, or without CUDA in use:
     asking would make a context on a process that never used a GPU."""
+    if not any(info["kind"] == "cuda" for info in session.pools.values()):
+        return {}  # a host daemon: nothing to choose, and no reason to look at CUDA
     if device is not None:
         target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         ordinal = target.index if target.type == "cuda" else None
@@ -105,7 +107,7 @@ def _into_pool(session: Session, device: Any) -> dict[str, int]:
         ordinal = torch.cuda.current_device()
     else:
         ordinal = None
-    if ordinal is None or not any(info["kind"] == "cuda" for info in session.pools.values()):
+    if ordinal is None:
         return {}
     pool = session.pool_on_local_device(ordinal)
     return {"into_pool": pool["pool"]} if pool is not None else {}
