@@ -121,9 +121,8 @@ class Producer:
     def _descriptor(self, session: Session, pool_id: int, specs: list[TensorSpec], nbytes: int, many: bool, lease: int,
                     gen: int, token: bytes, offset: int) -> Descriptor:
         pool = session.pools[pool_id]
-        return Descriptor(kind=pool["kind"], tensors=tuple(specs), nbytes=nbytes, many=many, node=session.node,
-                          endpoint=self._channel.endpoint, device=pool["device"], pool=pool_id, epoch=session.epoch,
-                          lease=lease, gen=gen, token=token, offset=offset)
+        return Descriptor.checked(pool["kind"], tuple(specs), nbytes, many, session.node, self._channel.endpoint,
+                                  pool["device"], pool_id, session.epoch, lease, gen, token, offset, None)
 
     def _pool_tensor(self, session: Session, desc: Descriptor, device: Optional[int]) -> torch.Tensor:
         """The whole pool as a uint8 tensor; a GPU pool mapped (once) on the producer tensor's device."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import Sequence
 
 import torch
@@ -87,8 +88,21 @@ def pool_view(pool: torch.Tensor, lease_offset: int, spec: TensorSpec) -> torch.
 def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> None:
     """Copy each tensor into its packed place in the lease (copy_ reads any layout or device)."""
     for t, spec in zip(tensors, specs):
-        if t.numel():
+        if not t.numel():
+            continue
+        if _plain_host_bytes(pool, t):
+            # The common case, a contiguous CPU tensor into a host pool, is one memmove: a tenth of the
+            # instructions of a view and copy_ (torch's dispatch), per feature, and the same bytes.
+            ctypes.memmove(pool.data_ptr() + lease_offset + spec.offset, t.data_ptr(), t.numel() * t.element_size())
+        else:
             pool_view(pool, lease_offset, spec).copy_(t)
+
+
+def _plain_host_bytes(pool: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds exactly the bytes its packed copy must: a dense CPU tensor without
+    a lazy conjugate or negation bit, going into host memory."""
+    return (not pool.is_cuda and not t.is_cuda and t.layout is torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 def _typed_views(pool: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:

@@ -23,6 +23,7 @@ KINDS = (*POOL_KINDS, "inline")
 _MAX_DIMS = 16
 _MAX_TENSORS = 1024
 _MAX_DESCRIPTOR_BYTES = 1 << 31
+_MAX_INT = 1 << 62  # shapes, strides and offsets: far past any real tensor, and products stay exact
 # Leases start on this boundary (the daemon's allocator aligns every range), so any dtype view is aligned.
 LEASE_ALIGNMENT = 256
 
@@ -35,6 +36,9 @@ _parsed: dict[bytes, "Descriptor"] = {}
 def parse_cache_len() -> int:
     """How many parsed descriptors ``from_bytes`` keeps now (at most PARSE_CACHE_ENTRIES)."""
     return len(_parsed)
+
+
+_INT_FIELDS = ("pool", "epoch", "lease", "gen", "offset", "nbytes")
 
 
 class DescriptorError(ValueError):
@@ -64,10 +68,12 @@ class TensorSpec:
     @property
     def extent(self) -> int:
         """Bytes from ``offset`` to one past the last element the tensor can touch."""
-        if any(d == 0 for d in self.shape):
-            return 0
-        last = sum((d - 1) * s for d, s in zip(self.shape, self.strides))
-        return (last + 1) * self.itemsize
+        last = 0
+        for d, s in zip(self.shape, self.strides):
+            if d == 0:
+                return 0
+            last += (d - 1) * s
+        return (last + 1) * DTYPE_SIZES[self.dtype]
 
     def to_wire(self) -> list[Any]:
         return [self.dtype, list(self.shape), list(self.strides), self.offset]
@@ -83,15 +89,17 @@ class TensorSpec:
             raise DescriptorError("shape and strides must be lists of the same length")
         if len(shape) > _MAX_DIMS:
             raise DescriptorError(f"more than {_MAX_DIMS} dimensions")
-        for v in (*shape, *strides, offset):
-            if type(v) is not int or v < 0 or v > (1 << 62):
+        if type(offset) is not int or not 0 <= offset <= _MAX_INT:
+            raise DescriptorError("shape, strides and offset must be non-negative integers")
+        for d, s in zip(shape, strides):  # one pass: consumers parse a descriptor per feature
+            if type(d) is not int or type(s) is not int or not 0 <= d <= _MAX_INT or not 0 <= s <= _MAX_INT:
                 raise DescriptorError("shape, strides and offset must be non-negative integers")
+            if s == 0 and d > 1:
+                # A zero stride repeats one element: a tiny descriptor could then make copy=True allocate
+                # far more than the lease holds. Producers write contiguous tensors, so none is legitimate.
+                raise DescriptorError("a zero stride on a dimension larger than 1 is refused")
         if offset % DTYPE_SIZES[dtype]:
             raise DescriptorError(f"tensor offset {offset} is not aligned to its {dtype} elements")
-        if any(d > 1 and s == 0 for d, s in zip(shape, strides)):
-            # A zero stride repeats one element: a tiny descriptor could then make copy=True allocate far
-            # more than the lease holds. Producers write contiguous tensors, so none is legitimate.
-            raise DescriptorError("a zero stride on a dimension larger than 1 is refused")
         return cls(dtype, tuple(shape), tuple(strides), offset)
 
 
@@ -193,9 +201,9 @@ class Descriptor:
             raise DescriptorError(f"unknown descriptor kind {kind!r}")
         if not isinstance(node, str) or not isinstance(endpoint, str) or type(many) is not bool:
             raise DescriptorError("node and endpoint must be strings, many a bool")
-        for name, v in (("pool", pool), ("epoch", epoch), ("lease", lease), ("gen", gen), ("offset", offset), ("nbytes", nbytes)):
+        for i, v in enumerate((pool, epoch, lease, gen, offset, nbytes)):
             if type(v) is not int or v < 0:
-                raise DescriptorError(f"{name} must be a non-negative integer")
+                raise DescriptorError(f"{_INT_FIELDS[i]} must be a non-negative integer")
         if type(device) is not int or device < -1:
             raise DescriptorError("device must be an integer >= -1")
         if not isinstance(tensors, list) or not tensors or len(tensors) > _MAX_TENSORS:
@@ -216,12 +224,27 @@ class Descriptor:
             if nbytes == 0:
                 raise DescriptorError("a pool descriptor names at least one byte")
         for spec in specs:
-            if spec.offset + spec.extent > nbytes or spec.offset + spec.numel * spec.itemsize > nbytes:
+            itemsize, extent, numel = DTYPE_SIZES[spec.dtype], spec.extent, spec.numel
+            if spec.offset + extent > nbytes or spec.offset + numel * itemsize > nbytes:
                 raise DescriptorError(
-                    f"tensor at offset {spec.offset} ({spec.numel} x {spec.itemsize} B, extent {spec.extent} B) "
+                    f"tensor at offset {spec.offset} ({numel} x {itemsize} B, extent {extent} B) "
                     f"overruns the {nbytes}-byte lease"
                 )
-        return cls(kind, specs, nbytes, many, node, endpoint, device, pool, epoch, lease, gen, token, offset, inline)
+        return cls.checked(kind, specs, nbytes, many, node, endpoint, device, pool, epoch, lease, gen, token, offset, inline)
+
+    @classmethod
+    def checked(cls, kind: str, tensors: tuple[TensorSpec, ...], nbytes: int, many: bool, node: str, endpoint: str,
+                device: int, pool: int, epoch: int, lease: int, gen: int, token: bytes, offset: int,
+                inline: Optional[Union[bytes, bytearray]]) -> "Descriptor":
+        """The descriptor of fields that are already checked (a parse, or a producer's own placement),
+        every field given. The same object the constructor makes, without its 14 ``object.__setattr__``
+        calls (frozen dataclasses set each field that way): a third of a parse's instructions, paid by
+        every consumer and producer once per feature. ``test_descriptors`` keeps the two in step."""
+        desc = object.__new__(cls)
+        desc.__dict__.update(kind=kind, tensors=tensors, nbytes=nbytes, many=many, node=node, endpoint=endpoint,
+                             device=device, pool=pool, epoch=epoch, lease=lease, gen=gen, token=token, offset=offset,
+                             inline=inline)
+        return desc
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         # Pickle through the validated wire form, so a pickled descriptor is never more trusted than bytes.

@@ -15,9 +15,17 @@ PAYLOAD = 4096
 ROUNDS = 20_000
 
 
-def test_load_store_and_compare_and_swap() -> None:
+# Both ways of ordering a load or store that this machine can run: libatomic's calls (every
+# architecture) and, on x86-64, the plain moves that clients and the daemon use there.
+ORDERINGS = [pytest.param(False, id="libatomic"),
+             pytest.param(True, id="plain-x86-64", marks=pytest.mark.skipif(
+                 not atomics.PLAIN_ORDERED, reason="plain moves are acquire/release only on x86-64"))]
+
+
+@pytest.mark.parametrize("plain", ORDERINGS)
+def test_load_store_and_compare_and_swap(plain: bool) -> None:
     mm = mmap.mmap(-1, 4096)
-    words = atomics.Words(mm, 64, 8)
+    words = atomics.Words(mm, 64, 8, plain=plain)
     try:
         words.store(3, 2**64 - 1)
         assert words.load(3) == 2**64 - 1 and int.from_bytes(mm[88:96], "little") == 2**64 - 1
@@ -30,7 +38,8 @@ def test_load_store_and_compare_and_swap() -> None:
         mm.close()  # the exported pointer is gone: the mapping closes
 
 
-def test_a_release_store_publishes_the_writes_before_it_to_another_process() -> None:
+@pytest.mark.parametrize("plain", ORDERINGS)
+def test_a_release_store_publishes_the_writes_before_it_to_another_process(plain: bool) -> None:
     """The publish/ack handshake in miniature: a producer writes a payload with plain stores, then
     release-stores its sequence number; the consumer acquire-loads it, checks every payload byte, and
     release-stores its ack, after which the producer may overwrite the payload. On x86-64 the hardware
@@ -40,7 +49,7 @@ def test_a_release_store_publishes_the_writes_before_it_to_another_process() -> 
     mm = mmap.mmap(fd, 64 + PAYLOAD, flags=mmap.MAP_SHARED)
     pid = os.fork()
     if pid == 0:  # the consumer
-        words = atomics.Words(mm, 0, 8)
+        words = atomics.Words(mm, 0, 8, plain=plain)
         status = 0
         try:
             for seq in range(1, ROUNDS + 1):
@@ -52,7 +61,7 @@ def test_a_release_store_publishes_the_writes_before_it_to_another_process() -> 
                 words.store(1, seq)
         finally:
             os._exit(status)
-    words = atomics.Words(mm, 0, 8)
+    words = atomics.Words(mm, 0, 8, plain=plain)
     try:
         for seq in range(1, ROUNDS + 1):
             mm[64 : 64 + PAYLOAD] = bytes([seq & 0xFF]) * PAYLOAD

@@ -153,3 +153,18 @@ def test_ten_thousand_mutated_descriptors(daemon) -> None:
             consumer.ack(d)
     s = daemon.stats()
     assert s["pools"][0]["used"] == 0 and s["counters"]["frees"] == len(originals)
+
+
+def test_checked_descriptors_are_the_constructors_and_stay_frozen() -> None:
+    """``Descriptor.checked`` skips the frozen dataclass's per-field setattr for speed: it must give the
+    very object the constructor does, with every field, and stay immutable."""
+    import dataclasses
+
+    values = {f.name: i for i, f in enumerate(dataclasses.fields(Descriptor))}
+    made = Descriptor.checked(**values)
+    assert made == Descriptor(**values) and vars(made) == vars(Descriptor(**values))
+    assert made.lease_ref() == Descriptor(**values).lease_ref()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.offset = 0  # type: ignore[misc]
+    parsed = Descriptor.from_bytes(_spec_bytes(nbytes=256))
+    assert Descriptor.from_bytes(parsed.to_bytes()) == parsed and type(parsed) is Descriptor

@@ -84,6 +84,31 @@ def test_shape_dtype_and_strides_round_trip(daemon) -> None:
     assert daemon.pool()["used"] == 0
 
 
+def test_lazy_views_are_written_as_the_values_they_show(daemon) -> None:
+    """A contiguous CPU tensor goes into a host pool as one memmove of its memory; tensors whose memory
+    differs from their values (a lazy conjugate or negation, a storage offset, a transposed view, a
+    sparse one) must still arrive as the values they show."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) + 0.5
+    cplx = torch.complex(base, -base)
+    cases = {
+        "conj": cplx.conj(),  # a conjugate bit over unconjugated memory
+        "neg": torch._neg_view(base),  # a negation bit over the positive memory
+        "offset": base.reshape(-1)[5:17],  # contiguous, at a storage offset
+        "transposed": base.t(),
+        "conj of neg": torch._neg_view(cplx).conj(),
+    }
+    with daemon.client(inline_threshold=0) as c:
+        for name, src in cases.items():
+            desc = c.put(src)
+            got = c.get(desc, copy=True)
+            assert torch.equal(got, src.resolve_conj().resolve_neg()), name
+            assert not got.is_conj() and not got.is_neg(), name
+            c.ack(desc)
+        with pytest.raises((TypeError, RuntimeError, NotImplementedError)):
+            c.put(base.to_sparse())
+    assert daemon.pool()["used"] == 0
+
+
 def test_descriptor_from_restarted_daemon_is_stale(runtime_dir, daemon_factory) -> None:
     d1 = daemon_factory("--pool-mb", "16", "--drain-timeout", "0")  # its lease is never acked
     with Client(runtime_dir, inline_threshold=0) as c:
