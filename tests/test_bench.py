@@ -33,12 +33,40 @@ def test_bench_smoke(tmp_path) -> None:
     assert "unacknowledged" not in r.stderr, "a background ack never reached the bench's daemon"
 
 
-def test_bench_sync_acks(tmp_path) -> None:
+def test_bench_sync_acks_in_interleaved_rounds(tmp_path) -> None:
+    out = tmp_path / "bench.json"
     r = subprocess.run(
         [sys.executable, "-m", "mmfeat.client", "bench", "--sizes", "64K", "--consumers", "1", "--count", "12",
-         "--modes", "pool_view", "--ack", "sync", "--control-clients", ""],
+         "--modes", "pool_view,zmq_bytes", "--ack", "sync", "--rounds", "2", "--control-clients", "", "--json", str(out)],
         capture_output=True, text=True, timeout=240,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "consumers ack and wait" in r.stdout and " pool_view " in r.stdout
+    assert "medians of 2 interleaved rounds" in r.stdout and "round 2/2" in r.stderr
     assert "unacknowledged" not in r.stderr
+    records = {rec["mode"]: rec for rec in json.loads(out.read_text())}
+    assert set(records) == {"memcpy", "pool_view", "zmq_bytes"}  # one row per mode, whatever the rounds
+    view = records["pool_view"]
+    assert view["rounds"] == 2 and view["x_zmq_min"] <= view["x_zmq"] <= view["x_zmq_max"]
+    assert records["zmq_bytes"]["x_zmq"] == 1.0
+
+
+def test_rounds_combine_into_medians_of_each_rounds_own_ratio() -> None:
+    from mmfeat.client.bench.report import add_ratios, combine_rounds, targets
+
+    def row(mode: str, fps: float, rnd: int) -> dict:
+        return {"mode": mode, "size": 65536, "consumers": 1, "features_per_s": fps, "gb_per_s": 0.0, "p50_us": 1.0,
+                "p99_us": 2.0, "round": rnd}
+
+    # The machine ran at half speed in round 1: both sides of its ratio moved, the ratio did not.
+    rows = [row("pool_view", 900, 0), row("zmq_bytes", 1000, 0), row("pool_view", 450, 1), row("zmq_bytes", 500, 1),
+            row("pool_view", 1200, 2), row("zmq_bytes", 1000, 2)]
+    add_ratios(rows)
+    combined = {r["mode"]: r for r in combine_rounds(rows)}
+    view = combined["pool_view"]
+    assert view["x_zmq"] == 0.9 and (view["x_zmq_min"], view["x_zmq_max"]) == (0.9, 1.2) and view["rounds"] == 3
+    assert view["features_per_s"] == 900 and "round" not in view
+    (verdict,) = [v for v in targets(list(combined.values()), []) if "zmq_bytes" in v[0]]
+    assert verdict == ("64K x1: pool zero-copy >= 1.0x zmq_bytes", False, "0.90x (rounds 0.90-1.20x)")
+    single = combine_rounds([{**row("pool_view", 5, 0)}])
+    assert single == [{k: v for k, v in row("pool_view", 5, 0).items() if k != "round"}]

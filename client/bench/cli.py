@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .control import run_control
-from .report import MiB, add_ratios, human_size, make_row, parse_size, plot, render, targets, write_json
+from .report import MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, render, targets, write_json
 from .workers import MODES, Job, consumer_main, producer_main
 
 
@@ -25,6 +25,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"subset of {','.join(MODES)} (with --remote: of remote,remote_prefetch,remote_premade,local,nixl_read,nixl_read_hot,zmq_tcp)")
     p.add_argument("--count", type=int, default=None, help="features per run (default: by size)")
     p.add_argument("--window", type=int, default=4, help="features in flight at most")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every size and mode this many times, interleaved, and report medians: on a shared "
+                        "machine one run of a baseline can be off by 2x")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--ack", choices=("background", "sync"), default="background",
                    help="consumers ack with wait=False, as a server does (default), or wait for each ack")
@@ -139,29 +142,30 @@ def _run_data_plane(
         if not pipes[0][0].poll(60):
             raise SystemExit("mmfeat bench: the producer process did not start")
         pipes[0][0].recv()
-        for size in sizes:
-            for mode in modes:
-                _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} on {device} ...")
-                count = _count_for(size, args.count)
-                job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window, device=device, ack=args.ack)
-                for parent, _ in pipes[1:]:
-                    parent.send(job)
-                daemon_cpu0 = _cpu_seconds(daemon_pid)
-                pipes[0][0].send(job)
-                if not pipes[0][0].poll(600):
-                    raise SystemExit(f"mmfeat bench: {mode} at {human_size(size)} did not finish in 600 s")
-                res = pipes[0][0].recv()
-                consumer_cpu = [parent.recv()["cpu_s"] for parent, _ in pipes[1:]]
-                daemon_cpu1 = _cpu_seconds(daemon_pid)
-                row = make_row(mode, size, n, res["latencies"], res["elapsed"])
-                # CPU per feature, for the whole run (warm-up included): steadier than time on a shared machine.
-                total = job.count + job.warmup
-                row["producer_cpu_us"] = res["cpu_s"] / total * 1e6
-                row["consumer_cpu_us"] = sum(consumer_cpu) / n / total * 1e6
-                row["daemon_cpu_us"] = (
-                    (daemon_cpu1 - daemon_cpu0) / total * 1e6 if daemon_cpu0 is not None and daemon_cpu1 is not None else None
-                )
-                rows.append(row)
+        for rnd, size, mode in ((rnd, size, mode) for rnd in range(args.rounds) for size in sizes for mode in modes):
+            _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} on {device}"
+                      f"{f', round {rnd + 1}/{args.rounds}' if args.rounds > 1 else ''} ...")
+            count = _count_for(size, args.count)
+            job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window, device=device, ack=args.ack)
+            for parent, _ in pipes[1:]:
+                parent.send(job)
+            daemon_cpu0 = _cpu_seconds(daemon_pid)
+            pipes[0][0].send(job)
+            if not pipes[0][0].poll(600):
+                raise SystemExit(f"mmfeat bench: {mode} at {human_size(size)} did not finish in 600 s")
+            res = pipes[0][0].recv()
+            consumer_cpu = [parent.recv()["cpu_s"] for parent, _ in pipes[1:]]
+            daemon_cpu1 = _cpu_seconds(daemon_pid)
+            row = make_row(mode, size, n, res["latencies"], res["elapsed"])
+            # CPU per feature, for the whole run (warm-up included): steadier than time on a shared machine.
+            total = job.count + job.warmup
+            row["producer_cpu_us"] = res["cpu_s"] / total * 1e6
+            row["consumer_cpu_us"] = sum(consumer_cpu) / n / total * 1e6
+            row["daemon_cpu_us"] = (
+                (daemon_cpu1 - daemon_cpu0) / total * 1e6 if daemon_cpu0 is not None and daemon_cpu1 is not None else None
+            )
+            row["round"] = rnd
+            rows.append(row)
         for parent, _ in pipes:
             parent.send(None)
         for p in procs:
@@ -201,7 +205,10 @@ def run_bench(args: argparse.Namespace) -> int:
             pool_mb = max(256, (max(sizes) * (2 * args.window + 2)) // MiB + 64, 32 * max(sizes) // MiB)
             daemon = _start_daemon(runtime_dir, pool_mb)
         device, daemon_pid = _daemon_facts(runtime_dir)
-        rows = [_memcpy_row(size, _count_for(size, args.count), args.threads, device) for size in sizes]
+        if args.rounds < 1:
+            raise SystemExit("mmfeat bench: --rounds must be at least 1")
+        rows = [{**_memcpy_row(size, _count_for(size, args.count), args.threads, device), "round": rnd}
+                for rnd in range(args.rounds) for size in sizes]
         for n in counts:
             rows += _run_data_plane(runtime_dir, work, n, sizes, modes, args, device, daemon_pid)
         control = []
@@ -210,9 +217,11 @@ def run_bench(args: argparse.Namespace) -> int:
             control = run_control(runtime_dir, work, control_clients, args.control_seconds)
         _progress("")
         add_ratios(rows)
+        rows = combine_rounds(rows)
         verdicts = targets(rows, control)
         print(f"payloads on {device}; limit: one {'device-to-device' if device != 'cpu' else 'host'} copy; "
-              f"consumers ack {'with wait=False' if args.ack == 'background' else 'and wait'}\n")
+              f"consumers ack {'with wait=False' if args.ack == 'background' else 'and wait'}"
+              f"{f'; medians of {args.rounds} interleaved rounds (ratios: of each round its own)' if args.rounds > 1 else ''}\n")
         print(render(rows, control, verdicts))
         if args.json:
             write_json(args.json, rows, control)

@@ -38,13 +38,47 @@ def make_row(mode: str, size: int, consumers: int, latencies: list[float], elaps
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each row's features/s over the memcpy limit and over zmq_bytes at the same size and consumers."""
-    limit = {r["size"]: r["features_per_s"] for r in rows if r["mode"] == "memcpy"}
-    zmq = {(r["size"], r["consumers"]): r["features_per_s"] for r in rows if r["mode"] == "zmq_bytes"}
+    """Each row's features/s over the memcpy limit, over zmq_bytes and over torch_mp at the same size,
+    consumers and round: a ratio is taken between runs made minutes apart at most."""
+    def key(r: dict[str, Any], *fields: str) -> tuple:
+        return tuple(r[f] for f in fields) + (r.get("round", 0),)
+
+    limit = {key(r, "size"): r["features_per_s"] for r in rows if r["mode"] == "memcpy"}
+    zmq = {key(r, "size", "consumers"): r["features_per_s"] for r in rows if r["mode"] == "zmq_bytes"}
+    tmp = {key(r, "size", "consumers"): r["features_per_s"] for r in rows if r["mode"] == "torch_mp"}
     for r in rows:
-        r["x_limit"] = r["features_per_s"] / limit[r["size"]] if r["size"] in limit else None
-        z = zmq.get((r["size"], r["consumers"]))
+        lim, z, t = limit.get(key(r, "size")), zmq.get(key(r, "size", "consumers")), tmp.get(key(r, "size", "consumers"))
+        r["x_limit"] = r["features_per_s"] / lim if lim else None
         r["x_zmq"] = r["features_per_s"] / z if z else None
+        r["x_torch_mp"] = r["features_per_s"] / t if t else None
+
+
+_NUMERIC = ("features_per_s", "gb_per_s", "p50_us", "p99_us", "x_limit", "x_zmq", "x_torch_mp", "producer_cpu_us",
+            "consumer_cpu_us", "daemon_cpu_us")
+
+
+def combine_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (mode, size, consumers): the median of its rounds, field by field, ratios included
+    (each round's own ratio, so a round where the whole machine ran slow moves both sides of it), with
+    the lowest and highest ``x_zmq`` of the rounds. Rows of a single round come back as they are."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["mode"], r["size"], r["consumers"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        if len(runs) == 1:
+            out.append({k: v for k, v in runs[0].items() if k != "round"})
+            continue
+        row = {k: v for k, v in runs[0].items() if k not in _NUMERIC and k != "round"}
+        for f in _NUMERIC:
+            values = [r[f] for r in runs if r.get(f) is not None]
+            row[f] = statistics.median(values) if values else None
+        ratios = [r["x_zmq"] for r in runs if r.get("x_zmq") is not None]
+        if ratios:
+            row["x_zmq_min"], row["x_zmq_max"] = min(ratios), max(ratios)
+        row["rounds"] = len(runs)
+        out.append(row)
+    return out
 
 
 # Pool zero-copy features/s over plain ZMQ bytes, by (size, consumers): the hot-path issue's targets.
@@ -59,13 +93,14 @@ def targets(rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[t
     for (mode, size, n), r in sorted(by.items()):
         if mode != "pool_view":
             continue
-        z, t = by.get(("zmq_bytes", size, n)), by.get(("torch_mp", size, n))
+        z = by.get(("zmq_bytes", size, n))
         goal = POOL_OVER_ZMQ.get((size, n))
-        if goal is not None and z:
-            x = r["features_per_s"] / z["features_per_s"]
-            out.append((f"{human_size(size)} x{n}: pool zero-copy >= {goal}x zmq_bytes", x >= goal, f"{x:.2f}x"))
-        if size >= MiB and t:
-            x = r["features_per_s"] / t["features_per_s"]
+        if goal is not None and r.get("x_zmq") is not None:
+            x = r["x_zmq"]
+            spread = f" (rounds {r['x_zmq_min']:.2f}-{r['x_zmq_max']:.2f}x)" if "x_zmq_min" in r else ""
+            out.append((f"{human_size(size)} x{n}: pool zero-copy >= {goal}x zmq_bytes", x >= goal, f"{x:.2f}x{spread}"))
+        if size >= MiB and r.get("x_torch_mp") is not None:
+            x = r["x_torch_mp"]
             out.append((f"{human_size(size)} x{n}: pool zero-copy >= 10x torch_mp", x >= 10, f"{x:.2f}x"))
         if size >= 16 * MiB and n == 1 and r.get("x_limit") is not None:
             out.append((f"{human_size(size)} x{n}: pool zero-copy >= 0.7x memcpy", r["x_limit"] >= 0.7, f"{r['x_limit']:.2f}x"))
