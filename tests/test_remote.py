@@ -254,15 +254,16 @@ def test_the_remote_bench_runs(tmp_path) -> None:
     """A few-second `mmfeat bench --remote`, so that it cannot rot: two meshed daemons of its own."""
     out = tmp_path / "remote.json"
     r = subprocess.run([sys.executable, "-m", "mmfeat.client", "bench", "--remote", "--sizes", "64K", "--count", "6",
-                        "--modes", "remote_premade,nixl_read", "--json", str(out)], capture_output=True, text=True,
-                       timeout=240)
+                        "--modes", "remote_premade,nixl_read", "--rounds", "2", "--json", str(out)], capture_output=True,
+                       text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == {"remote_premade", "nixl_read"}
-    assert all(row["features_per_s"] > 0 and row["size"] == 64 << 10 for row in rows.values())
-    assert rows["remote_premade"]["get_p50_us"] > 0
+    assert set(rows) == {"remote_premade", "nixl_read"}  # one row per mode: the medians of its two rounds
+    assert all(row["features_per_s"] > 0 and row["size"] == 64 << 10 and row["rounds"] == 2 for row in rows.values())
+    premade = rows["remote_premade"]
+    assert premade["get_p50_us"] > 0 and premade["x_nixl_read_min"] <= premade["x_nixl_read"] <= premade["x_nixl_read_max"]
     assert rows["nixl_read"]["x_nixl_read"] == 1.0 and all(row["count"] == 6 for row in rows.values())
-    assert "x nixl_read" in r.stdout
+    assert "x nixl_read" in r.stdout and "medians of 2 interleaved rounds" in r.stdout and "round 2/2" in r.stderr
 
 
 def test_nixl_agents_get_mmfeats_ucx_defaults_unless_the_environment_sets_its_own() -> None:

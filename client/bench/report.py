@@ -53,29 +53,29 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["x_torch_mp"] = r["features_per_s"] / t if t else None
 
 
-_NUMERIC = ("features_per_s", "gb_per_s", "p50_us", "p99_us", "x_limit", "x_zmq", "x_torch_mp", "producer_cpu_us",
-            "consumer_cpu_us", "daemon_cpu_us")
-
-
-def combine_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (mode, size, consumers): the median of its rounds, field by field, ratios included
-    (each round's own ratio, so a round where the whole machine ran slow moves both sides of it), with
-    the lowest and highest ``x_zmq`` of the rounds. Rows of a single round come back as they are."""
+def combine_rounds(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("mode", "size", "consumers"),
+                   spread: str = "x_zmq") -> list[dict[str, Any]]:
+    """One row per ``keys``: the median of its rounds, number by number, ratios included (each round's
+    own ratio, so a round where the whole machine ran slow moves both sides of it), with the lowest and
+    highest ``spread`` ratio of the rounds. Rows of a single round come back as they are."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["mode"], r["size"], r["consumers"]), []).append(r)
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
     out = []
     for runs in groups.values():
         if len(runs) == 1:
             out.append({k: v for k, v in runs[0].items() if k != "round"})
             continue
-        row = {k: v for k, v in runs[0].items() if k not in _NUMERIC and k != "round"}
-        for f in _NUMERIC:
-            values = [r[f] for r in runs if r.get(f) is not None]
-            row[f] = statistics.median(values) if values else None
-        ratios = [r["x_zmq"] for r in runs if r.get("x_zmq") is not None]
+        row: dict[str, Any] = {}
+        for f in dict.fromkeys(k for r in runs for k in r):
+            if f == "round":
+                continue
+            values = [r.get(f) for r in runs]
+            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            row[f] = statistics.median(numbers) if f not in keys and numbers else next((v for v in values if v is not None), None)
+        ratios = [r[spread] for r in runs if r.get(spread) is not None]
         if ratios:
-            row["x_zmq_min"], row["x_zmq_max"] = min(ratios), max(ratios)
+            row[f"{spread}_min"], row[f"{spread}_max"] = min(ratios), max(ratios)
         row["rounds"] = len(runs)
         out.append(row)
     return out
