@@ -93,7 +93,11 @@ def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[tor
         if _plain_host_bytes(pool, t):
             # The common case, a contiguous CPU tensor into a host pool, is one memmove: a tenth of the
             # instructions of a view and copy_ (torch's dispatch), per feature, and the same bytes.
-            ctypes.memmove(pool.data_ptr() + lease_offset + spec.offset, t.data_ptr(), t.numel() * t.element_size())
+            # memmove checks nothing, so the bounds that as_strided would check are checked here.
+            start, n = lease_offset + spec.offset, t.numel() * t.element_size()
+            if start < 0 or start + n > pool.numel():
+                raise RuntimeError(f"{n} bytes at {start} do not fit the {pool.numel()}-byte pool")
+            ctypes.memmove(pool.data_ptr() + start, t.data_ptr(), n)
         else:
             pool_view(pool, lease_offset, spec).copy_(t)
 

@@ -109,6 +109,22 @@ def test_lazy_views_are_written_as_the_values_they_show(daemon) -> None:
     assert daemon.pool()["used"] == 0
 
 
+def test_a_write_past_the_pool_is_refused_not_made() -> None:
+    """The memmove path checks the bounds torch's views would: a range from a confused or hostile daemon
+    must raise, never write past the mapping."""
+    from mmfeat.client import tensors as tz
+
+    pool = torch.zeros(4096, dtype=torch.uint8)
+    src = torch.ones(512, dtype=torch.uint8)
+    specs, _ = tz.layout([src])
+    tz.write_into_pool(pool, 4096 - 512, [src], specs)  # exactly at the end: fine
+    assert int(pool[-512:].sum()) == 512
+    for offset in (4096 - 256, 4096, 1 << 40, -512):
+        with pytest.raises(RuntimeError):
+            tz.write_into_pool(pool, offset, [src], specs)
+    assert int(pool.sum()) == 512
+
+
 def test_descriptor_from_restarted_daemon_is_stale(runtime_dir, daemon_factory) -> None:
     d1 = daemon_factory("--pool-mb", "16", "--drain-timeout", "0")  # its lease is never acked
     with Client(runtime_dir, inline_threshold=0) as c:
