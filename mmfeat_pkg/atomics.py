@@ -82,9 +82,6 @@ class Words:
             raise ValueError("plain loads and stores are acquire/release only on x86-64 (and need libatomic's CAS)")
         use_plain = PLAIN_ORDERED if plain is None else plain
         self._plain: Optional[memoryview] = memoryview(self._anchor).cast("B").cast("Q") if use_plain else None
-        if self._plain is not None:
-            self.load_at = self._plain_load_at  # type: ignore[method-assign]
-            self.store_at = self._plain_store_at  # type: ignore[method-assign]
 
     def load(self, i: int) -> int:
         """Acquire load of word ``i``: what the writer stored before releasing it is visible after."""
@@ -112,21 +109,21 @@ class Words:
     # the lease table's hot paths, which check their slot numbers once.
 
     def load_at(self, offset: int) -> int:
+        plain = self._plain
+        if plain is not None:
+            return plain[offset >> 3]
         if _lib is None:
             return ctypes.c_uint64.from_address(self._base + offset).value
         return _load8(self._base + offset, ACQUIRE)
 
     def store_at(self, offset: int, value: int) -> None:
-        if _lib is None:
+        plain = self._plain
+        if plain is not None:
+            plain[offset >> 3] = value
+        elif _lib is None:
             ctypes.c_uint64.from_address(self._base + offset).value = value
         else:
             _store8(self._base + offset, value, RELEASE)
-
-    def _plain_load_at(self, offset: int) -> int:
-        return self._plain[offset >> 3]  # type: ignore[index]
-
-    def _plain_store_at(self, offset: int, value: int) -> None:
-        self._plain[offset >> 3] = value  # type: ignore[index]
 
     def close(self) -> None:
         if self._plain is not None:

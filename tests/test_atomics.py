@@ -73,3 +73,20 @@ def test_a_release_store_publishes_the_writes_before_it_to_another_process(plain
         words.close()
         mm.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("plain", ORDERINGS)
+def test_dropping_the_words_lets_the_mapping_close(plain: bool) -> None:
+    """Client lease tables are unmapped when the last reference goes (an older epoch's table): the
+    helpers must hold no reference cycle that would keep the mapping exported until a GC pass."""
+    import gc
+
+    mm = mmap.mmap(-1, 4096)
+    words = atomics.Words(mm, 0, 8, plain=plain)
+    words.store(1, 9)
+    gc.disable()
+    try:
+        del words
+        mm.close()  # raises BufferError while anything still exports a pointer into the mapping
+    finally:
+        gc.enable()
