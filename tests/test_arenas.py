@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from mmfeat import atomics
 from mmfeat.protos import ErrorCode, MmfeatError
 
 from .conftest import run_ready_child
@@ -216,6 +217,36 @@ with Client(sys.argv[1], inline_threshold=0, fallback="error") as c:
     assert out.returncode == 0, out.stderr
     s = daemon.stats()
     assert s["counters"]["reserves"] == 5 and s["counters"]["arena_publishes"] == 0 and s["pools"][0]["used"] == 0
+
+
+@pytest.mark.skipif(not atomics.PLAIN_ORDERED, reason="loads and stores go through libatomic here anyway")
+def test_libatomic_and_plain_moves_share_one_table(daemon_factory) -> None:
+    """On x86-64 clients and daemons load and store table words as plain moves; aarch64 takes libatomic's
+    calls. CI runs on x86-64, so this keeps the libatomic path of the whole handshake exercised: a daemon
+    and a producer on libatomic, a consumer (this process) on plain moves, every byte and ack counted."""
+    d = daemon_factory("--pool-mb", "64", env={"MMFEAT_ATOMICS": "libatomic"})
+    code = """
+import sys, torch
+from mmfeat.client import Client
+from mmfeat import atomics
+assert atomics.AVAILABLE and not atomics.PLAIN_ORDERED
+with Client(sys.argv[1], inline_threshold=0, fallback="error") as c:
+    for k in range(40):
+        print(c.put(torch.full((1024 + k,), float(k)), consumers=2).to_bytes().hex(), flush=True)
+"""
+    env = {**os.environ, "MMFEAT_ATOMICS": "libatomic"}
+    out = subprocess.run([sys.executable, "-c", code, str(d.runtime_dir)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    with d.client(inline_threshold=0) as c:
+        for k, line in enumerate(out.stdout.split()):
+            desc = bytes.fromhex(line)
+            assert torch.equal(c.get(desc), torch.full((1024 + k,), float(k)))
+            c.ack(desc, count=2)
+        assert c.flush()
+    s = d.stats()
+    assert s["counters"]["arena_publishes"] == 40 and s["counters"]["table_acks"] == 80
+    assert s["counters"]["frees"] == 40 and s["pools"][0]["used"] == 0
 
 
 def test_arenas_take_at_most_half_the_pool(daemon_factory) -> None:
