@@ -46,6 +46,11 @@ class LeaseTable:
         # words that differ (daemon/sweeper.py).
         self.seen_state = np.zeros(slots, dtype=np.uint64)
         self.seen_acks = np.zeros(slots, dtype=np.uint64)
+        # Where each region starts (word_offset's arithmetic, done once): the sweep reads and writes a
+        # few words per feature.
+        self._column_at = {STATE: word_offset(slots, 0, STATE), ACKS: word_offset(slots, 0, ACKS)}
+        self._states_at = self._column_at[STATE]
+        self._entries_at = word_offset(slots, 0, POOL)
 
     @property
     def fd(self) -> int:
@@ -66,21 +71,26 @@ class LeaseTable:
         """The slot's POOL .. TOKEN + 1 words, read plainly: call after an acquire (load or fence) that
         saw its STATE."""
         assert self._mm is not None
-        return _ENTRY.unpack_from(self._mm, word_offset(self.slots, slot, POOL))
+        return _ENTRY.unpack_from(self._mm, self._entries_at + ENTRY_BYTES * slot)
 
     def _index(self, slot: int, word: int) -> int:
-        return word_offset(self.slots, slot, word) // 8
+        if not 0 <= slot < self.slots:
+            raise IndexError(slot)
+        column = self._column_at.get(word)
+        return (column + 8 * slot if column is not None else word_offset(self.slots, slot, word)) // 8
 
     def load(self, slot: int, word: int) -> int:
-        return self.words.load(self._index(slot, word))
+        return self.words.load_at(8 * self._index(slot, word))
 
     def set(self, slot: int, gen: int, state: int) -> None:
         """A new state for the generation in the slot (publish of a reserved lease), or FREE."""
         self.store_state(slot, state_word(gen, state))
 
     def store_state(self, slot: int, word: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise IndexError(slot)
         self.seen_state[slot] = word
-        self.words.store(self._index(slot, STATE), word)
+        self.words.store_at(self._states_at + 8 * slot, word)
 
     def set_live(self, slot: int, gen: int, state: int, pool: int, offset: int, nbytes: int, consumers: int,
                  token: bytes) -> None:
