@@ -46,10 +46,9 @@ class LeaseTable:
         # words that differ (daemon/sweeper.py).
         self.seen_state = np.zeros(slots, dtype=np.uint64)
         self.seen_acks = np.zeros(slots, dtype=np.uint64)
-        # Where each region starts (word_offset's arithmetic, done once): the sweep reads and writes a
-        # few words per feature.
-        self._column_at = {STATE: word_offset(slots, 0, STATE), ACKS: word_offset(slots, 0, ACKS)}
-        self._states_at = self._column_at[STATE]
+        # Where the STATE column and the entries start: the sweep writes a STATE and reads an entry per
+        # feature.
+        self._states_at = word_offset(slots, 0, STATE)
         self._entries_at = word_offset(slots, 0, POOL)
 
     @property
@@ -73,14 +72,13 @@ class LeaseTable:
         assert self._mm is not None
         return _ENTRY.unpack_from(self._mm, self._entries_at + ENTRY_BYTES * slot)
 
-    def _index(self, slot: int, word: int) -> int:
+    def _offset(self, slot: int, word: int) -> int:
         if not 0 <= slot < self.slots:
             raise IndexError(slot)
-        column = self._column_at.get(word)
-        return (column + 8 * slot if column is not None else word_offset(self.slots, slot, word)) // 8
+        return word_offset(self.slots, slot, word)
 
     def load(self, slot: int, word: int) -> int:
-        return self.words.load_at(8 * self._index(slot, word))
+        return self.words.load_at(self._offset(slot, word))
 
     def set(self, slot: int, gen: int, state: int) -> None:
         """A new state for the generation in the slot (publish of a reserved lease), or FREE."""
@@ -100,11 +98,11 @@ class LeaseTable:
         _ENTRY.pack_into(self._mm, word_offset(self.slots, slot, POOL), pool, offset, nbytes, consumers,
                          int.from_bytes(token[:8], "little"), int.from_bytes(token[8:16], "little"))
         self.seen_acks[slot] = ack_word(gen)
-        self.words.store(self._index(slot, ACKS), ack_word(gen))
+        self.words.store_at(self._offset(slot, ACKS), ack_word(gen))
         self.store_state(slot, state_word(gen, state))
 
     def cas(self, slot: int, word: int, expected: int, new: int) -> tuple[bool, int]:
-        return self.words.cas(self._index(slot, word), expected, new)
+        return self.words.cas(self._offset(slot, word) // 8, expected, new)
 
     def set_draining(self, draining: bool) -> None:
         self.words.store(HEADER_FLAGS_WORD, 1 if draining else 0)

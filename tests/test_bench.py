@@ -70,3 +70,18 @@ def test_rounds_combine_into_medians_of_each_rounds_own_ratio() -> None:
     assert verdict == ("64K x1: pool zero-copy >= 1.0x zmq_bytes", False, "0.90x (rounds 0.90-1.20x)")
     single = combine_rounds([{**row("pool_view", 5, 0)}])
     assert single == [{k: v for k, v in row("pool_view", 5, 0).items() if k != "round"}]
+
+
+def test_rounds_below_one_are_refused_before_anything_starts() -> None:
+    import argparse
+
+    import pytest
+
+    from mmfeat.client.bench.cli import add_bench_args
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    assert parser.parse_args(["--rounds", "3"]).rounds == 3
+    for bad in ("0", "-2"):
+        with pytest.raises(SystemExit):  # both benches: argparse refuses it, no daemon is started
+            parser.parse_args(["--rounds", bad])

@@ -25,7 +25,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"subset of {','.join(MODES)} (with --remote: of remote,remote_prefetch,remote_premade,local,nixl_read,nixl_read_hot,zmq_tcp)")
     p.add_argument("--count", type=int, default=None, help="features per run (default: by size)")
     p.add_argument("--window", type=int, default=4, help="features in flight at most")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=_at_least_one, default=1,
                    help="run every size and mode this many times, interleaved, and report medians: on a shared "
                         "machine one run of a baseline can be off by 2x")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -39,6 +39,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote", action="store_true",
                    help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "
                         "and plain ZMQ TCP bytes (needs mmfeat[mesh])")
+
+
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
 
 
 def _count_for(size: int, override: Optional[int]) -> int:
@@ -205,8 +212,6 @@ def run_bench(args: argparse.Namespace) -> int:
             pool_mb = max(256, (max(sizes) * (2 * args.window + 2)) // MiB + 64, 32 * max(sizes) // MiB)
             daemon = _start_daemon(runtime_dir, pool_mb)
         device, daemon_pid = _daemon_facts(runtime_dir)
-        if args.rounds < 1:
-            raise SystemExit("mmfeat bench: --rounds must be at least 1")
         rows = [{**_memcpy_row(size, _count_for(size, args.count), args.threads, device), "round": rnd}
                 for rnd in range(args.rounds) for size in sizes]
         for n in counts:
