@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from .control import run_control
 from .report import MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, render, targets, write_json
-from .workers import MODES, Job, consumer_main, producer_main
+from .workers import MODES, Job, consumer_main, producer_main, ring_path
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -240,3 +240,4 @@ def run_bench(args: argparse.Namespace) -> int:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(15)
         shutil.rmtree(work, ignore_errors=True)
+        Path(ring_path(str(work))).unlink(missing_ok=True)  # a producer killed mid-run leaves it

@@ -125,7 +125,7 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
         f"{'consumers':>9} {'size':>6} {'mode':<15} {'feat/s':>10} {'GB/s':>8} {'p50 us':>10} {'p99 us':>10} {'x limit':>8} {'x zmq':>7}"
         f"  {'producer':>8} {'consumer':>8} {'mmfeatd':>7}",
     ]
-    order = {m: i for i, m in enumerate(("memcpy", "floor", "pool_view", "pool_copy", "client_default", "inline", "zmq_bytes", "torch_mp"))}
+    order = {m: i for i, m in enumerate(("memcpy", "floor", "shm_ring", "pool_view", "pool_copy", "client_default", "inline", "zmq_bytes", "torch_mp"))}
     for r in sorted(rows, key=lambda r: (r["consumers"], r["size"], order.get(r["mode"], 99))):
         xl = f"{r['x_limit']:.2f}" if r.get("x_limit") is not None else "-"
         xz = f"{r['x_zmq']:.2f}" if r.get("x_zmq") is not None else "-"

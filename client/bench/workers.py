@@ -8,6 +8,8 @@ PUSH/PULL, as they would in a server's own messages; each consumer reads every b
 
 from __future__ import annotations
 
+import ctypes
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +21,13 @@ from mmfeat.protos.descriptor import Descriptor
 
 # floor: the descriptor-sized message and the read of a local tensor, no transport at all; what any
 # transport adds is its distance from this row.
-MODES = ("floor", "pool_view", "pool_copy", "inline", "zmq_bytes", "torch_mp", "client_default")
+MODES = ("floor", "shm_ring", "pool_view", "pool_copy", "inline", "zmq_bytes", "torch_mp", "client_default")
 _FLOOR_MESSAGE = bytes(200)  # about a one-tensor descriptor
+# shm_ring: the least a shared-memory transport can cost. The producer copies each feature into slot
+# i % window of a plain shared-memory file and sends the slot number with the floor's message; consumers
+# read the slot in place. No leases, acks, checks or daemon: the in-flight window alone keeps a slot from
+# being overwritten while it is read. What the pool adds over this row is its bookkeeping.
+_SHM_DIR = "/dev/shm"
 POOL_MODES = {"pool_view", "pool_copy", "client_default"}
 
 
@@ -46,6 +53,24 @@ def read_every_byte(t: Any) -> int:
     if flat.numel() % 8 == 0:
         return int(flat.view(torch.int64).sum())
     return int(flat.sum())
+
+
+def ring_path(sock_dir: str) -> str:
+    base = _SHM_DIR if os.path.isdir(_SHM_DIR) else sock_dir
+    return os.path.join(base, f"{os.path.basename(sock_dir)}-ring")
+
+
+def _ring(path: str, nbytes: int, create: bool) -> Any:
+    """The ring as a uint8 tensor over a MAP_SHARED mapping of ``path`` (made ``nbytes`` long if ``create``)."""
+    import torch
+
+    if create:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _client(runtime_dir: str, mode: str) -> Any:
@@ -82,12 +107,19 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
         total = job.count + job.warmup
         client = _client_for(clients, runtime_dir, job.mode)
         local = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device) if job.mode == "floor" else None
+        ring = None  # shm_ring: mapped at the first feature, once the producer has made it
         cpu0 = time.process_time()  # all threads: ZeroMQ's I/O thread and the background acker too
         for _ in range(total):
             if job.mode == "floor":
                 header, _ = pull.recv_multipart()
                 idx = msgpack.unpackb(header)
                 read_every_byte(local)
+            elif job.mode == "shm_ring":
+                header, slot = pull.recv_multipart()
+                idx, at = msgpack.unpackb(header), int(slot) * job.size
+                if ring is None:
+                    ring = _ring(ring_path(sock_dir), job.size * job.window, create=False)
+                read_every_byte(ring[at : at + job.size].to(job.device))
             elif job.mode == "torch_mp":
                 idx, t = mp_queue.get()
                 read_every_byte(t)
@@ -136,6 +168,7 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
         total = job.count + job.warmup
         # torch.multiprocessing shares a storage once; a new feature is a new storage, made before timing.
         fresh = [payload.clone() for _ in range(total)] if job.mode == "torch_mp" else []
+        ring = _ring(ring_path(sock_dir), job.size * job.window, create=True) if job.mode == "shm_ring" else None
         sent_at: list[float] = []
         read_at: dict[int, list[float]] = {}
         acked = 0  # features every consumer has finished
@@ -162,6 +195,13 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
                 header = msgpack.packb(i)
                 for s in pushes:
                     s.send_multipart([header, _FLOOR_MESSAGE])
+            elif job.mode == "shm_ring":
+                slot = i % job.window  # feature i - window is read by every consumer: i - acked < window
+                host = payload.cpu()
+                ctypes.memmove(ring.data_ptr() + slot * job.size, host.data_ptr(), job.size)
+                header = msgpack.packb(i)
+                for s in pushes:
+                    s.send_multipart([header, b"%d" % slot])
             elif job.mode == "zmq_bytes":
                 header = msgpack.packb(i)
                 host = payload.cpu().numpy()  # the device-to-host copy a server pays without a GPU path
@@ -179,6 +219,9 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
         first = job.warmup
         latencies = [max(read_at[i]) - sent_at[i] for i in range(first, total)]
         elapsed = max(max(read_at[i]) for i in range(first, total)) - sent_at[first]
+        if ring is not None:
+            del ring
+            os.unlink(ring_path(sock_dir))  # consumers keep their mapping until their next job
         fallbacks = dict(client.fallbacks) if client is not None else {}
         cmd.send({"latencies": latencies, "elapsed": elapsed, "fallbacks": fallbacks, "cpu_s": time.process_time() - cpu0})
     for c in clients.values():
