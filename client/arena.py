@@ -2,7 +2,10 @@
 
 ``put`` places a feature in an arena and publishes it in the lease table, with no message to the
 daemon. Each arena is used as a ring: space is taken at the head and comes back at the tail once the
-daemon has written FREE into the slot of the oldest feature (all its acks arrived, or it expired).
+oldest feature is over: DONE (its last consumer acked, and said so in STATE) or FREE (the daemon ended
+it: all acks, or expiry). The slot of a DONE feature comes back later, once the daemon has written FREE.
+Space that comes back at the last ack, not at the daemon's next sweep, keeps the ring short, so the
+features in flight stay in the CPU caches, and keeps a ring of a few large features from filling.
 A feature that does not fit goes to the next arena, or reserves; a new arena is asked for without
 waiting when the current one runs low, and arenas unused for ``IDLE_S`` go back to the pool.
 """
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
-from mmfeat.protos.lease_table import PUBLISHED, state_word
+from mmfeat.protos.lease_table import DONE, PUBLISHED, state_word
 
 from .table import LeaseTableView
 
@@ -66,18 +69,30 @@ class ProducerArena:
         self._table = table
         self._free_slots = list(range(grant.slot_base + grant.slots - 1, grant.slot_base - 1, -1))
         self._ring: deque[Placement] = deque()
+        self._done: deque[Placement] = deque()  # space back, slot not yet: the daemon has not written FREE
         self.used = 0
         self.last_used = time.monotonic()
 
     def reclaim(self) -> None:
-        """Take back the space and slots of the oldest features the daemon has ended."""
-        ring, table = self._ring, self._table
+        """Take back the space and slots of the oldest features that are over."""
+        ring, table, done = self._ring, self._table, self._done
+        while done and table.state_word(done[0].slot) != state_word(done[0].gen, DONE):
+            self._free_slots.append(done.popleft().slot)
         while ring:
             p = ring[0]
-            if not p.abandoned and (not p.published or table.state_word(p.slot) == state_word(p.gen, PUBLISHED)):
-                return  # still being written, or still live
+            if p.abandoned:
+                self._free_slots.append(p.slot)
+            elif not p.published:
+                return  # still being written
+            else:
+                word = table.state_word(p.slot)
+                if word == state_word(p.gen, PUBLISHED):
+                    return  # still live
+                if word == state_word(p.gen, DONE):
+                    done.append(p)
+                else:
+                    self._free_slots.append(p.slot)
             ring.popleft()
-            self._free_slots.append(p.slot)
             self.used -= p.end - p.start
 
     def place(self, nbytes: int) -> Optional[Placement]:

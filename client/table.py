@@ -11,10 +11,12 @@ import mmap
 import os
 import struct
 import threading
+from typing import Optional
+
 from mmfeat.atomics import Words, fence_acquire
 from mmfeat.protos.lease_table import (
-    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, ENTRY_BYTES, FLAG_DRAINING, FREE, HEADER, HEADER_FLAGS_WORD, MAGIC, POOL,
-    PUBLISHED, STATE, ack_word, state_word, table_bytes, word_offset,
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, ENTRY_BYTES, FLAG_DRAINING, FREE, HEADER, HEADER_FLAGS_WORD, LIVE_STATES,
+    MAGIC, POOL, PUBLISHED, STATE, ack_word, state_word, table_bytes, word_offset,
 )
 
 STATE_FREE = FREE
@@ -25,7 +27,7 @@ _U64 = struct.Struct("<Q")
 # Compare-and-swap attempts on one ack word before the ack goes as a message: consumers acking the same
 # feature at once retry a few times; only a peer that rewrites the word without end exhausts them.
 _CAS_TRIES = 64
-_RANGE = struct.Struct("<3Q")  # POOL, OFFSET, NBYTES
+_ENTRY_HEAD = struct.Struct("<4Q")  # POOL, OFFSET, NBYTES, CONSUMERS
 _ENTRY = struct.Struct("<6Q")  # POOL .. TOKEN + 1
 
 
@@ -44,30 +46,41 @@ class LeaseTableView:
         return _U64.unpack_from(self._mm, self._states + 8 * slot)[0]
 
     def state(self, lease: int, gen: int, pool: int, offset: int, nbytes: int) -> int:
-        """The lease's state if its slot holds generation ``gen`` with this range; STATE_FREE if the
-        generation is gone, STATE_MISMATCH if it is live with another range."""
-        if not 0 <= lease < self.slots:
+        """The lease's state if its slot holds generation ``gen`` live with this range; STATE_FREE if the
+        generation is gone or DONE (every consumer acked: its producer may be writing over it), and
+        STATE_MISMATCH if it is live with another range."""
+        live = self._live_entry(lease, gen)
+        if live is None:
             return STATE_FREE
-        word = self._state(lease)
-        if word >> 2 != gen or not word & 3:
-            return STATE_FREE
-        # The range words were written before STATE named this generation (release store, acquire
-        # load); reading STATE again, after a fence, proves they still belong to it (generations only
-        # grow: no ABA).
-        entry = _RANGE.unpack_from(self._mm, word_offset(self.slots, lease, POOL))
-        fence_acquire()
-        if self._state(lease) != word:
-            return STATE_FREE
-        if entry != (pool, offset, nbytes):
+        word, entry = live
+        if entry[:3] != (pool, offset, nbytes):
             return STATE_MISMATCH
         return word & 3
 
+    def _live_entry(self, lease: int, gen: int) -> Optional[tuple[int, tuple[int, int, int, int]]]:
+        """The STATE word and (POOL, OFFSET, NBYTES, CONSUMERS) of generation ``gen`` of slot ``lease``
+        while it is RESERVED or PUBLISHED; None otherwise."""
+        if not 0 <= lease < self.slots:
+            return None
+        word = self._state(lease)
+        if word >> 2 != gen or word & 3 not in LIVE_STATES:
+            return None
+        # The entry words were written before STATE named this generation (release store, acquire
+        # load); reading STATE again, after a fence, proves they still belong to it (generations only
+        # grow: no ABA; DONE and FREE only follow PUBLISHED).
+        entry = _ENTRY_HEAD.unpack_from(self._mm, word_offset(self.slots, lease, POOL))
+        fence_acquire()
+        if self._state(lease) != word:
+            return None
+        return word, entry
+
     def add_acks(self, lease: int, gen: int, pool: int, offset: int, nbytes: int, count: int) -> bool:
-        """Add ``count`` acks to the lease's ack word if its slot still holds generation ``gen`` with
+        """Add ``count`` acks to the lease's ack word if its slot still holds generation ``gen`` live with
         exactly this range; False if not (the feature ended, the slot holds another one) or the word
-        would overflow. The caller checks the daemon's epoch: slots and generations start again after a
-        restart. The compare-and-swap is sequentially consistent: it is ordered after this thread's
-        reads of the feature, on aarch64 too."""
+        would overflow. The ack that completes the consumer count also turns STATE from PUBLISHED to
+        DONE, which lets the producer reuse the space before the daemon's next sweep. The caller checks
+        the daemon's epoch: slots and generations start again after a restart. Both compare-and-swaps
+        are sequentially consistent: ordered after this thread's reads of the feature, on aarch64 too."""
         if self._words is None or not 0 <= lease < self.slots:
             return False
         at = self._acks + 8 * lease
@@ -76,10 +89,15 @@ class LeaseTableView:
         for _ in range(_CAS_TRIES):  # bounded: under a peer that rewrites the word without end, send a message
             if seen >> 32 != want or (seen & ACK_COUNT_MASK) + count > ACK_COUNT_MASK:
                 return False
-            if self.state(lease, gen, pool, offset, nbytes) <= STATE_FREE:
+            live = self._live_entry(lease, gen)
+            if live is None or live[1][:3] != (pool, offset, nbytes):
                 return False  # ended, or another range: the daemon says why (a message ack)
             ok, seen = self._words.cas(at // 8, seen, seen + count)
             if ok:
+                word, entry = live
+                if (seen & ACK_COUNT_MASK) + count >= entry[3] and word & 3 == PUBLISHED:
+                    # The last ack: a failed swap means the daemon ended it meanwhile, which is as good.
+                    self._words.cas((self._states + 8 * lease) // 8, word, state_word(gen, DONE))
                 return True
         return False
 

@@ -33,6 +33,7 @@ class Arena:
     live_bytes: int = 0  # aligned sizes of the features adopted and not yet ended
     returned: bool = False  # trimmed: only its live features' ranges are still allocated
     features: SortedDict = field(default_factory=SortedDict)  # offset -> end of each live feature
+    slot_at: dict[int, int] = field(default_factory=dict)  # offset -> slot of each live feature
 
     @property
     def live(self) -> int:
@@ -43,11 +44,26 @@ class Arena:
         """Bytes of the pool this arena holds now."""
         return self.live_bytes if self.returned else self.size
 
+    def inside(self, offset: int, nbytes: int) -> bool:
+        return self.offset <= offset and offset + nbytes <= self.offset + self.size
+
+    def overlapping(self, offset: int, nbytes: int) -> list[int]:
+        """The slots of the live features that overlap [offset, +nbytes)."""
+        features, end = self.features, offset + nbytes
+        i = max(0, features.bisect_right(offset) - 1)
+        out = []
+        for start in features.islice(i):
+            if start >= end:
+                break
+            if features[start] > offset:
+                out.append(self.slot_at[start])
+        return out
+
     def fits(self, offset: int, nbytes: int) -> bool:
         """Inside the arena and clear of every live feature (a producer's ring never overlaps two; a
         peer that publishes overlapping ones is refused, so each range is freed exactly once)."""
         end = offset + nbytes
-        if not (self.offset <= offset and end <= self.offset + self.size):
+        if not self.inside(offset, nbytes):
             return False
         i = self.features.bisect_right(offset)
         if i and self.features.peekitem(i - 1)[1] > offset:
@@ -123,8 +139,9 @@ class Arenas:
     def of_session(self, session: bytes) -> list[Arena]:
         return [self._by_id[a] for a in self._by_session.get(session, ())]
 
-    def feature_added(self, arena: Arena, offset: int, size: int) -> None:
+    def feature_added(self, arena: Arena, slot: int, offset: int, size: int) -> None:
         arena.features[offset] = offset + size
+        arena.slot_at[offset] = slot
         arena.live_bytes += size
         self.live_bytes[arena.pool_id] += size
 
@@ -132,6 +149,7 @@ class Arenas:
         """Account an ended feature; the bytes that went back to the pool (none while its producer
         still holds the arena)."""
         del arena.features[offset]
+        del arena.slot_at[offset]
         arena.live_bytes -= size
         self.live_bytes[arena.pool_id] -= size
         if not arena.returned:

@@ -221,7 +221,7 @@ class Ledger:
         slot.gen, slot.lease, slot.ended = gen, lease, None
         self.live += 1
         self._account(lease, +1)
-        self.arenas.feature_added(arena, offset, lease.size)
+        self.arenas.feature_added(arena, slot_id, offset, lease.size)
         self._push_deadline(lease)
         self.counters.publishes += 1
         self.counters.arena_publishes += 1
@@ -272,6 +272,10 @@ class Ledger:
         if freed:
             self._free(lease, EndReason.ACKED, now)
         return AckResult(remaining=lease.remaining, freed=freed, over_acked=over)
+
+    def end(self, lease: Lease, reason: EndReason, now: float) -> None:
+        """End a live lease that the lease table shows over (the sweep's call)."""
+        self._free(lease, reason, now)
 
     def release(self, ref: LeaseRef, session: bytes, now: float) -> None:
         lease = self._producers_lease(ref, session, "release")

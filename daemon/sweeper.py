@@ -19,11 +19,14 @@ import numpy as np
 
 from mmfeat.atomics import fence_acquire
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
-from mmfeat.protos.lease_table import ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, FREE, PUBLISHED, ack_word, state_word
+from mmfeat.protos.lease_table import (
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, FREE, PUBLISHED, STATE, ack_word, state_word,
+)
 from mmfeat.protos.messages import MAX_CONSUMERS
 
+from .arenas import Arena
 from .lease_table import LeaseTable
-from .ledger import Ledger
+from .ledger import EndReason, Lease, LeaseState, Ledger
 
 log = logging.getLogger("mmfeatd.sweep")
 
@@ -36,12 +39,14 @@ class Sweeper:
         self.table = table
         self.ledger = ledger
         self._last_warning = float("-inf")
+        self._settled: set[int] = set()  # slots this sweep ended out of order (DONE), not to apply again
 
     def sweep(self, now: float) -> int:
         """Apply every publish and ack clients wrote since the last sweep; the number of words applied."""
         self.ledger.counters.sweeps += 1
         table = self.table
         changed = 0
+        settled = self._settled = set()
         for lo, hi in self.ledger.space.ranges():
             # ACKS before STATE: an ack seen here was written after its feature's publish (the consumer
             # had the descriptor), so the STATE read after it sees that publish too.
@@ -51,41 +56,54 @@ class Sweeper:
             fence_acquire()
             published = np.flatnonzero(states != table.seen_state[lo:hi])
             for i in published.tolist():
-                self._on_state(lo + i, int(states[i]), now)
+                if lo + i not in settled:
+                    self._on_state(lo + i, int(states[i]), now)
             # After the publishes, whose handling read their ACKS words afresh: this sweep's older copy
-            # of those is skipped (the next sweep compares them again).
+            # of those is skipped (the next sweep compares them again), and of those settled early too.
             stale = acks != table.seen_acks[lo:hi]
             stale[published] = False
             for i in np.flatnonzero(stale).tolist():
-                self._on_acks(lo + i, int(acks[i]), now)
+                if lo + i not in settled:
+                    self._on_acks(lo + i, int(acks[i]), now)
             changed += len(published) + int(stale.sum())
         return changed
 
     def _on_state(self, slot: int, word: int, now: float) -> None:
-        ledger, table = self.ledger, self.ledger.arenas
-        arena = table.of_slot(slot)
+        ledger = self.ledger
+        gen, state = word >> 2, word & 3
+        lease = ledger.live_lease(slot)
+        if lease is not None and state == DONE and gen == lease.gen and lease.state is LeaseState.PUBLISHED:
+            self._on_done(slot, lease, now)  # its last consumer acked: the common end of a live feature
+            return
+        arena = ledger.arenas.of_slot(slot)
         if arena is None or arena.returned:
-            # Slots of reserved leases and of free blocks are the daemon's alone.
+            # Slots of reserved leases and of free blocks are the daemon's alone (but for DONE, above).
             self._refuse(slot, f"STATE of slot {slot} changed, but no producer holds that slot")
             return
-        gen, state = word >> 2, word & 3
-        if ledger.live_lease(slot) is not None or state != PUBLISHED or gen <= ledger.slot_gen(slot):
+        if lease is not None or state not in (PUBLISHED, DONE) or gen <= ledger.slot_gen(slot):
             self._refuse(slot, f"STATE of slot {slot} went to generation {gen} state {state}; a producer may only "
                          f"publish a generation above {ledger.slot_gen(slot)} in a slot it got back FREE")
             return
         pool, offset, nbytes, consumers, tok0, tok1 = self.table.entry(slot)
-        if (pool != arena.pool_id or offset % LEASE_ALIGNMENT or nbytes < 1 or not arena.fits(offset, nbytes)
-                or not 1 <= consumers <= MAX_CONSUMERS):
+        acks = self.table.load(slot, ACKS)
+        acked = acks >> 32 == gen & ACK_GEN_MASK and (acks & ACK_COUNT_MASK) >= consumers
+        valid = (pool == arena.pool_id and not offset % LEASE_ALIGNMENT and nbytes >= 1
+                 and 1 <= consumers <= MAX_CONSUMERS and (acked or state == PUBLISHED))
+        if valid and not acked and not arena.fits(offset, nbytes):
+            # Its producer may reuse the space of features whose last consumer marked them DONE before
+            # this daemon has ended them: end those first.
+            self._settle(arena, offset, nbytes, now)
+        # A feature that is over already never becomes live, so only the arena's bounds matter for it.
+        if not valid or not (arena.inside(offset, nbytes) if acked else arena.fits(offset, nbytes)):
             # The generation is spent (the producer believes it published it); the feature is not.
             ledger.end_generation(slot, gen)
             self.table.store_state(slot, state_word(gen, FREE))
-            self._count_bad(f"slot {slot} was published with pool {pool}, range [{offset}, +{nbytes}) and {consumers} "
-                            f"consumers: not inside arena {arena.arena_id} [{arena.offset}, +{arena.size}) of pool "
-                            f"{arena.pool_id}, or over a live feature; refused")
+            self._count_bad(f"slot {slot} was published with pool {pool}, range [{offset}, +{nbytes}), {consumers} "
+                            f"consumers and state {state}: not inside arena {arena.arena_id} [{arena.offset}, "
+                            f"+{arena.size}) of pool {arena.pool_id}, over a live feature, or DONE without its acks; refused")
             return
         token = tok0.to_bytes(8, "little") + tok1.to_bytes(8, "little")
-        acks = self.table.load(slot, ACKS)
-        if acks >> 32 == gen & ACK_GEN_MASK and (acks & ACK_COUNT_MASK) >= consumers:
+        if acked:
             # Published and acked by all since the last sweep, the common case under load: end it at once.
             self.table.seen_acks[slot] = acks
             ledger.adopt_acked(arena, slot, gen, nbytes, offset, consumers, token, acks & ACK_COUNT_MASK, now)
@@ -93,6 +111,25 @@ class Sweeper:
         self.table.seen_state[slot] = word
         self._reset_acks(slot, gen)
         ledger.adopt(arena, slot, gen, nbytes, offset, consumers, token, now)
+
+    def _on_done(self, slot: int, lease: Lease, now: float) -> None:
+        """A live feature's last consumer marked it DONE: apply its acks, which end it."""
+        self._settled.add(slot)
+        self._on_acks(slot, self.table.load(slot, ACKS), now)
+        if self.ledger.live_lease(slot) is lease:
+            # Marked DONE without all its acks (a peer of the group can write STATE; SPEC.md section 9).
+            # Its producer may be writing over it already: it ends here all the same.
+            self._count_bad(f"slot {slot} was marked DONE with {lease.remaining} of its {lease.consumers} acks "
+                            "missing; ended")
+            self.ledger.end(lease, EndReason.ACKED, now)
+
+    def _settle(self, arena: Arena, offset: int, nbytes: int, now: float) -> None:
+        """End the live features under [offset, +nbytes) whose STATE is DONE now (it may have been
+        PUBLISHED still when this sweep copied the column, before the producer saw DONE and reused)."""
+        for slot in arena.overlapping(offset, nbytes):
+            lease = self.ledger.live_lease(slot)
+            if lease is not None and self.table.load(slot, STATE) == state_word(lease.gen, DONE):
+                self._on_done(slot, lease, now)
 
     def _reset_acks(self, slot: int, gen: int) -> None:
         """The ack baseline of a newly published generation is zero acks. The producer stored that

@@ -10,8 +10,11 @@ Words of a slot:
 
 - ``STATE``: ``generation << 2 | state``. The feature's owner writes it last, with a release store:
   the daemon for slots of reserved leases, the producer for slots of its arena when it publishes.
-  The daemon writes ``FREE`` when the feature ends; that store hands an arena slot back to its
-  producer, who may then reuse the slot (with a higher generation) and the space.
+  The consumer whose ack completes the count (``CONSUMERS``) turns ``PUBLISHED`` into ``DONE`` with a
+  compare-and-swap: the feature is over, and its producer may reuse the space at once, before the
+  daemon's next sweep has accounted for it. The daemon writes ``FREE`` when it ends the feature; that
+  store hands an arena slot back to its producer, who may then reuse the slot (with a higher
+  generation). Readers treat ``DONE`` as ended.
 - ``ACKS``: ``(generation mod 2**32) << 32 | acks``. Consumers add their acks with compare-and-swap,
   and only while the high half names the generation they hold, so a late ack never counts for the
   next feature in the slot. The daemon sweeps this column and applies what it finds.
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import struct
 
-MAGIC = b"MMFTABL3"
+MAGIC = b"MMFTABL4"
 HEADER = struct.Struct("<8sQQQQ")  # magic, epoch, slots, entry bytes, flags; zero-padded to HEADER_BYTES
 HEADER_BYTES = 64
 HEADER_FLAGS_WORD = 4  # index of the flags word among the header's words
@@ -36,7 +39,8 @@ FLAG_DRAINING = 1
 STATE, ACKS, POOL, OFFSET, NBYTES, CONSUMERS, TOKEN = range(7)
 ENTRY_WORDS = 6  # POOL, OFFSET, NBYTES, CONSUMERS, TOKEN, TOKEN + 1
 ENTRY_BYTES = 8 * ENTRY_WORDS
-FREE, RESERVED, PUBLISHED = 0, 1, 2
+FREE, RESERVED, PUBLISHED, DONE = 0, 1, 2, 3
+LIVE_STATES = (RESERVED, PUBLISHED)  # DONE: every consumer acked, the producer may be reusing the space
 GEN_MASK = (1 << 62) - 1
 ACK_GEN_MASK = 0xFFFF_FFFF
 ACK_COUNT_MASK = 0xFFFF_FFFF
@@ -68,7 +72,7 @@ def check_entry(state: int, entry: bytes, gen: int, pool: int, offset: int, nbyt
     live feature ``gen`` with this range and token; "" when they do. The entry is written before STATE
     names its generation and rewritten only after the slot was freed, so an entry read after a STATE
     naming ``gen`` either belongs to it or to a later feature, whose token differs."""
-    if state >> 2 != gen & GEN_MASK or state & 3 == FREE:
+    if state >> 2 != gen & GEN_MASK or state & 3 not in LIVE_STATES:
         return "STALE"
     pool_, offset_, nbytes_ = struct.unpack_from("<QQQ", entry, 0)
     if (pool_, offset_, nbytes_) != (pool, offset, nbytes) or entry[32:48] != token:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-MESH_VERSION = 2
+MESH_VERSION = 3
 # A hello carries a few pools, their handle bytes and NIXL metadata; an ack batch at most MAX_MESH_BATCH
 # entries of about 100 B. Nothing legitimate comes near this.
 MAX_MESH_FRAME = 64 << 10

@@ -54,6 +54,48 @@ def test_put_get_and_ack_need_no_daemon(daemon) -> None:
     assert daemon.pool()["used"] == 0
 
 
+def test_the_last_ack_hands_the_space_back_before_the_daemon_sweeps(daemon) -> None:
+    """The consumer whose ack completes the count marks the feature DONE in the table, and the producer
+    reuses its space at once: with the daemon frozen (no sweep, no FREE), fifty features go through one
+    range, each in a slot of its own (a slot comes back only once the daemon wrote FREE). A reader of a
+    DONE feature is never handed the bytes now there: it asks the daemon, which says the feature ended."""
+    with daemon.client(inline_threshold=0, timeout=0.5, fallback="error") as producer, \
+            daemon.client(timeout=0.5) as consumer:
+        warm = producer.put(torch.zeros(16384))
+        consumer.get(warm)
+        consumer.ack(warm)
+        daemon.wait_for(_no_features, what="the warm-up feature to end")
+        descs = []
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            for k in range(50):
+                x = torch.full((16384,), float(k))
+                desc = producer.put(x, consumers=2)
+                assert torch.equal(consumer.get(desc), x)
+                consumer.ack(desc)
+                consumer.ack(desc)  # the second ack completes the count: DONE
+                descs.append(desc)
+            assert len({d.offset for d in descs}) == 1, "the producer waited for the daemon to reuse space"
+            assert len({d.lease for d in descs}) == 50
+            with pytest.raises(MmfeatError):  # DONE: only the (frozen) daemon may say more
+                consumer.get(descs[0])
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(MmfeatError) as info:
+            consumer.get(descs[-1])
+        assert info.value.code is ErrorCode.NOT_FOUND and "acks" in info.value.message
+        s = daemon.wait_for(_no_features, what="the sweep to end the DONE features")
+        assert s["counters"]["arena_publishes"] == 51 and s["counters"]["table_acks"] == 101
+        assert s["counters"]["frees"] == 51 and s["counters"]["over_acks"] == 0
+        assert s["counters"]["bad_table_words"] == 0 and _consistent(s["pools"][0])
+        # Every slot came back with FREE: the next feature takes the first free one again.
+        last = producer.put(torch.ones(16384))
+        assert last.lease in {d.lease for d in descs} | {warm.lease}
+        consumer.ack(last)
+        daemon.wait_for(_no_features, what="the last feature to end")
+    assert daemon.pool()["used"] == 0
+
+
 def test_group_acks_cache_hits_and_over_acks_in_the_table(daemon) -> None:
     with daemon.client(inline_threshold=0) as c:
         d = c.put(torch.ones(4096), consumers=4)

@@ -61,8 +61,9 @@ def test_shared_layouts_are_documented_as_the_code_defines_them() -> None:
     assert [getattr(lease_table, w) for w in words] == list(range(len(words)))
     for w in words:
         assert f"`{w}`" in shared, w
-    assert (lease_table.FREE, lease_table.RESERVED, lease_table.PUBLISHED) == (0, 1, 2)
-    assert "(0 free, 1 RESERVED,\n  2 PUBLISHED)" in shared
+    assert (lease_table.FREE, lease_table.RESERVED, lease_table.PUBLISHED, lease_table.DONE) == (0, 1, 2, 3)
+    assert "(0 free, 1 RESERVED,\n  2 PUBLISHED, 3 DONE:" in shared
+    assert lease_table.LIVE_STATES == (lease_table.RESERVED, lease_table.PUBLISHED)
     arena = SPEC.split("### arena\n", 1)[1].split("\n### ", 1)[0]
     assert "`{" + ", ".join(f.name for f in fields(ArenaGrant)) + "}`" in arena.replace("\n", " ")
     for line in (f"{{v: {PROTOCOL_VERSION}, session: ", f"{{v: {PROTOCOL_VERSION}, ok: true, pools: [pool ids], table: true}}"):
