@@ -153,7 +153,10 @@ def _run_data_plane(
             _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} on {device}"
                       f"{f', round {rnd + 1}/{args.rounds}' if args.rounds > 1 else ''} ...")
             count = _count_for(size, args.count)
-            job = Job(mode, size, count, warmup=max(2, count // 20), window=args.window, device=device, ack=args.ack)
+            # At least a window of warm-up: every slot of shm_ring's ring and of a pool's arenas is touched
+            # (its pages faulted in) before the clock starts.
+            job = Job(mode, size, count, warmup=max(2, args.window, count // 20), window=args.window, device=device,
+                      ack=args.ack)
             for parent, _ in pipes[1:]:
                 parent.send(job)
             daemon_cpu0 = _cpu_seconds(daemon_pid)

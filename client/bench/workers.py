@@ -70,7 +70,10 @@ def _ring(path: str, nbytes: int, create: bool) -> Any:
             os.ftruncate(fd, nbytes)
         finally:
             os.close(fd)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    ring = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    if create:
+        ring.zero_()  # its pages allocated before the clock starts, as the daemon populates its pool at start
+    return ring
 
 
 def _client(runtime_dir: str, mode: str) -> Any:
