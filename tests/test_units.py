@@ -181,3 +181,24 @@ def test_session_table_drops_the_oldest_waiting_and_keeps_attached() -> None:
     assert table.drop_unattached_before(cutoff=1.0 + 100) == 99
     assert table.get(first.token) is first and table.get(waiting[99].token) is None and table.get(waiting[100].token)
     assert table.close(first.token) is first and table.attached_count() == 0
+
+
+def test_the_sweep_interval_follows_the_rate_within_its_bounds() -> None:
+    """While clients write, each sweep should apply a batch: the interval halves while sweeps find more
+    than SWEEP_BATCH, doubles while they find fewer, and never leaves [SWEEP_MIN_S, SWEEP_BUSY_MAX_S];
+    idle, it backs off to SWEEP_MAX_S."""
+    from mmfeat.daemon.server import SWEEP_BATCH, SWEEP_BUSY_MAX_S, SWEEP_MAX_S, SWEEP_MIN_S, sweep_interval
+
+    every, seen = SWEEP_MAX_S, []
+    for _ in range(10):  # a burst: many words per sweep
+        every = sweep_interval(every, SWEEP_BATCH[1] + 1)
+        seen.append(every)
+    assert seen[0] == SWEEP_MAX_S / 2 and every == SWEEP_MIN_S and min(seen) == SWEEP_MIN_S
+    assert sweep_interval(every, (SWEEP_BATCH[0] + SWEEP_BATCH[1]) // 2) == every  # a batch: keep it
+    for _ in range(10):  # a trickle: one word per sweep
+        every = sweep_interval(every, 1)
+    assert every == SWEEP_BUSY_MAX_S
+    for _ in range(10):
+        every = sweep_interval(every, 0)
+    assert every == SWEEP_MAX_S
+    assert sweep_interval(SWEEP_MAX_S, 1) == SWEEP_BUSY_MAX_S  # writes after idle: back under the busy bound
