@@ -9,6 +9,8 @@ import os
 import random
 import socket
 import struct
+from contextlib import contextmanager
+from typing import Iterator
 
 import msgpack
 import pytest
@@ -122,26 +124,34 @@ def test_forged_state_words_are_refused_and_put_back(daemon) -> None:
     assert daemon.pool()["used"] == 0
 
 
-def test_forged_ack_words_are_clamped_never_a_double_free(daemon) -> None:
+@contextmanager
+def _an_adopted_feature(daemon) -> Iterator[tuple]:
+    """A client, the table mapped as a hostile peer of the group maps it, and a feature of the client's
+    arena for three consumers, adopted by the daemon."""
     with daemon.client(inline_threshold=0) as c:
         hostile = HostileTable(daemon, c)
         try:
             d = c.put(torch.ones(4096), consumers=3)
             daemon.stats()  # adopted
-            hostile.write(d.lease, ACKS, ack_word(d.gen, 1))
-            hostile.write(d.lease, ACKS, ack_word(d.gen, 0))  # goes down between two sweeps: no change seen
-            daemon.stats()
-            hostile.write(d.lease, ACKS, ack_word(d.gen + 1, 7))  # another generation's word: ignored
-            s = daemon.stats()
-            assert s["leases"]["PUBLISHED"] == 1 and s["counters"]["acks"] == 0
-            hostile.write(d.lease, ACKS, ack_word(d.gen, 2**32 - 1))  # every ack at once, and far more
-            s = daemon.stats()
-            assert s["counters"]["acks"] == 3 and s["counters"]["over_acks"] == 2**32 - 4 and s["counters"]["frees"] == 1
-            hostile.write(d.lease, ACKS, ack_word(d.gen, 5))  # down, after the end: nothing to free twice
-            s = daemon.stats()
-            assert s["counters"]["frees"] == 1 and _consistent(s["pools"][0])
+            yield c, hostile, d
         finally:
             hostile.close()
+
+
+def test_forged_ack_words_are_clamped_never_a_double_free(daemon) -> None:
+    with _an_adopted_feature(daemon) as (c, hostile, d):
+        hostile.write(d.lease, ACKS, ack_word(d.gen, 1))
+        hostile.write(d.lease, ACKS, ack_word(d.gen, 0))  # goes down between two sweeps: no change seen
+        daemon.stats()
+        hostile.write(d.lease, ACKS, ack_word(d.gen + 1, 7))  # another generation's word: ignored
+        s = daemon.stats()
+        assert s["leases"]["PUBLISHED"] == 1 and s["counters"]["acks"] == 0
+        hostile.write(d.lease, ACKS, ack_word(d.gen, 2**32 - 1))  # every ack at once, and far more
+        s = daemon.stats()
+        assert s["counters"]["acks"] == 3 and s["counters"]["over_acks"] == 2**32 - 4 and s["counters"]["frees"] == 1
+        hostile.write(d.lease, ACKS, ack_word(d.gen, 5))  # down, after the end: nothing to free twice
+        s = daemon.stats()
+        assert s["counters"]["frees"] == 1 and _consistent(s["pools"][0])
     assert daemon.pool()["used"] == 0
 
 
@@ -149,38 +159,32 @@ def test_a_forged_done_ends_the_feature_once_and_is_counted(daemon) -> None:
     """DONE says every consumer acked: a peer can write it early, as it can write the acks themselves.
     The daemon ends the feature (its producer may be reusing the space already), counts the word, and
     its books stay exact; a DONE without its acks in a slot nobody published is refused."""
-    with daemon.client(inline_threshold=0) as c:
-        hostile = HostileTable(daemon, c)
-        try:
-            d = c.put(torch.ones(4096), consumers=3)
-            daemon.stats()  # adopted
-            hostile.write(d.lease, ACKS, ack_word(d.gen, 1))
-            hostile.write(d.lease, STATE, state_word(d.gen, DONE))  # two acks short
-            s = daemon.stats()
-            assert s["leases"]["PUBLISHED"] == 0 and s["counters"]["frees"] == 1 and s["counters"]["acks"] == 1
-            assert s["counters"]["bad_table_words"] == 1 and _consistent(s["pools"][0])
-            assert hostile.read(d.lease, STATE) == state_word(d.gen, FREE)
-            with pytest.raises(MmfeatError) as info:
-                c.get(d)
-            assert info.value.code is ErrorCode.NOT_FOUND
-            hostile.write(d.lease, STATE, state_word(d.gen, DONE))  # again, after the end: nothing to free twice
-            s = daemon.stats()
-            assert s["counters"]["frees"] == 1 and hostile.read(d.lease, STATE) == state_word(d.gen, FREE)
+    with _an_adopted_feature(daemon) as (c, hostile, d):
+        hostile.write(d.lease, ACKS, ack_word(d.gen, 1))
+        hostile.write(d.lease, STATE, state_word(d.gen, DONE))  # two acks short
+        s = daemon.stats()
+        assert s["leases"]["PUBLISHED"] == 0 and s["counters"]["frees"] == 1 and s["counters"]["acks"] == 1
+        assert s["counters"]["bad_table_words"] == 1 and _consistent(s["pools"][0])
+        assert hostile.read(d.lease, STATE) == state_word(d.gen, FREE)
+        with pytest.raises(MmfeatError) as info:
+            c.get(d)
+        assert info.value.code is ErrorCode.NOT_FOUND
+        hostile.write(d.lease, STATE, state_word(d.gen, DONE))  # again, after the end: nothing to free twice
+        s = daemon.stats()
+        assert s["counters"]["frees"] == 1 and hostile.read(d.lease, STATE) == state_word(d.gen, FREE)
 
-            a = hostile.arena()
-            base, slot = a["offset"], a["slot_base"]
-            hostile.publish(slot, 1, a["pool"], base, 4096, consumers=2)  # published, acked and DONE unseen
-            hostile.write(slot, ACKS, ack_word(1, 2))
-            hostile.write(slot, STATE, state_word(1, DONE))
-            hostile.publish(slot + 1, 1, a["pool"], base, 4096, consumers=2)  # the same range, DONE one ack short
-            hostile.write(slot + 1, ACKS, ack_word(1, 1))
-            hostile.write(slot + 1, STATE, state_word(1, DONE))
-            s = daemon.stats()
-            assert s["counters"]["arena_publishes"] == 2 and s["counters"]["frees"] == 2
-            assert s["counters"]["bad_table_words"] == 3 and s["leases"]["PUBLISHED"] == 0
-            assert hostile.read(slot + 1, STATE) == state_word(1, FREE) and _consistent(s["pools"][0])
-        finally:
-            hostile.close()
+        a = hostile.arena()
+        base, slot = a["offset"], a["slot_base"]
+        hostile.publish(slot, 1, a["pool"], base, 4096, consumers=2)  # published, acked and DONE unseen
+        hostile.write(slot, ACKS, ack_word(1, 2))
+        hostile.write(slot, STATE, state_word(1, DONE))
+        hostile.publish(slot + 1, 1, a["pool"], base, 4096, consumers=2)  # the same range, DONE one ack short
+        hostile.write(slot + 1, ACKS, ack_word(1, 1))
+        hostile.write(slot + 1, STATE, state_word(1, DONE))
+        s = daemon.stats()
+        assert s["counters"]["arena_publishes"] == 2 and s["counters"]["frees"] == 2
+        assert s["counters"]["bad_table_words"] == 3 and s["leases"]["PUBLISHED"] == 0
+        assert hostile.read(slot + 1, STATE) == state_word(1, FREE) and _consistent(s["pools"][0])
     assert daemon.pool()["used"] == 0
 
 
