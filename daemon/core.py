@@ -14,7 +14,7 @@ from .allocator import Allocator
 from .config import Settings
 from .counters import Counters
 from .lease_table import LeaseTable
-from .ledger import EndReason, FreeObserver, Lease, Ledger
+from .ledger import FreeObserver, Ledger
 from .pools import Pool
 from .sessions import ATTACH_GRACE_S, PeerCred, SessionTable
 from .sweeper import Sweeper
@@ -51,7 +51,7 @@ class DaemonCore:
             settings.reserve_ttl,
             settings.ack_ttl,
             settings.max_leases,
-            self._on_free,
+            self.free_observers,  # the list itself: the server adds the mesh's later
             self.table,
             settings.max_session_mb << 20,
             settings.arena_mb << 20,
@@ -62,10 +62,6 @@ class DaemonCore:
         # Arenas need compare-and-swap in the lease table (clients ack there): without libatomic, every
         # feature takes the message path.
         self.arenas_enabled = settings.arena_mb > 0 and atomics.AVAILABLE
-
-    def _on_free(self, lease: Lease, reason: EndReason, now: float) -> None:
-        for observe in self.free_observers:
-            observe(lease, reason, now)
 
     def sweep(self, now: float) -> int:
         """Apply what clients wrote into the lease table; the number of words applied."""

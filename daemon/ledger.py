@@ -14,7 +14,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
@@ -84,7 +84,7 @@ class AckResult:
 _HEAP_SLACK = 64
 
 
-# Called as observer(lease, reason, now) whenever a lease is freed; metrics hang off it.
+# Called as observer(lease, reason, now) whenever a lease is freed; metrics and the mesh hang off it.
 FreeObserver = Callable[[Lease, EndReason, float], None]
 
 
@@ -97,7 +97,7 @@ class Ledger:
         reserve_ttl: float,
         ack_ttl: float,
         max_leases: int,
-        observer: Optional[FreeObserver] = None,
+        observers: Sequence[FreeObserver] = (),
         table: Optional[LeaseTable] = None,
         session_quota: int = 0,
         arena_bytes: int = 0,
@@ -110,7 +110,9 @@ class Ledger:
         self.reserve_ttl = reserve_ttl
         self.ack_ttl = ack_ttl
         self.max_leases = max_leases
-        self._observer = observer
+        # Looked at on every free (the caller may add to it later): with none, a feature published and
+        # acked between two sweeps is accounted without ever building its Lease.
+        self._observers = observers
         self._table = table
         self._slots: dict[int, _Slot] = {}
         self.space = SlotSpace(max_leases, min(arena_slots, max_leases))
@@ -328,12 +330,13 @@ class Ledger:
         c.over_acks += acks - consumers
         c.table_acks += acks
         c.frees += 1
-        if self._observer is not None:
+        if self._observers:
             lease = Lease(lease_id=slot_id, gen=gen, pool_id=arena.pool_id, offset=offset, nbytes=nbytes, token=token,
                           consumers=consumers, remaining=0, state=LeaseState.PUBLISHED, session=arena.session,
                           deadline=now, reserved_at=now, published_at=now,
                           size=align_up(nbytes, self.allocators[arena.pool_id].alignment), arena=arena)
-            self._observer(lease, EndReason.ACKED, now)
+            for observe in self._observers:
+                observe(lease, EndReason.ACKED, now)
 
     def grant_arena(self, session: bytes, pool_id: int) -> Arena:
         if self.session_quota:
@@ -505,5 +508,5 @@ class Ledger:
         self.live -= 1
         self.counters.frees += 1
         self._compact_deadlines()  # a sweep may end many leases adopted in one go
-        if self._observer is not None:
-            self._observer(lease, reason, now)
+        for observe in self._observers:
+            observe(lease, reason, now)
