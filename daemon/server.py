@@ -277,6 +277,10 @@ class Server:
                 if self._check_memory():
                     poller = self._poller()
                 next_tick = now + (IDLE_WAKE_S if idle else TICK_S)
+            if sweep_every >= TICK_S:
+                # Nothing written lately: the next sweep rides on the tick's wake-up instead of taking one
+                # of its own (a server's idle client otherwise costs twice the wake-ups).
+                next_sweep = next_tick
             if now >= next_trim:
                 malloc_trim()  # what a burst of connections or requests left in the heap goes back
                 next_trim = now + TRIM_EVERY_S
