@@ -417,6 +417,7 @@ def sweep_interval(every: float, applied: int) -> float:
     doubled (up to SWEEP_BUSY_MAX_S) while they find less; doubled up to SWEEP_MAX_S when idle."""
     if applied == 0:
         return min(SWEEP_MAX_S, every * 2)
+    every = min(every, SWEEP_BUSY_MAX_S)  # writes again after a quiet spell: back under the busy bound
     if applied > SWEEP_BATCH[1]:
         return max(SWEEP_MIN_S, every / 2)
     if applied < SWEEP_BATCH[0]:

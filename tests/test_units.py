@@ -193,7 +193,7 @@ def test_the_sweep_interval_follows_the_rate_within_its_bounds() -> None:
     for _ in range(10):  # a burst: many words per sweep
         every = sweep_interval(every, SWEEP_BATCH[1] + 1)
         seen.append(every)
-    assert seen[0] == SWEEP_MAX_S / 2 and every == SWEEP_MIN_S and min(seen) == SWEEP_MIN_S
+    assert seen[0] == SWEEP_BUSY_MAX_S / 2 and every == SWEEP_MIN_S and min(seen) == SWEEP_MIN_S
     assert sweep_interval(every, (SWEEP_BATCH[0] + SWEEP_BATCH[1]) // 2) == every  # a batch: keep it
     for _ in range(10):  # a trickle: one word per sweep
         every = sweep_interval(every, 1)
@@ -201,4 +201,5 @@ def test_the_sweep_interval_follows_the_rate_within_its_bounds() -> None:
     for _ in range(10):
         every = sweep_interval(every, 0)
     assert every == SWEEP_MAX_S
-    assert sweep_interval(SWEEP_MAX_S, 1) == SWEEP_BUSY_MAX_S  # writes after idle: back under the busy bound
+    for applied in (1, (SWEEP_BATCH[0] + SWEEP_BATCH[1]) // 2, SWEEP_BATCH[1] + 1):  # writes after idle
+        assert SWEEP_MIN_S <= sweep_interval(SWEEP_MAX_S, applied) <= SWEEP_BUSY_MAX_S
