@@ -188,6 +188,39 @@ def test_a_forged_done_ends_the_feature_once_and_is_counted(daemon) -> None:
     assert daemon.pool()["used"] == 0
 
 
+def test_a_publish_over_a_done_feature_is_accepted_whichever_slot_the_sweep_reads_first(daemon) -> None:
+    """A producer reuses a feature's space once its last consumer wrote DONE, before the daemon has ended
+    that feature. The sweep may reach the new publish first (a lower slot): it then ends the DONE
+    features under the range before it checks the range, instead of refusing an honest publish. The
+    same publish over a feature that is not DONE is still refused."""
+    with daemon.client(inline_threshold=0) as c:
+        hostile = HostileTable(daemon, c)
+        try:
+            a = hostile.arena()
+            base, slot = a["offset"], a["slot_base"]
+            for old, new in ((slot + 5, slot + 2), (slot + 6, slot + 9)):  # new read first, then last
+                hostile.publish(old, 1, a["pool"], base, 8192, consumers=1)
+                assert daemon.stats()["leases"]["PUBLISHED"] == 1  # adopted: live
+                hostile.write(old, ACKS, ack_word(1, 1))
+                hostile.write(old, STATE, state_word(1, DONE))
+                hostile.publish(new, 1, a["pool"], base, 4096, consumers=1)  # over the DONE feature's range
+                s = daemon.stats()
+                assert s["counters"]["bad_table_words"] == 0, "an honest reuse of DONE space was refused"
+                assert s["leases"]["PUBLISHED"] == 1 and hostile.read(old, STATE) == state_word(1, FREE)
+                hostile.write(new, ACKS, ack_word(1, 1))  # the new one ends too
+                daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the new feature's ack")
+            hostile.publish(slot + 20, 1, a["pool"], base, 8192, consumers=1)
+            daemon.stats()
+            hostile.publish(slot + 3, 1, a["pool"], base, 4096, consumers=1)  # over a live, not DONE, one
+            s = daemon.stats()
+            assert s["counters"]["bad_table_words"] == 1 and s["leases"]["PUBLISHED"] == 1
+            assert s["counters"]["frees"] == 4 and _consistent(s["pools"][0])
+            hostile.write(slot + 20, ACKS, ack_word(1, 1))
+        finally:
+            hostile.close()
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the hostile session's arena to go back")
+
+
 def test_random_words_in_the_table_leave_the_daemon_up_and_exact(daemon_factory) -> None:
     daemon = daemon_factory("--pool-mb", "128", "--ack-ttl", "2")
     rng = random.Random(7)
