@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 from sortedcontainers import SortedDict
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
@@ -90,6 +91,13 @@ class Arenas:
         self._next_id = 1
         self.bytes = {p: 0 for p in allocators}
         self.live_bytes = {p: 0 for p in allocators}
+        # Per slot block: whether an arena holds it and takes new features (granted, not returned), and
+        # that arena's pool and range. The sweep checks a batch of features against these at once.
+        blocks = space.slots // space.block
+        self.block_open = np.zeros(blocks, dtype=bool)
+        self.block_pool = np.zeros(blocks, dtype=np.uint64)
+        self.block_start = np.zeros(blocks, dtype=np.uint64)
+        self.block_end = np.zeros(blocks, dtype=np.uint64)
 
     def size_for(self, pool_id: int) -> int:
         """Arena size in this pool: the configured size, at most a sixteenth of the pool, so one
@@ -121,7 +129,10 @@ class Arenas:
         arena = Arena(self._next_id, session, pool_id, offset, size, base, self.space.block)
         self._next_id += 1
         self._by_id[arena.arena_id] = arena
-        self._by_block[base // self.space.block] = arena
+        block = base // self.space.block
+        self._by_block[block] = arena
+        self.block_open[block] = True
+        self.block_pool[block], self.block_start[block], self.block_end[block] = pool_id, offset, offset + size
         self._by_session.setdefault(session, set()).add(arena.arena_id)
         self.bytes[pool_id] += size
         self.counters.arenas_granted += 1
@@ -165,6 +176,7 @@ class Arenas:
         if arena.returned:
             return 0
         arena.returned = True
+        self.block_open[arena.slot_base // self.space.block] = False
         self.counters.arenas_returned += 1
         keep = [(offset, end - offset) for offset, end in arena.features.items()]
         freed = self.allocators[arena.pool_id].trim(arena.offset, keep)

@@ -14,14 +14,15 @@ from .allocator import Allocator
 from .config import Settings
 from .counters import Counters
 from .lease_table import LeaseTable
-from .ledger import FreeObserver, Ledger
+from .ledger import FreeObserver, Ledger, QuickObserver
 from .pools import Pool
 from .sessions import ATTACH_GRACE_S, PeerCred, SessionTable
 from .sweeper import Sweeper
 
 
 class DaemonCore:
-    def __init__(self, settings: Settings, pools: list[Pool], observer: Optional[FreeObserver] = None) -> None:
+    def __init__(self, settings: Settings, pools: list[Pool], observer: Optional[FreeObserver] = None,
+                 quick_observer: Optional[QuickObserver] = None) -> None:
         self.settings = settings
         self.pools = {p.pool_id: p for p in pools}
         # Told of every freed lease: metrics, and the mesh (copies of other nodes' features; peers that
@@ -57,6 +58,7 @@ class DaemonCore:
             settings.arena_mb << 20,
             settings.arena_slots,
             settings.arenas_per_session,
+            [quick_observer] if quick_observer is not None else [],
         )
         self.sweeper = Sweeper(self.table, self.ledger)
         # Arenas need compare-and-swap in the lease table (clients ack there): without libatomic, every

@@ -18,10 +18,10 @@ from typing import Optional
 
 import numpy as np
 
-from mmfeat.atomics import Words
+from mmfeat.atomics import PLAIN_ORDERED, Words
 from mmfeat.protos.lease_table import (
-    ACKS, ENTRY_BYTES, ENTRY_WORDS, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, POOL, STATE, ack_word, state_word,
-    table_bytes, word_offset,
+    ACKS, ENTRY_BYTES, ENTRY_WORDS, FREE, GEN_MASK, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, POOL, STATE,
+    ack_word, state_word, table_bytes, word_offset,
 )
 
 _ENTRY = struct.Struct(f"<{ENTRY_WORDS}Q")
@@ -42,6 +42,9 @@ class LeaseTable:
         # The sweeper's bulk views of the two columns clients write.
         self.states = np.frombuffer(self._mm, dtype="<u8", count=slots, offset=word_offset(slots, 0, STATE))
         self.acks = np.frombuffer(self._mm, dtype="<u8", count=slots, offset=word_offset(slots, 0, ACKS))
+        # Every slot's entry as a row of words (POOL .. TOKEN + 1), for the sweep's batch checks.
+        self.entries = np.frombuffer(self._mm, dtype="<u8", count=slots * ENTRY_WORDS,
+                                     offset=word_offset(slots, 0, POOL)).reshape(slots, ENTRY_WORDS)
         # What the daemon last wrote or accounted for in each STATE and ACKS word; a sweep looks at the
         # words that differ (daemon/sweeper.py).
         self.seen_state = np.zeros(slots, dtype=np.uint64)
@@ -90,6 +93,18 @@ class LeaseTable:
         self.seen_state[slot] = word
         self.words.store_at(self._states_at + 8 * slot, word)
 
+    def free_many(self, slots: np.ndarray, gens: np.ndarray) -> None:
+        """FREE in the STATE words of ``slots`` (generations ``gens``). The caller ordered its reads of
+        those slots before this (an acquire fence after them)."""
+        words = (gens & np.uint64(GEN_MASK)) << np.uint64(2) | np.uint64(FREE)
+        self.seen_state[slots] = words
+        if PLAIN_ORDERED:
+            # x86-64: each element is one aligned 8-byte move, a release store there (mmfeat.atomics).
+            self.states[slots] = words
+            return
+        for slot, word in zip(slots.tolist(), words.tolist()):
+            self.words.store_at(self._states_at + 8 * slot, word)
+
     def set_live(self, slot: int, gen: int, state: int, pool: int, offset: int, nbytes: int, consumers: int,
                  token: bytes) -> None:
         """A reserved lease goes live: its words first, then the state word that names its generation."""
@@ -110,7 +125,7 @@ class LeaseTable:
     def close(self) -> None:
         if self._mm is not None:
             self.words.close()
-            del self.states, self.acks
+            del self.states, self.acks, self.entries
             self._mm.close()
             self._mm = None
         if self._fd is not None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 
@@ -64,11 +66,10 @@ class Lease:
     ack_ids: Optional[set[bytes]] = None
 
 
-@dataclass
-class _Slot:
-    gen: int = 0
-    lease: Optional[Lease] = None
-    ended: Optional[EndReason] = None
+# Why a slot's last generation ended, as stored per slot: 0 while it never ended (or was never used).
+_END_REASONS = (None, *EndReason)
+_END_CODE = {reason: code for code, reason in enumerate(_END_REASONS) if reason is not None}
+_ACKED = _END_CODE[EndReason.ACKED]
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ _HEAP_SLACK = 64
 
 # Called as observer(lease, reason, now) whenever a lease is freed; metrics and the mesh hang off it.
 FreeObserver = Callable[[Lease, EndReason, float], None]
+# Called with the number of features a sweep found published and acked by all since the last one:
+# they end without ever being a live lease, so no FreeObserver sees them.
+QuickObserver = Callable[[int], None]
 
 
 class Ledger:
@@ -103,6 +107,7 @@ class Ledger:
         arena_bytes: int = 0,
         arena_slots: int = 256,
         arenas_per_session: int = 4,
+        quick_observers: Sequence[QuickObserver] = (),
     ) -> None:
         self.allocators = allocators
         self.epoch = epoch
@@ -110,11 +115,15 @@ class Ledger:
         self.reserve_ttl = reserve_ttl
         self.ack_ttl = ack_ttl
         self.max_leases = max_leases
-        # Looked at on every free (the caller may add to it later): with none, a feature published and
-        # acked between two sweeps is accounted without ever building its Lease.
-        self._observers = observers
+        self._observers = observers  # looked at on every free: the caller may add to it later
+        self._quick_observers = quick_observers
         self._table = table
-        self._slots: dict[int, _Slot] = {}
+        # Per slot: the generation it last gave out (0: never used) and why that one ended. Arrays, so
+        # that the sweep checks and ends the features of a whole batch at once (Sweeper._end_acked).
+        self.gens = np.zeros(max_leases, dtype=np.uint64)
+        self._ended = np.zeros(max_leases, dtype=np.uint8)
+        self._leases: dict[int, Lease] = {}  # slot -> its live lease
+        self.live_mask = np.zeros(max_leases, dtype=bool)
         self.space = SlotSpace(max_leases, min(arena_slots, max_leases))
         self.arenas = Arenas(allocators, self.space, counters, arena_bytes, arenas_per_session)
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen); lazily invalidated
@@ -170,11 +179,9 @@ class Ledger:
                 f"pool {pool_id} has no free range of {nbytes} B (free {alloc.free} B, largest {alloc.largest_free} B); "
                 "fall back to inline or wait for acks",
             )
-        slot = self._slot(lease_id)
-        slot.gen += 1
         lease = Lease(
             lease_id=lease_id,
-            gen=slot.gen,
+            gen=int(self.gens[lease_id]) + 1,
             pool_id=pool_id,
             offset=offset,
             nbytes=nbytes,
@@ -187,7 +194,7 @@ class Ledger:
             reserved_at=now,
             size=alloc.size_of(offset),
         )
-        slot.lease, slot.ended = lease, None
+        self._go_live(lease)
         self.live += 1
         self._account(lease, +1)
         if self._table is not None:
@@ -201,7 +208,6 @@ class Ledger:
     def adopt(self, arena: Arena, slot_id: int, gen: int, nbytes: int, offset: int, consumers: int, token: bytes,
               now: float) -> Lease:
         """A feature its producer published in its arena: PUBLISHED from here, acked and expired like any."""
-        slot = self._slot(slot_id)
         alloc = self.allocators[arena.pool_id]
         lease = Lease(
             lease_id=slot_id,
@@ -220,7 +226,7 @@ class Ledger:
             size=align_up(nbytes, alloc.alignment),
             arena=arena,
         )
-        slot.gen, slot.lease, slot.ended = gen, lease, None
+        self._go_live(lease)
         self.live += 1
         self._account(lease, +1)
         self.arenas.feature_added(arena, slot_id, offset, lease.size)
@@ -296,7 +302,7 @@ class Ledger:
             deadline, lease_id, gen = heapq.heappop(self._deadlines)
             if not self._current((deadline, lease_id, gen)):
                 continue  # freed or republished since this entry was pushed
-            lease = self._slots[lease_id].lease
+            lease = self._leases[lease_id]
             reason = EndReason.EXPIRED_RESERVED if lease.state is LeaseState.RESERVED else EndReason.EXPIRED_PUBLISHED
             self.counters.expired += 1
             self._free(lease, reason, now)
@@ -307,7 +313,7 @@ class Ledger:
         """Free the RESERVED leases of a session whose process is gone; published ones stay for consumers."""
         ids = self._reserved_by_session.pop(session, set())
         for lease_id in ids:
-            lease = self._slots[lease_id].lease
+            lease = self._leases.get(lease_id)
             if lease is not None:
                 self.counters.reclaimed_on_disconnect += 1
                 self._free(lease, EndReason.RECLAIMED, now)
@@ -315,28 +321,25 @@ class Ledger:
 
     # --- arenas --------------------------------------------------------------------------------
 
-    def adopt_acked(self, arena: Arena, slot_id: int, gen: int, nbytes: int, offset: int, consumers: int, token: bytes,
-                    acks: int, now: float) -> None:
-        """A feature its producer published and all its consumers acked between two sweeps: counted
-        as published, acked and freed, without ever becoming a live lease (no expiry entry, no arena
-        bookkeeping). The observer still sees it, with no time between publish and last ack."""
-        slot = self._slot(slot_id)
-        slot.gen, slot.lease, slot.ended = gen, None, EndReason.ACKED
-        self._mirror(slot_id, gen, FREE)
+    def adopt_acked(self, slots: np.ndarray, gens: np.ndarray, consumers: np.ndarray, acks: np.ndarray) -> None:
+        """Features their producers published and all their consumers acked between two sweeps (the
+        sweep checked every word against the arenas): counted as published, acked and freed without
+        ever becoming live leases (no Lease, no expiry entry, no arena bookkeeping). Arrays, one
+        element per feature: slot, generation, consumers expected, acks counted."""
+        self.gens[slots] = gens
+        self._ended[slots] = _ACKED
+        if self._table is not None:
+            self._table.free_many(slots, gens)
+        n, expected, counted = len(slots), int(consumers.sum()), int(acks.sum())
         c = self.counters
-        c.publishes += 1
-        c.arena_publishes += 1
-        c.acks += consumers
-        c.over_acks += acks - consumers
-        c.table_acks += acks
-        c.frees += 1
-        if self._observers:
-            lease = Lease(lease_id=slot_id, gen=gen, pool_id=arena.pool_id, offset=offset, nbytes=nbytes, token=token,
-                          consumers=consumers, remaining=0, state=LeaseState.PUBLISHED, session=arena.session,
-                          deadline=now, reserved_at=now, published_at=now,
-                          size=align_up(nbytes, self.allocators[arena.pool_id].alignment), arena=arena)
-            for observe in self._observers:
-                observe(lease, EndReason.ACKED, now)
+        c.publishes += n
+        c.arena_publishes += n
+        c.acks += expected
+        c.over_acks += counted - expected
+        c.table_acks += counted
+        c.frees += n
+        for observe in self._quick_observers:
+            observe(n)
 
     def grant_arena(self, session: bytes, pool_id: int) -> Arena:
         if self.session_quota:
@@ -364,27 +367,23 @@ class Ledger:
         return len(arenas)
 
     def live_lease(self, slot_id: int) -> Optional[Lease]:
-        slot = self._slots.get(slot_id)
-        return slot.lease if slot is not None else None
+        return self._leases.get(slot_id)
 
     def slot_gen(self, slot_id: int) -> int:
-        slot = self._slots.get(slot_id)
-        return slot.gen if slot is not None else 0
+        return int(self.gens[slot_id])
 
     def end_generation(self, slot_id: int, gen: int) -> None:
         """A producer took generation ``gen`` of its slot for a feature the sweep refused: it is over."""
-        slot = self._slot(slot_id)
-        slot.gen, slot.ended = max(slot.gen, gen), EndReason.REFUSED
+        self.gens[slot_id] = max(int(self.gens[slot_id]), gen)
+        self._ended[slot_id] = _END_CODE[EndReason.REFUSED]
 
     def cut_all(self, now: float) -> int:
         """Free everything still live (shutdown); the number cut."""
-        n = 0
-        for slot in list(self._slots.values()):
-            if slot.lease is not None:
-                self.counters.cut_on_shutdown += 1
-                self._free(slot.lease, EndReason.SHUTDOWN, now)
-                n += 1
-        return n
+        leases = list(self._leases.values())
+        for lease in leases:
+            self.counters.cut_on_shutdown += 1
+            self._free(lease, EndReason.SHUTDOWN, now)
+        return len(leases)
 
     @property
     def timers(self) -> int:
@@ -402,7 +401,7 @@ class Ledger:
 
     def _current(self, entry: tuple[float, int, int]) -> bool:
         """Whether an expiry entry still belongs to a live lease's current deadline."""
-        lease = self._slots[entry[1]].lease
+        lease = self._leases.get(entry[1])
         return lease is not None and lease.gen == entry[2] and lease.deadline == entry[0]
 
     def count_by_state(self, pool_id: Optional[int] = None) -> dict[str, int]:
@@ -431,20 +430,21 @@ class Ledger:
                 f"descriptor is from daemon epoch {ref.epoch}, this daemon is epoch {self.epoch}: "
                 "the daemon restarted and the feature is gone; re-send it",
             )
-        slot = self._slots.get(ref.lease)
-        if slot is None or ref.pool not in self.allocators:
+        gen = int(self.gens[ref.lease]) if 0 <= ref.lease < len(self.gens) else 0
+        if gen == 0 or ref.pool not in self.allocators:
             self.counters.not_found += 1
             raise MmfeatError(ErrorCode.NOT_FOUND, f"no lease {ref.lease} in pool {ref.pool}")
-        if ref.gen != slot.gen:
+        if ref.gen != gen:
             self.counters.stale += 1
             raise MmfeatError(
                 ErrorCode.STALE,
-                f"lease {ref.lease} generation {ref.gen} was freed and its slot reused (now generation {slot.gen})",
+                f"lease {ref.lease} generation {ref.gen} was freed and its slot reused (now generation {gen})",
             )
-        lease = slot.lease
+        lease = self._leases.get(ref.lease)
         if lease is None:
             self.counters.not_found += 1
-            why = slot.ended.value if slot.ended else "never reserved"
+            reason = _END_REASONS[self._ended[ref.lease]]
+            why = reason.value if reason is not None else "never reserved"
             raise MmfeatError(ErrorCode.NOT_FOUND, f"lease {ref.lease} generation {ref.gen} is gone: {why}")
         if not hmac.compare_digest(ref.token, lease.token):
             self.counters.forbidden += 1
@@ -467,11 +467,11 @@ class Ledger:
             )
         return lease
 
-    def _slot(self, slot_id: int) -> _Slot:
-        slot = self._slots.get(slot_id)
-        if slot is None:
-            slot = self._slots[slot_id] = _Slot()
-        return slot
+    def _go_live(self, lease: Lease) -> None:
+        slot = lease.lease_id
+        self.gens[slot], self._ended[slot] = lease.gen, 0
+        self._leases[slot] = lease
+        self.live_mask[slot] = True
 
     def _hold(self, session: bytes, size: int) -> None:
         self._bytes_by_session[session] = self._bytes_by_session.get(session, 0) + size
@@ -489,12 +489,14 @@ class Ledger:
                 del self._reserved_by_session[lease.session]
 
     def _free(self, lease: Lease, reason: EndReason, now: float) -> None:
-        slot = self._slots[lease.lease_id]
-        assert slot.lease is lease
+        slot = lease.lease_id
+        assert self._leases.get(slot) is lease
         if lease.state is LeaseState.RESERVED:
             self._forget_reserved(lease)
         self._account(lease, -1)
-        slot.lease, slot.ended = None, reason
+        del self._leases[slot]
+        self.live_mask[slot] = False
+        self._ended[slot] = _END_CODE[reason]
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         self._mirror(lease.lease_id, lease.gen, FREE)
         if lease.arena is not None:

@@ -102,7 +102,8 @@ def _serve(settings: Settings, config_file: Optional[Path], flags: dict) -> int:
                 pool.close()
             print(f"mmfeatd: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc.strerror}", file=sys.stderr)
             return 1
-    core = DaemonCore(settings, pools, observer=metrics.on_free if metrics else None)
+    core = DaemonCore(settings, pools, observer=metrics.on_free if metrics else None,
+                      quick_observer=metrics.on_quick_acks if metrics else None)
     if metrics is not None:
         core.observe_reserve = metrics.reserve_latency.observe
     server = Server(core, Notifier(), metrics, reload=lambda: reload_settings(core, config_file, flags))

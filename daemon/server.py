@@ -399,6 +399,9 @@ class Server:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
         self.notifier.close()
 
 

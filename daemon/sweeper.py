@@ -2,8 +2,9 @@
 
 Producers publish features of their arenas by writing an entry's STATE word; consumers ack by adding
 to its ACKS word. Neither sends a message, so the daemon looks: numpy compares both columns against
-what it last accounted for (``LeaseTable.seen_*``), over the two dense slot ranges in use, and only the
-slots that differ reach Python. A sweep costs a few microseconds plus a few per changed slot.
+what it last accounted for (``LeaseTable.seen_*``), over the two dense slot ranges in use. Features
+published and acked by all since the last sweep, the common case under load, are checked and ended as
+one batch of array operations (``_end_acked``); only the other changed slots reach Python one by one.
 
 Every word read here was written by a client and is untrusted (SPEC.md, section 9): it is checked
 against the daemon's own records (the arena that owns the slot, the generation it last saw, the
@@ -20,7 +21,8 @@ import numpy as np
 from mmfeat.atomics import fence_acquire
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.lease_table import (
-    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, FREE, PUBLISHED, STATE, ack_word, state_word,
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, ack_word,
+    state_word,
 )
 from mmfeat.protos.messages import MAX_CONSUMERS
 
@@ -55,7 +57,7 @@ class Sweeper:
             states = table.states[lo:hi].copy()
             fence_acquire()
             published = np.flatnonzero(states != table.seen_state[lo:hi])
-            for i in published.tolist():
+            for i in self._end_acked(lo, published, states).tolist():
                 if lo + i not in settled:
                     self._on_state(lo + i, int(states[i]), now)
             # After the publishes, whose handling read their ACKS words afresh: this sweep's older copy
@@ -67,6 +69,45 @@ class Sweeper:
                     self._on_acks(lo + i, int(acks[i]), now)
             changed += len(published) + int(stale.sum())
         return changed
+
+    def _end_acked(self, lo: int, changed: np.ndarray, states: np.ndarray) -> np.ndarray:
+        """End, as one batch, the features among ``changed`` (indices from slot ``lo``) that their
+        producers published and all their consumers acked since the last sweep; the indices left for
+        ``_on_state``. Each is checked as ``_on_state`` would: a slot of an arena that takes features,
+        no live lease in it, a new generation, its entry inside the arena, and its ack word naming that
+        generation with every consumer's ack. Whatever fails a check is left for ``_on_state``, which
+        refuses it or (acks still missing) adopts it."""
+        if not len(changed):
+            return changed
+        ledger, table, arenas = self.ledger, self.table, self.ledger.arenas
+        words = states[changed]
+        slots = changed + lo
+        gens = words >> 2
+        blocks = slots // ledger.space.block
+        # Blocks lie above every single slot, so a single slot's block is never open.
+        ok = (words & 3 >= PUBLISHED) & arenas.block_open[blocks]
+        ok &= ~ledger.live_mask[slots] & (gens > ledger.gens[slots])
+        take = np.flatnonzero(ok)
+        if not len(take):
+            return changed
+        slots, gens, blocks = slots[take], gens[take], blocks[take]
+        entries = table.entries[slots]
+        acks = table.acks[slots]
+        fence_acquire()  # these loads before the FREE stores that hand the slots back
+        pool, offset, nbytes, consumers = (entries[:, w - POOL] for w in (POOL, OFFSET, NBYTES, CONSUMERS))
+        start, end = arenas.block_start[blocks], arenas.block_end[blocks]
+        good = ((pool == arenas.block_pool[blocks]) & (offset % LEASE_ALIGNMENT == 0) & (nbytes >= 1)
+                & (consumers >= 1) & (consumers <= MAX_CONSUMERS)
+                & (acks >> 32 == gens & ACK_GEN_MASK) & (acks & ACK_COUNT_MASK >= consumers)
+                & (offset >= start) & (offset <= end) & (nbytes <= end - offset))  # end - offset: no wrap past here
+        if not good.any():
+            return changed
+        ended = slots[good]
+        table.seen_acks[ended] = acks[good]
+        ledger.adopt_acked(ended, gens[good], consumers[good], acks[good] & ACK_COUNT_MASK)
+        left = np.ones(len(changed), dtype=bool)
+        left[take[good]] = False
+        return changed[left]
 
     def _on_state(self, slot: int, word: int, now: float) -> None:
         ledger = self.ledger
@@ -84,17 +125,15 @@ class Sweeper:
             self._refuse(slot, f"STATE of slot {slot} went to generation {gen} state {state}; a producer may only "
                          f"publish a generation above {ledger.slot_gen(slot)} in a slot it got back FREE")
             return
+        # Not ended by _end_acked: a feature waiting for acks, or words it refused.
         pool, offset, nbytes, consumers, tok0, tok1 = self.table.entry(slot)
-        acks = self.table.load(slot, ACKS)
-        acked = acks >> 32 == gen & ACK_GEN_MASK and (acks & ACK_COUNT_MASK) >= consumers
-        valid = (pool == arena.pool_id and not offset % LEASE_ALIGNMENT and nbytes >= 1
-                 and 1 <= consumers <= MAX_CONSUMERS and (acked or state == PUBLISHED))
-        if valid and not acked and not arena.fits(offset, nbytes):
+        valid = (state == PUBLISHED and pool == arena.pool_id and not offset % LEASE_ALIGNMENT and nbytes >= 1
+                 and 1 <= consumers <= MAX_CONSUMERS)
+        if valid and not arena.fits(offset, nbytes):
             # Its producer may reuse the space of features whose last consumer marked them DONE before
             # this daemon has ended them: end those first.
             self._settle(arena, offset, nbytes, now)
-        # A feature that is over already never becomes live, so only the arena's bounds matter for it.
-        if not valid or not (arena.inside(offset, nbytes) if acked else arena.fits(offset, nbytes)):
+        if not valid or not arena.fits(offset, nbytes):
             # The generation is spent (the producer believes it published it); the feature is not.
             ledger.end_generation(slot, gen)
             self.table.store_state(slot, state_word(gen, FREE))
@@ -102,14 +141,10 @@ class Sweeper:
                             f"consumers and state {state}: not inside arena {arena.arena_id} [{arena.offset}, "
                             f"+{arena.size}) of pool {arena.pool_id}, over a live feature, or DONE without its acks; refused")
             return
-        token = tok0.to_bytes(8, "little") + tok1.to_bytes(8, "little")
-        if acked:
-            # Published and acked by all since the last sweep, the common case under load: end it at once.
-            self.table.seen_acks[slot] = acks
-            ledger.adopt_acked(arena, slot, gen, nbytes, offset, consumers, token, acks & ACK_COUNT_MASK, now)
-            return
+        # Acks that arrived since _end_acked read the word are applied by the next sweep.
         self.table.seen_state[slot] = word
         self._reset_acks(slot, gen)
+        token = tok0.to_bytes(8, "little") + tok1.to_bytes(8, "little")
         ledger.adopt(arena, slot, gen, nbytes, offset, consumers, token, now)
 
     def _on_done(self, slot: int, lease: Lease, now: float) -> None:

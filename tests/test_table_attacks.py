@@ -60,6 +60,12 @@ class HostileTable:
         assert reply["ok"], reply
         return reply["arena"]
 
+    def arena_return(self, arena_id: int) -> None:
+        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "arena_return", "id": 2, "session": self.session,
+                                      "arena": arena_id}))
+        reply = msgpack.unpackb(self.sock.recv(4096))
+        assert reply["ok"], reply
+
     def close(self) -> None:
         self.mm.close()
         self.sock.close()
@@ -186,6 +192,67 @@ def test_a_forged_done_ends_the_feature_once_and_is_counted(daemon) -> None:
         assert s["counters"]["bad_table_words"] == 3 and s["leases"]["PUBLISHED"] == 0
         assert hostile.read(slot + 1, STATE) == state_word(1, FREE) and _consistent(s["pools"][0])
     assert daemon.pool()["used"] == 0
+
+
+def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(daemon) -> None:
+    """Features published and acked by all between two sweeps are ended as one batch of array checks
+    (Sweeper._end_acked). Each check must refuse what the per-slot path refuses: a batch of good and
+    forged ones, written before one sweep, ends exactly the good ones and counts every forged one."""
+    with daemon.client(inline_threshold=0) as c:
+        hostile = HostileTable(daemon, c)
+        try:
+            first, a = hostile.arena(), hostile.arena()
+            base, slot, pool, size = a["offset"], a["slot_base"], a["pool"], a["size"]
+            assert first["offset"] + first["size"] <= base
+            bad = [  # (pool, offset, nbytes, consumers, ack word): each acked by every consumer it names
+                (pool + 1, base, 4096, 1, ack_word(1, 1)),  # another pool
+                (pool, first["offset"], 4096, 1, ack_word(1, 1)),  # before the arena: in another one
+                (pool, base + size - 256, 4096, 1, ack_word(1, 1)),  # runs past its end
+                (pool, base + size, 4096, 1, ack_word(1, 1)),  # starts at its end
+                (pool, 2**64 - 4096, 8192, 1, ack_word(1, 1)),  # wraps around
+                (pool, base + 100, 4096, 1, ack_word(1, 1)),  # unaligned
+                (pool, base, 0, 1, ack_word(1, 1)),  # empty
+                (pool, base, 4096, 0, ack_word(1, 0)),  # no consumers
+                (pool, base, 4096, 5000, ack_word(1, 5000)),  # too many
+                (pool, base, 4096, 2, ack_word(1, 1)),  # one of its two acks
+                (pool, base, 4096, 1, ack_word(2, 1)),  # acks of another generation
+            ]
+            good = [(pool, base + 8192 * k, 4096, k + 1, ack_word(1, k + 1 + (k == 2))) for k in range(3)]
+            features = bad + good
+            for k, (p, offset, nbytes, consumers, acks) in enumerate(features):
+                hostile.publish(slot + k, 1, p, offset, nbytes, consumers)
+                hostile.write(slot + k, ACKS, acks)
+                hostile.write(slot + k, STATE, state_word(1, DONE))
+            hostile.write(slot + 30, STATE, state_word(0, DONE))  # no new generation: nothing published
+            s = daemon.stats()
+            counters = s["counters"]
+            assert counters["bad_table_words"] == len(bad) + 1, counters
+            assert counters["arena_publishes"] == len(good) and counters["frees"] == len(good)
+            assert counters["acks"] == 1 + 2 + 3 and counters["over_acks"] == 1 and counters["table_acks"] == 7
+            assert s["leases"]["PUBLISHED"] == 0 and s["pools"][0]["arenas"]["live_bytes"] == 0
+            assert _consistent(s["pools"][0])
+            for k in range(len(features)):  # every generation spent, every slot back to its producer
+                assert hostile.read(slot + k, STATE) == state_word(1, FREE), k
+            # Replayed, the same words are an old generation now: refused, and nothing ends twice.
+            for k in range(len(features)):
+                hostile.write(slot + k, STATE, state_word(1, DONE))
+            s = daemon.stats()
+            assert s["counters"]["frees"] == len(good) and s["counters"]["bad_table_words"] == 2 * len(bad) + 1 + len(good)
+            assert _consistent(s["pools"][0])
+            # An arena given back takes no new feature, though one still lives in it.
+            hostile.publish(slot + 40, 2, pool, base, 4096, consumers=1)
+            daemon.stats()
+            hostile.arena_return(a["id"])
+            hostile.publish(slot + 41, 2, pool, base + 8192, 4096, consumers=1)
+            hostile.write(slot + 41, ACKS, ack_word(2, 1))
+            hostile.write(slot + 41, STATE, state_word(2, DONE))
+            s = daemon.stats()
+            assert s["counters"]["arena_publishes"] == len(good) + 1 and s["leases"]["PUBLISHED"] == 1
+            assert s["counters"]["bad_table_words"] == 2 * len(bad) + 2 + len(good) and _consistent(s["pools"][0])
+            hostile.write(slot + 40, ACKS, ack_word(2, 1))
+        finally:
+            hostile.close()
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the hostile session's arena to go back")
 
 
 def test_a_publish_over_a_done_feature_is_accepted_whichever_slot_the_sweep_reads_first(daemon) -> None:
