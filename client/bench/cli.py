@@ -49,9 +49,11 @@ def _at_least_one(text: str) -> int:
 
 
 def _count_for(size: int, override: Optional[int]) -> int:
+    """256 MiB worth, between 100 and 1000 features. Not fewer: a row's p99 and its mmfeatd column
+    (the daemon's CPU over the row, shared by its features) mean little over a few dozen."""
     if override:
         return override
-    return max(20, min(1000, (256 * MiB) // size))
+    return max(100, min(1000, (256 * MiB) // size))
 
 
 def _progress(text: str) -> None:

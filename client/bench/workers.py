@@ -88,11 +88,13 @@ def _client(runtime_dir: str, mode: str) -> Any:
 
 def _client_for(clients: dict[str, Any], runtime_dir: str, mode: str) -> Any:
     """The mode's client, made once; the other modes' clients are closed, as a server has one client,
-    so that their arenas do not hold pool space another mode's run needs."""
-    if mode not in POOL_MODES and mode != "inline":
-        return None
+    so that their arenas do not hold pool space another mode's run needs, and a mode that uses no
+    daemon runs with none attached (its mmfeatd column is then a daemon nobody uses, not one idling
+    with clients)."""
     for other in [m for m in clients if m != mode]:
         clients.pop(other).close()
+    if mode not in POOL_MODES and mode != "inline":
+        return None
     return clients.get(mode) or clients.setdefault(mode, _client(runtime_dir, mode))
 
 
