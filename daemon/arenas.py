@@ -72,6 +72,10 @@ class Arena:
         return i == len(self.features) or self.features.peekitem(i)[0] >= end
 
 
+# Columns of Arenas.blocks.
+BLOCK_POOL, BLOCK_OFFSET, BLOCK_SIZE = range(3)
+BLOCK_WORDS = 3
+
 # Arenas may hold at most this share of a pool, so that reserves (features too large for an arena, and
 # producers whose arenas are full) always find room however many producers hold arenas.
 ARENA_SHARE = 0.5
@@ -91,13 +95,9 @@ class Arenas:
         self._next_id = 1
         self.bytes = {p: 0 for p in allocators}
         self.live_bytes = {p: 0 for p in allocators}
-        # Per slot block: whether an arena holds it and takes new features (granted, not returned), and
-        # that arena's pool and range. The sweep checks a batch of features against these at once.
-        blocks = space.slots // space.block
-        self.block_open = np.zeros(blocks, dtype=bool)
-        self.block_pool = np.zeros(blocks, dtype=np.uint64)
-        self.block_start = np.zeros(blocks, dtype=np.uint64)
-        self.block_end = np.zeros(blocks, dtype=np.uint64)
+        # Per slot block, the arena that holds it as (pool, offset, size), with size 0 where none does
+        # or its arena takes no new feature (returned). The sweep checks a batch against these at once.
+        self.blocks = np.zeros((space.slots // space.block, BLOCK_WORDS), dtype=np.uint64)
 
     def size_for(self, pool_id: int) -> int:
         """Arena size in this pool: the configured size, at most a sixteenth of the pool, so one
@@ -131,8 +131,7 @@ class Arenas:
         self._by_id[arena.arena_id] = arena
         block = base // self.space.block
         self._by_block[block] = arena
-        self.block_open[block] = True
-        self.block_pool[block], self.block_start[block], self.block_end[block] = pool_id, offset, offset + size
+        self.blocks[block] = (pool_id, offset, size)
         self._by_session.setdefault(session, set()).add(arena.arena_id)
         self.bytes[pool_id] += size
         self.counters.arenas_granted += 1
@@ -176,7 +175,7 @@ class Arenas:
         if arena.returned:
             return 0
         arena.returned = True
-        self.block_open[arena.slot_base // self.space.block] = False
+        self.blocks[arena.slot_base // self.space.block, BLOCK_SIZE] = 0
         self.counters.arenas_returned += 1
         keep = [(offset, end - offset) for offset, end in arena.features.items()]
         freed = self.allocators[arena.pool_id].trim(arena.offset, keep)

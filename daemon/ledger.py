@@ -70,6 +70,7 @@ class Lease:
 _END_REASONS = (None, *EndReason)
 _END_CODE = {reason: code for code, reason in enumerate(_END_REASONS) if reason is not None}
 _ACKED = _END_CODE[EndReason.ACKED]
+_LIVE_GATE = np.iinfo(np.uint64).max
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,10 @@ class Ledger:
         # that the sweep checks and ends the features of a whole batch at once (Sweeper._end_acked).
         self.gens = np.zeros(max_leases, dtype=np.uint64)
         self._ended = np.zeros(max_leases, dtype=np.uint8)
+        # What a generation published in the slot must be above: its last generation, or every value
+        # while a lease is live in it.
+        self.gate = np.zeros(max_leases, dtype=np.uint64)
         self._leases: dict[int, Lease] = {}  # slot -> its live lease
-        self.live_mask = np.zeros(max_leases, dtype=bool)
         self.space = SlotSpace(max_leases, min(arena_slots, max_leases))
         self.arenas = Arenas(allocators, self.space, counters, arena_bytes, arenas_per_session)
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen); lazily invalidated
@@ -327,6 +330,7 @@ class Ledger:
         ever becoming live leases (no Lease, no expiry entry, no arena bookkeeping). Arrays, one
         element per feature: slot, generation, consumers expected, acks counted."""
         self.gens[slots] = gens
+        self.gate[slots] = gens
         self._ended[slots] = _ACKED
         if self._table is not None:
             self._table.free_many(slots, gens)
@@ -374,7 +378,7 @@ class Ledger:
 
     def end_generation(self, slot_id: int, gen: int) -> None:
         """A producer took generation ``gen`` of its slot for a feature the sweep refused: it is over."""
-        self.gens[slot_id] = max(int(self.gens[slot_id]), gen)
+        self.gens[slot_id] = self.gate[slot_id] = max(int(self.gens[slot_id]), gen)
         self._ended[slot_id] = _END_CODE[EndReason.REFUSED]
 
     def cut_all(self, now: float) -> int:
@@ -471,7 +475,7 @@ class Ledger:
         slot = lease.lease_id
         self.gens[slot], self._ended[slot] = lease.gen, 0
         self._leases[slot] = lease
-        self.live_mask[slot] = True
+        self.gate[slot] = _LIVE_GATE
 
     def _hold(self, session: bytes, size: int) -> None:
         self._bytes_by_session[session] = self._bytes_by_session.get(session, 0) + size
@@ -495,7 +499,7 @@ class Ledger:
             self._forget_reserved(lease)
         self._account(lease, -1)
         del self._leases[slot]
-        self.live_mask[slot] = False
+        self.gate[slot] = lease.gen
         self._ended[slot] = _END_CODE[reason]
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         self._mirror(lease.lease_id, lease.gen, FREE)

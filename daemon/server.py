@@ -45,8 +45,9 @@ SWEEP_BUSY_MAX_S = 0.05
 SWEEP_MAX_S = 0.1
 # While clients write, a sweep should apply a batch of words: its fixed cost (numpy over the columns,
 # and, with payload copies of many MiB evicting the daemon from the caches, a cold start of a few
-# hundred microseconds) is then shared by many features instead of one or two.
-SWEEP_BATCH = (8, 64)
+# hundred microseconds) is then shared by many features instead of one or two. The upper bound keeps
+# a sweep's batch well under an arena's slots (256 by default), which only a sweep's FREE hands back.
+SWEEP_BATCH = (32, 64)
 # With no client attached nothing can write to the table and nothing is live: the loop then wakes
 # this rarely, for the timers alone (an idle daemon on every node should cost nothing).
 IDLE_WAKE_S = 1.0

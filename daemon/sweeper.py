@@ -26,7 +26,7 @@ from mmfeat.protos.lease_table import (
 )
 from mmfeat.protos.messages import MAX_CONSUMERS
 
-from .arenas import Arena
+from .arenas import BLOCK_OFFSET, BLOCK_POOL, BLOCK_SIZE, Arena
 from .lease_table import LeaseTable
 from .ledger import EndReason, Lease, LeaseState, Ledger
 
@@ -79,35 +79,28 @@ class Sweeper:
         refuses it or (acks still missing) adopts it."""
         if not len(changed):
             return changed
-        ledger, table, arenas = self.ledger, self.table, self.ledger.arenas
-        words = states[changed]
+        ledger, table = self.ledger, self.table
         slots = changed + lo
+        words = states[changed]
         gens = words >> 2
-        blocks = slots // ledger.space.block
-        # Blocks lie above every single slot, so a single slot's block is never open.
-        ok = (words & 3 >= PUBLISHED) & arenas.block_open[blocks]
-        ok &= ~ledger.live_mask[slots] & (gens > ledger.gens[slots])
-        take = np.flatnonzero(ok)
-        if not len(take):
-            return changed
-        slots, gens, blocks = slots[take], gens[take], blocks[take]
-        entries = table.entries[slots]
+        arena = ledger.arenas.blocks[slots // ledger.space.block]
+        entry = table.entries[slots]
         acks = table.acks[slots]
         fence_acquire()  # these loads before the FREE stores that hand the slots back
-        pool, offset, nbytes, consumers = (entries[:, w - POOL] for w in (POOL, OFFSET, NBYTES, CONSUMERS))
-        start, end = arenas.block_start[blocks], arenas.block_end[blocks]
-        good = ((pool == arenas.block_pool[blocks]) & (offset % LEASE_ALIGNMENT == 0) & (nbytes >= 1)
-                & (consumers >= 1) & (consumers <= MAX_CONSUMERS)
-                & (acks >> 32 == gens & ACK_GEN_MASK) & (acks & ACK_COUNT_MASK >= consumers)
-                & (offset >= start) & (offset <= end) & (nbytes <= end - offset))  # end - offset: no wrap past here
+        pool, offset, nbytes, consumers = (entry[:, word - POOL] for word in (POOL, OFFSET, NBYTES, CONSUMERS))
+        # Inside the arena in unsigned arithmetic: at or past its start (``rel`` wraps below it), and
+        # 1 to ``size - rel`` bytes. A returned arena's size reads 0 here, as a block no arena holds.
+        rel, size = offset - arena[:, BLOCK_OFFSET], arena[:, BLOCK_SIZE]
+        good = ((words & 3 >= PUBLISHED) & (gens > ledger.gate[slots]) & (pool == arena[:, BLOCK_POOL])
+                & (offset % LEASE_ALIGNMENT == 0) & (rel <= size) & (nbytes - 1 < size - rel)
+                & (consumers - 1 < MAX_CONSUMERS)
+                & (acks >> 32 == gens & ACK_GEN_MASK) & (acks & ACK_COUNT_MASK >= consumers))
         if not good.any():
             return changed
-        ended = slots[good]
-        table.seen_acks[ended] = acks[good]
-        ledger.adopt_acked(ended, gens[good], consumers[good], acks[good] & ACK_COUNT_MASK)
-        left = np.ones(len(changed), dtype=bool)
-        left[take[good]] = False
-        return changed[left]
+        ended, acks = slots[good], acks[good]
+        table.seen_acks[ended] = acks
+        ledger.adopt_acked(ended, gens[good], consumers[good], acks & ACK_COUNT_MASK)
+        return changed[~good]
 
     def _on_state(self, slot: int, word: int, now: float) -> None:
         ledger = self.ledger

@@ -18,8 +18,8 @@ import torch
 
 from mmfeat.protos import PROTOCOL_VERSION, ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
-    ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, table_bytes,
-    word_offset,
+    ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, POOL, PUBLISHED, RESERVED, STATE, TOKEN, ack_word, state_word,
+    table_bytes, word_offset,
 )
 
 _U64 = struct.Struct("<Q")
@@ -224,9 +224,13 @@ def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(d
                 hostile.write(slot + k, ACKS, acks)
                 hostile.write(slot + k, STATE, state_word(1, DONE))
             hostile.write(slot + 30, STATE, state_word(0, DONE))  # no new generation: nothing published
+            for k, state in ((31, FREE), (32, RESERVED)):  # acked, but never published
+                hostile.publish(slot + k, 1, pool, base + 65536 * k, 4096, 1)
+                hostile.write(slot + k, ACKS, ack_word(1, 1))
+                hostile.write(slot + k, STATE, state_word(1, state))
             s = daemon.stats()
             counters = s["counters"]
-            assert counters["bad_table_words"] == len(bad) + 1, counters
+            assert counters["bad_table_words"] == len(bad) + 3, counters
             assert counters["arena_publishes"] == len(good) and counters["frees"] == len(good)
             assert counters["acks"] == 1 + 2 + 3 and counters["over_acks"] == 1 and counters["table_acks"] == 7
             assert s["leases"]["PUBLISHED"] == 0 and s["pools"][0]["arenas"]["live_bytes"] == 0
@@ -237,7 +241,7 @@ def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(d
             for k in range(len(features)):
                 hostile.write(slot + k, STATE, state_word(1, DONE))
             s = daemon.stats()
-            assert s["counters"]["frees"] == len(good) and s["counters"]["bad_table_words"] == 2 * len(bad) + 1 + len(good)
+            assert s["counters"]["frees"] == len(good) and s["counters"]["bad_table_words"] == 2 * len(bad) + 3 + len(good)
             assert _consistent(s["pools"][0])
             # An arena given back takes no new feature, though one still lives in it.
             hostile.publish(slot + 40, 2, pool, base, 4096, consumers=1)
@@ -248,7 +252,7 @@ def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(d
             hostile.write(slot + 41, STATE, state_word(2, DONE))
             s = daemon.stats()
             assert s["counters"]["arena_publishes"] == len(good) + 1 and s["leases"]["PUBLISHED"] == 1
-            assert s["counters"]["bad_table_words"] == 2 * len(bad) + 2 + len(good) and _consistent(s["pools"][0])
+            assert s["counters"]["bad_table_words"] == 2 * len(bad) + 4 + len(good) and _consistent(s["pools"][0])
             hostile.write(slot + 40, ACKS, ack_word(2, 1))
         finally:
             hostile.close()
