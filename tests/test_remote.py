@@ -251,19 +251,20 @@ def test_a_pulled_copy_goes_to_the_pool_the_client_names_when_that_pool_can_take
 
 
 def test_the_remote_bench_runs(tmp_path) -> None:
-    """A few-second `mmfeat bench --remote`, so that it cannot rot: two meshed daemons of its own."""
+    """A few-second `mmfeat bench --remote`, so that it cannot rot: two meshed daemons of its own. One
+    round (each mode's round starts its own processes); test_bench covers how rounds combine."""
     out = tmp_path / "remote.json"
     r = subprocess.run([sys.executable, "-m", "mmfeat.client", "bench", "--remote", "--sizes", "64K", "--count", "6",
-                        "--modes", "remote_premade,nixl_read", "--rounds", "2", "--json", str(out)], capture_output=True,
+                        "--modes", "remote_premade,nixl_read", "--json", str(out)], capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads(out.read_text())}
-    assert set(rows) == {"remote_premade", "nixl_read"}  # one row per mode: the medians of its two rounds
-    assert all(row["features_per_s"] > 0 and row["size"] == 64 << 10 and row["rounds"] == 2 for row in rows.values())
+    assert set(rows) == {"remote_premade", "nixl_read"}
+    assert all(row["features_per_s"] > 0 and row["size"] == 64 << 10 for row in rows.values())
     premade = rows["remote_premade"]
-    assert premade["get_p50_us"] > 0 and premade["x_nixl_read_min"] <= premade["x_nixl_read"] <= premade["x_nixl_read_max"]
+    assert premade["get_p50_us"] > 0 and premade["x_nixl_read"] > 0
     assert rows["nixl_read"]["x_nixl_read"] == 1.0 and all(row["count"] == 6 for row in rows.values())
-    assert "x nixl_read" in r.stdout and "medians of 2 interleaved rounds" in r.stdout and "round 2/2" in r.stderr
+    assert "x nixl_read" in r.stdout
 
 
 def test_nixl_agents_get_mmfeats_ucx_defaults_unless_the_environment_sets_its_own() -> None:
