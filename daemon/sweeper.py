@@ -56,6 +56,11 @@ class Sweeper:
             fence_acquire()
             states = table.states[lo:hi].copy()
             fence_acquire()
+            # Nothing written in the range (a server's idle client): two memcmps instead of the ten
+            # array calls below, each of which costs about 10 µs when the caches are cold.
+            if (states.tobytes() == table.seen_state[lo:hi].tobytes()
+                    and acks.tobytes() == table.seen_acks[lo:hi].tobytes()):
+                continue
             published = np.flatnonzero(states != table.seen_state[lo:hi])
             for i in self._end_acked(lo, published, states).tolist():
                 if lo + i not in settled:
