@@ -65,14 +65,10 @@ def client_budget(fd_limit: int, max_clients: int) -> int:
     return min(max_clients, fit) if max_clients else fit
 
 
-def anon_bytes(statm: Optional[int] = None) -> int:
+def anon_bytes(statm: int) -> int:
     """Resident anonymous memory of this process (RSS less file-backed and shared pages). ``statm``: an
     fd of /proc/self/statm kept open, read again from its start (a tenth of the cost of opening it)."""
-    if statm is None:
-        with open("/proc/self/statm", "rb") as f:
-            fields = f.read().split()
-    else:
-        fields = os.pread(statm, 128, 0).split()
+    fields = os.pread(statm, 128, 0).split()
     return (int(fields[1]) - int(fields[2])) * resource.getpagesize()
 
 
@@ -97,7 +93,7 @@ class MemoryGuard:
     def __init__(self, allowance: int) -> None:
         self.allowance = allowance
         # Read ten times a second while clients are connected: kept open.
-        self._statm: Optional[int] = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
         self.base = anon_bytes(self._statm)
 
     def over(self, connections: int, leases: int) -> Optional[int]:
@@ -112,6 +108,6 @@ class MemoryGuard:
         self.base = max(self.base, anon_bytes(self._statm) - self.allowance // 4)
 
     def close(self) -> None:
-        if self._statm is not None:
+        if self._statm >= 0:
             os.close(self._statm)
-            self._statm = None
+            self._statm = -1
