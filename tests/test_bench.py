@@ -75,6 +75,25 @@ def test_rounds_combine_into_medians_of_each_rounds_own_ratio() -> None:
     assert single == [{k: v for k, v in row("pool_view", 5, 0).items() if k != "round"}]
 
 
+def test_remote_rounds_take_each_ratio_against_the_nixl_read_of_its_own_round() -> None:
+    """What `mmfeat bench --remote --rounds N` reports (test_remote's smoke test runs one round)."""
+    from mmfeat.client.bench.remote import ratios_to_nixl_read
+
+    def row(mode: str, fps: float, rnd: int) -> dict:
+        return {"mode": mode, "size": 16 << 20, "features_per_s": fps, "round": rnd}
+
+    # Round 1 ran on a machine at half speed: its ratio is its own, 60 / 100, not 60 / 200.
+    rows = [row("nixl_read", 200, 0), row("remote_premade", 100, 0), row("nixl_read", 100, 1),
+            row("remote_premade", 60, 1), row("nixl_read", 150, 2), row("remote_premade", 105, 2)]
+    combined = {r["mode"]: r for r in ratios_to_nixl_read(rows)}
+    premade, bare = combined["remote_premade"], combined["nixl_read"]
+    assert (premade["x_nixl_read"], premade["x_nixl_read_min"], premade["x_nixl_read_max"]) == (0.6, 0.5, 0.7)
+    assert premade["rounds"] == bare["rounds"] == 3 and premade["features_per_s"] == 100
+    assert bare["x_nixl_read"] == 1.0 and "round" not in premade
+    assert ratios_to_nixl_read([row("remote_premade", 5, 0)]) == [{"mode": "remote_premade", "size": 16 << 20,
+                                                                   "features_per_s": 5, "x_nixl_read": None}]
+
+
 def test_rounds_below_one_are_refused_before_anything_starts() -> None:
     import argparse
 

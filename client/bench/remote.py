@@ -273,6 +273,17 @@ def _run_mode(mode: str, nodes: dict, size: int, count: int, pool_bytes: int) ->
     return row
 
 
+def ratios_to_nixl_read(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's features/s over the bare NIXL READ's of its size and round (a slow stretch of the
+    machine moves both sides of a ratio taken within one round), then one row per mode and size: the
+    medians of its rounds, with the lowest and highest round's ratio."""
+    base = {(r["size"], r["round"]): r["features_per_s"] for r in rows if r["mode"] == "nixl_read"}
+    for r in rows:
+        b = base.get((r["size"], r["round"]))
+        r["x_nixl_read"] = r["features_per_s"] / b if b else None
+    return combine_rounds(rows, keys=("mode", "size"), spread="x_nixl_read")
+
+
 def run_remote_bench(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     work = Path(tempfile.mkdtemp(prefix="mmfbr-", dir="/tmp"))
@@ -287,11 +298,7 @@ def run_remote_bench(args: argparse.Namespace) -> int:
             print(f"bench --remote: {human_size(size)} {mode}{f', round {rnd + 1}/{args.rounds}' if args.rounds > 1 else ''} ...",
                   flush=True, file=sys.stderr)
             rows.append({**_run_mode(mode, nodes, size, count, pool_mb * MiB), "round": rnd})
-        base = {(r["size"], r["round"]): r["features_per_s"] for r in rows if r["mode"] == "nixl_read"}
-        for r in rows:  # within its round: a slow stretch of the machine moves both sides of the ratio
-            b = base.get((r["size"], r["round"]))
-            r["x_nixl_read"] = r["features_per_s"] / b if b else None
-        rows = combine_rounds(rows, keys=("mode", "size"), spread="x_nixl_read")
+        rows = ratios_to_nixl_read(rows)
         if args.rounds > 1:
             print(f"medians of {args.rounds} interleaved rounds (ratios: of each round its own)")
         print(_render(rows))
