@@ -47,7 +47,7 @@ SWEEP_MAX_S = 0.1
 # and, with payload copies of many MiB evicting the daemon from the caches, a cold start of a few
 # hundred microseconds) is then shared by many features instead of one or two. The upper bound keeps
 # a sweep's batch well under an arena's slots (256 by default), which only a sweep's FREE hands back.
-SWEEP_BATCH = (32, 64)
+SWEEP_BATCH = (64, 128)
 # With no client attached nothing can write to the table and nothing is live: the loop then wakes
 # this rarely, for the timers alone (an idle daemon on every node should cost nothing).
 IDLE_WAKE_S = 1.0
