@@ -42,6 +42,9 @@ class Acks:
         if desc.is_inline:
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
         session = self._connect()
+        if (after is None and not wait and desc.node == session.node and desc.epoch == session.epoch
+                and session.table.add_acks(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, count)):
+            return None  # the common ack: one compare-and-swap in the table, nothing built for a message
         fields: dict[str, Any] = {"lease": desc.lease_ref()}
         if desc.node != session.node:
             fields["node"] = desc.node  # relayed to the owner's daemon by ours

@@ -43,7 +43,7 @@ def _align(n: int) -> int:
     return -(-n // LEASE_ALIGNMENT) * LEASE_ALIGNMENT
 
 
-@dataclass
+@dataclass(slots=True)
 class Placement:
     arena: "ProducerArena"
     slot: int
@@ -53,6 +53,10 @@ class Placement:
     end: int
     published: bool = False
     abandoned: bool = False
+    # The slot's STATE word while the feature is live and once its last consumer acked: reclaim
+    # compares with these on every put.
+    live_word: int = 0
+    done_word: int = 0
 
 
 class ProducerArena:
@@ -76,7 +80,7 @@ class ProducerArena:
     def reclaim(self) -> None:
         """Take back the space and slots of the oldest features that are over."""
         ring, table, done = self._ring, self._table, self._done
-        while done and table.state_word(done[0].slot) != state_word(done[0].gen, DONE):
+        while done and table.state_word(done[0].slot) != done[0].done_word:
             self._free_slots.append(done.popleft().slot)
         while ring:
             p = ring[0]
@@ -86,9 +90,9 @@ class ProducerArena:
                 return  # still being written
             else:
                 word = table.state_word(p.slot)
-                if word == state_word(p.gen, PUBLISHED):
+                if word == p.live_word:
                     return  # still live
-                if word == state_word(p.gen, DONE):
+                if word == p.done_word:
                     done.append(p)
                 else:
                     self._free_slots.append(p.slot)
@@ -104,7 +108,8 @@ class ProducerArena:
         slot = self._free_slots.pop()
         # The daemon wrote FREE with this slot's last generation; the next feature takes the one above.
         gen = (self._table.state_word(slot) >> 2) + 1
-        p = Placement(self, slot, gen, self.offset + start, start, start + size)
+        p = Placement(self, slot, gen, self.offset + start, start, start + size, False, False,
+                      state_word(gen, PUBLISHED), state_word(gen, DONE))
         self._ring.append(p)
         self.used += size
         self.last_used = time.monotonic()

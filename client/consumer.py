@@ -114,16 +114,16 @@ def _into_pool(session: Session, device: Any) -> dict[str, int]:
 
 
 def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> Tensors:
+    if not copy and device is None:
+        return views if many else views[0]  # zero-copy views: nothing to wait for
     sources = {t.device for t in views if t.is_cuda}
     if device is not None:
         target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         views = [t.to(target, copy=True) for t in views]
         if target.type == "cuda":
             sources.add(target)
-    elif copy:
-        views = [t.clone() for t in views]
     else:
-        return views if many else views[0]
+        views = [t.clone() for t in views]
     # A private copy must be complete before get() returns: the caller may ack at once, and the pool
     # range can then be reused. torch queues a copy on the current stream of the source device (and,
     # across devices, may involve the target's), so finish both.

@@ -65,6 +65,8 @@ class Session:
         self.table = table
         self.timeout = timeout
         self._sock = fd_sock
+        self._readable = select.poll()
+        self._readable.register(fd_sock, select.POLLIN)
         self._ids = itertools.count(1)
         self._read_lock = threading.Lock()
         self._answered = 0  # the highest ping id the daemon has answered on this channel
@@ -93,7 +95,9 @@ class Session:
         return not self._gone
 
     def _drain(self) -> bool:
-        while True:
+        # A poll first: an empty channel, the common case, then costs no BlockingIOError (whose strerror
+        # lookup was the dearest part of alive()).
+        while self._readable.poll(0):
             try:
                 data = self._sock.recv(_MAX_DATAGRAM, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
@@ -103,6 +107,7 @@ class Session:
             if not data:
                 return False
             self._on_reply(data)
+        return True
 
     def _on_reply(self, data: bytes) -> None:
         try:

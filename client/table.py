@@ -28,7 +28,7 @@ _U64 = struct.Struct("<Q")
 # feature at once retry a few times; only a peer that rewrites the word without end exhausts them.
 _CAS_TRIES = 64
 _ENTRY_HEAD = struct.Struct("<4Q")  # POOL, OFFSET, NBYTES, CONSUMERS
-_ENTRY = struct.Struct("<6Q")  # POOL .. TOKEN + 1
+_ENTRY = struct.Struct("<4Q16s")  # POOL .. CONSUMERS, then TOKEN and TOKEN + 1 as the token's 16 bytes
 
 
 class LeaseTableView:
@@ -39,11 +39,16 @@ class LeaseTableView:
         self._words = Words(mm, 0, table_bytes(slots) // 8) if writable else None
         self._states = word_offset(slots, 0, STATE)
         self._acks = word_offset(slots, 0, ACKS)
+        self._entries = word_offset(slots, 0, POOL)
+
+    def _load(self, offset: int) -> int:
+        """Acquire load of the word at byte ``offset`` (checked by the caller)."""
+        if self._words is not None:
+            return self._words.load_at(offset)
+        return _U64.unpack_from(self._mm, offset)[0]
 
     def _state(self, slot: int) -> int:
-        if self._words is not None:
-            return self._words.load_at(self._states + 8 * slot)
-        return _U64.unpack_from(self._mm, self._states + 8 * slot)[0]
+        return self._load(self._states + 8 * slot)
 
     def state(self, lease: int, gen: int, pool: int, offset: int, nbytes: int) -> int:
         """The lease's state if its slot holds generation ``gen`` live with this range; STATE_FREE if the
@@ -62,15 +67,16 @@ class LeaseTableView:
         while it is RESERVED or PUBLISHED; None otherwise."""
         if not 0 <= lease < self.slots:
             return None
-        word = self._state(lease)
+        at = self._states + 8 * lease
+        word = self._load(at)
         if word >> 2 != gen or word & 3 not in LIVE_STATES:
             return None
         # The entry words were written before STATE named this generation (release store, acquire
         # load); reading STATE again, after a fence, proves they still belong to it (generations only
         # grow: no ABA; DONE and FREE only follow PUBLISHED).
-        entry = _ENTRY_HEAD.unpack_from(self._mm, word_offset(self.slots, lease, POOL))
+        entry = _ENTRY_HEAD.unpack_from(self._mm, self._entries + ENTRY_BYTES * lease)
         fence_acquire()
-        if self._state(lease) != word:
+        if self._load(at) != word:
             return None
         return word, entry
 
@@ -81,23 +87,24 @@ class LeaseTableView:
         DONE, which lets the producer reuse the space before the daemon's next sweep. The caller checks
         the daemon's epoch: slots and generations start again after a restart. Both compare-and-swaps
         are sequentially consistent: ordered after this thread's reads of the feature, on aarch64 too."""
-        if self._words is None or not 0 <= lease < self.slots:
+        words = self._words
+        if words is None or not 0 <= lease < self.slots:
             return False
         at = self._acks + 8 * lease
         want = gen & ACK_GEN_MASK
-        seen = self._words.load_at(at)
+        seen = words.load_at(at)
         for _ in range(_CAS_TRIES):  # bounded: under a peer that rewrites the word without end, send a message
             if seen >> 32 != want or (seen & ACK_COUNT_MASK) + count > ACK_COUNT_MASK:
                 return False
             live = self._live_entry(lease, gen)
             if live is None or live[1][:3] != (pool, offset, nbytes):
                 return False  # ended, or another range: the daemon says why (a message ack)
-            ok, seen = self._words.cas(at // 8, seen, seen + count)
+            ok, seen = words.cas_at(at, seen, seen + count)
             if ok:
                 word, entry = live
                 if (seen & ACK_COUNT_MASK) + count >= entry[3] and word & 3 == PUBLISHED:
                     # The last ack: a failed swap means the daemon ended it meanwhile, which is as good.
-                    self._words.cas((self._states + 8 * lease) // 8, word, state_word(gen, DONE))
+                    words.cas_at(self._states + 8 * lease, word, state_word(gen, DONE))
                 return True
         return False
 
@@ -106,14 +113,13 @@ class LeaseTableView:
         (ordered after the payload writes and these words)."""
         assert self._words is not None
         # Plain stores: the release store of STATE below orders every earlier store of this thread.
-        _ENTRY.pack_into(self._mm, word_offset(self.slots, slot, POOL), pool, offset, nbytes, consumers,
-                         int.from_bytes(token[:8], "little"), int.from_bytes(token[8:], "little"))
+        _ENTRY.pack_into(self._mm, self._entries + ENTRY_BYTES * slot, pool, offset, nbytes, consumers, token)
         _U64.pack_into(self._mm, self._acks + 8 * slot, ack_word(gen))
         self._words.store_at(self._states + 8 * slot, state_word(gen, PUBLISHED))
 
     def state_word(self, slot: int) -> int:
         """The STATE word of a slot of this process's own arena (a slot the daemon granted)."""
-        return self._state(slot)
+        return self._load(self._states + 8 * slot)
 
     def draining(self) -> bool:
         return bool(_U64.unpack_from(self._mm, 8 * HEADER_FLAGS_WORD)[0] & FLAG_DRAINING)

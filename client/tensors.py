@@ -43,7 +43,7 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], int]:
         for d in reversed(shape):  # the contiguous strides put() will write
             strides.append(step)
             step *= max(d, 1)
-        specs.append(TensorSpec(dtype_name(t.dtype), shape, tuple(reversed(strides)), offset))
+        specs.append(TensorSpec.checked(dtype_name(t.dtype), shape, tuple(reversed(strides)), offset))
         offset += t.numel() * t.element_size()
     return specs, offset
 

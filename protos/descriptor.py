@@ -80,27 +80,50 @@ class TensorSpec:
 
     @classmethod
     def from_wire(cls, raw: Any) -> "TensorSpec":
-        if not (isinstance(raw, list) and len(raw) == 4):
-            raise DescriptorError("tensor spec must be [dtype, shape, strides, offset]")
-        dtype, shape, strides, offset = raw
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise DescriptorError(f"unknown dtype {dtype!r}")
-        if not (isinstance(shape, list) and isinstance(strides, list)) or len(shape) != len(strides):
-            raise DescriptorError("shape and strides must be lists of the same length")
-        if len(shape) > _MAX_DIMS:
-            raise DescriptorError(f"more than {_MAX_DIMS} dimensions")
-        if type(offset) is not int or not 0 <= offset <= _MAX_INT:
+        return _spec_from_wire(raw, None)
+
+    @classmethod
+    def checked(cls, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> "TensorSpec":
+        """The spec of fields that are already checked, without the frozen dataclass's four
+        ``object.__setattr__`` calls (see ``Descriptor.checked``): producers make one per tensor they put."""
+        spec = object.__new__(cls)
+        spec.__dict__.update(dtype=dtype, shape=shape, strides=strides, offset=offset)
+        return spec
+
+
+def _spec_from_wire(raw: Any, nbytes: Optional[int]) -> TensorSpec:
+    """A tensor spec from its wire form, checked in one pass (consumers parse one per feature); with
+    ``nbytes``, also checked to lie inside a lease of that size: its extent and its element count."""
+    if not (isinstance(raw, list) and len(raw) == 4):
+        raise DescriptorError("tensor spec must be [dtype, shape, strides, offset]")
+    dtype, shape, strides, offset = raw
+    itemsize = DTYPE_SIZES.get(dtype) if isinstance(dtype, str) else None
+    if itemsize is None:
+        raise DescriptorError(f"unknown dtype {dtype!r}")
+    if not (isinstance(shape, list) and isinstance(strides, list)) or len(shape) != len(strides):
+        raise DescriptorError("shape and strides must be lists of the same length")
+    if len(shape) > _MAX_DIMS:
+        raise DescriptorError(f"more than {_MAX_DIMS} dimensions")
+    if type(offset) is not int or not 0 <= offset <= _MAX_INT:
+        raise DescriptorError("shape, strides and offset must be non-negative integers")
+    numel, last = 1, 0
+    for d, s in zip(shape, strides):
+        if type(d) is not int or type(s) is not int or not 0 <= d <= _MAX_INT or not 0 <= s <= _MAX_INT:
             raise DescriptorError("shape, strides and offset must be non-negative integers")
-        for d, s in zip(shape, strides):  # one pass: consumers parse a descriptor per feature
-            if type(d) is not int or type(s) is not int or not 0 <= d <= _MAX_INT or not 0 <= s <= _MAX_INT:
-                raise DescriptorError("shape, strides and offset must be non-negative integers")
-            if s == 0 and d > 1:
-                # A zero stride repeats one element: a tiny descriptor could then make copy=True allocate
-                # far more than the lease holds. Producers write contiguous tensors, so none is legitimate.
-                raise DescriptorError("a zero stride on a dimension larger than 1 is refused")
-        if offset % DTYPE_SIZES[dtype]:
-            raise DescriptorError(f"tensor offset {offset} is not aligned to its {dtype} elements")
-        return cls(dtype, tuple(shape), tuple(strides), offset)
+        if s == 0 and d > 1:
+            # A zero stride repeats one element: a tiny descriptor could then make copy=True allocate
+            # far more than the lease holds. Producers write contiguous tensors, so none is legitimate.
+            raise DescriptorError("a zero stride on a dimension larger than 1 is refused")
+        numel *= d
+        last += (d - 1) * s
+    if offset % itemsize:
+        raise DescriptorError(f"tensor offset {offset} is not aligned to its {dtype} elements")
+    extent = (last + 1) * itemsize if numel else 0
+    if nbytes is not None and (offset + extent > nbytes or offset + numel * itemsize > nbytes):
+        raise DescriptorError(
+            f"tensor at offset {offset} ({numel} x {itemsize} B, extent {extent} B) overruns the {nbytes}-byte lease"
+        )
+    return TensorSpec.checked(dtype, tuple(shape), tuple(strides), offset)
 
 
 @dataclass(frozen=True)
@@ -201,15 +224,16 @@ class Descriptor:
             raise DescriptorError(f"unknown descriptor kind {kind!r}")
         if not isinstance(node, str) or not isinstance(endpoint, str) or type(many) is not bool:
             raise DescriptorError("node and endpoint must be strings, many a bool")
-        for i, v in enumerate((pool, epoch, lease, gen, offset, nbytes)):
-            if type(v) is not int or v < 0:
-                raise DescriptorError(f"{_INT_FIELDS[i]} must be a non-negative integer")
+        ints = (pool, epoch, lease, gen, offset, nbytes)
+        if not (type(pool) is type(epoch) is type(lease) is type(gen) is type(offset) is type(nbytes) is int
+                and min(ints) >= 0):
+            bad = next(i for i, v in enumerate(ints) if type(v) is not int or v < 0)
+            raise DescriptorError(f"{_INT_FIELDS[bad]} must be a non-negative integer")
         if type(device) is not int or device < -1:
             raise DescriptorError("device must be an integer >= -1")
         if not isinstance(tensors, list) or not tensors or len(tensors) > _MAX_TENSORS:
             raise DescriptorError(f"a descriptor holds 1 to {_MAX_TENSORS} tensors")
-        specs = tuple(TensorSpec.from_wire(t) for t in tensors)
-        if not many and len(specs) != 1:
+        if not many and len(tensors) != 1:
             raise DescriptorError("a single-tensor descriptor must hold exactly one tensor")
         if kind == "inline":
             if not isinstance(inline, (bytes, bytearray)) or len(inline) != nbytes:
@@ -223,13 +247,7 @@ class Descriptor:
                 raise DescriptorError(f"lease offset {offset} is not {LEASE_ALIGNMENT}-byte aligned, as every lease is")
             if nbytes == 0:
                 raise DescriptorError("a pool descriptor names at least one byte")
-        for spec in specs:
-            itemsize, extent, numel = DTYPE_SIZES[spec.dtype], spec.extent, spec.numel
-            if spec.offset + extent > nbytes or spec.offset + numel * itemsize > nbytes:
-                raise DescriptorError(
-                    f"tensor at offset {spec.offset} ({numel} x {itemsize} B, extent {extent} B) "
-                    f"overruns the {nbytes}-byte lease"
-                )
+        specs = tuple([_spec_from_wire(t, nbytes) for t in tensors])
         return cls.checked(kind, specs, nbytes, many, node, endpoint, device, pool, epoch, lease, gen, token, offset, inline)
 
     @classmethod
