@@ -45,7 +45,11 @@ class Producer:
         specs, nbytes = tz.layout(tensors)
         if nbytes < self.inline_threshold or nbytes == 0:
             return self._inline(tensors, specs, nbytes, many, FallbackReason.BELOW_THRESHOLD, "")
-        device = next((t.device.index for t in tensors if t.is_cuda), None)
+        device = None
+        for t in tensors:
+            if t.is_cuda:
+                device = t.device.index
+                break
         if self._fallbacks.daemon_down:
             # Known down: inline at once instead of waiting out a timeout per put; a background probe
             # notices when it answers again.

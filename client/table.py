@@ -7,11 +7,12 @@ process.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from mmfeat.atomics import Words, fence_acquire
 from mmfeat.protos.lease_table import (
@@ -31,6 +32,10 @@ _ENTRY_HEAD = struct.Struct("<4Q")  # POOL, OFFSET, NBYTES, CONSUMERS
 _ENTRY = struct.Struct("<4Q16s")  # POOL .. CONSUMERS, then TOKEN and TOKEN + 1 as the token's 16 bytes
 
 
+def _read_word(mm: mmap.mmap, offset: int) -> int:
+    return _U64.unpack_from(mm, offset)[0]
+
+
 class LeaseTableView:
     def __init__(self, mm: mmap.mmap, slots: int, writable: bool) -> None:
         self._mm = mm
@@ -40,12 +45,10 @@ class LeaseTableView:
         self._states = word_offset(slots, 0, STATE)
         self._acks = word_offset(slots, 0, ACKS)
         self._entries = word_offset(slots, 0, POOL)
-
-    def _load(self, offset: int) -> int:
-        """Acquire load of the word at byte ``offset`` (checked by the caller)."""
-        if self._words is not None:
-            return self._words.load_at(offset)
-        return _U64.unpack_from(self._mm, offset)[0]
+        # Acquire load of the word at a byte offset the caller checked; eight per feature, so bound once.
+        # Neither refers back to this view: a dropped view is unmapped at once, not at the next GC.
+        self._load: Callable[[int], int] = (self._words.load_at if self._words is not None
+                                            else functools.partial(_read_word, mm))
 
     def _state(self, slot: int) -> int:
         return self._load(self._states + 8 * slot)

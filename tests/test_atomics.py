@@ -90,3 +90,21 @@ def test_dropping_the_words_lets_the_mapping_close(plain: bool) -> None:
         mm.close()  # raises BufferError while anything still exports a pointer into the mapping
     finally:
         gc.enable()
+
+
+def test_dropping_a_lease_table_view_lets_its_mapping_close() -> None:
+    """The same for the client's writable view of the table, which binds its load function once."""
+    import gc
+
+    from mmfeat.client.table import LeaseTableView
+    from mmfeat.protos.lease_table import table_bytes
+
+    mm = mmap.mmap(-1, table_bytes(16))
+    view = LeaseTableView(mm, 16, True)
+    assert view.state_word(3) == 0
+    gc.disable()
+    try:
+        del view
+        mm.close()
+    finally:
+        gc.enable()
