@@ -65,9 +65,10 @@ class DaemonCore:
         # feature takes the message path.
         self.arenas_enabled = settings.arena_mb > 0 and atomics.AVAILABLE
 
-    def sweep(self, now: float) -> int:
-        """Apply what clients wrote into the lease table; the number of words applied."""
-        return self.sweeper.sweep(now)
+    def sweep(self, now: float, defer_unacked: bool = False) -> int:
+        """Apply what clients wrote into the lease table; the number of words applied. Sweeper.sweep
+        says what ``defer_unacked`` leaves for the next sweep."""
+        return self.sweeper.sweep(now, defer_unacked)
 
     def set_draining(self) -> None:
         self.draining = True

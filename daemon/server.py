@@ -267,7 +267,7 @@ class Server:
                 next_tick = min(next_tick, now + TICK_S)
             swept = now >= next_sweep
             if swept:
-                sweep_every = sweep_interval(sweep_every, self.core.sweep(now))
+                sweep_every = sweep_interval(sweep_every, self.core.sweep(now, defer_unacked=True))
                 next_sweep = now + (IDLE_WAKE_S if idle else sweep_every)
             # A tick due before the next sweep runs on this sweep's wake-up, a little early, instead of
             # taking a wake-up of its own: while clients write, every tick rides on a sweep.

@@ -1,0 +1,98 @@
+"""The sweep's timing rules, on the daemon's own table, ledger and sweeper in this process: the
+clock is passed in, so what a sweep leaves for the next one is checked exactly, with no sleeps."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+
+import pytest
+
+from mmfeat import atomics
+from mmfeat.daemon.allocator import Allocator
+from mmfeat.daemon.counters import Counters
+from mmfeat.daemon.lease_table import LeaseTable
+from mmfeat.daemon.ledger import Ledger
+from mmfeat.daemon.sweeper import Sweeper
+from mmfeat.protos.lease_table import (
+    ACKS, CONSUMERS, DONE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, table_bytes,
+    word_offset,
+)
+
+pytestmark = pytest.mark.skipif(not atomics.AVAILABLE, reason="libatomic not found: no arenas, no sweeps of them")
+
+SLOTS = 64
+ACK_TTL = 2.0
+_U64 = struct.Struct("<Q")
+
+
+class Books:
+    """A ledger with one arena of 16 slots, and the table mapped a second time, as its producer maps it."""
+
+    def __init__(self) -> None:
+        self.table = LeaseTable(SLOTS, 7)
+        self.counters = Counters()
+        self.ledger = Ledger({0: Allocator(1 << 24)}, 7, self.counters, 5.0, ACK_TTL, SLOTS, (), self.table,
+                             0, 1 << 20, 16, 4)
+        self.sweeper = Sweeper(self.table, self.ledger)
+        self.arena = self.ledger.grant_arena(b"s" * 16, 0)
+        self.mm = mmap.mmap(self.table.fd, table_bytes(SLOTS), flags=mmap.MAP_SHARED)
+
+    def write(self, slot: int, word: int, value: int) -> None:
+        _U64.pack_into(self.mm, word_offset(SLOTS, slot, word), value)
+
+    def publish(self, k: int) -> int:
+        """Feature k of the arena (4 KiB at 4 KiB * k, one consumer, generation 1); its slot."""
+        slot = self.arena.slot_base + k
+        for word, value in ((ACKS, ack_word(1)), (POOL, 0), (OFFSET, self.arena.offset + 4096 * k), (NBYTES, 4096),
+                            (CONSUMERS, 1), (TOKEN, 1), (TOKEN + 1, 2)):
+            self.write(slot, word, value)
+        self.write(slot, STATE, state_word(1, PUBLISHED))
+        return slot
+
+    def ack(self, slot: int) -> None:
+        """Its one consumer's ack, and the DONE that the last ack writes."""
+        self.write(slot, ACKS, ack_word(1, 1))
+        self.write(slot, STATE, state_word(1, DONE))
+
+    def close(self) -> None:
+        self.mm.close()
+        self.table.close()
+
+
+@pytest.fixture
+def books():
+    b = Books()
+    yield b
+    b.close()
+
+
+def test_a_timer_sweep_leaves_an_unacked_publish_to_the_next_one_with_its_ttl_from_the_first(books) -> None:
+    slot = books.publish(0)
+    books.sweeper.sweep(10.0, defer_unacked=True)
+    assert books.ledger.live == 0 and books.ledger.live_lease(slot) is None  # left for the next sweep
+    books.sweeper.sweep(10.05, defer_unacked=True)
+    lease = books.ledger.live_lease(slot)
+    assert lease is not None and lease.deadline == 10.0 + ACK_TTL  # counted from the first sweep that saw it
+    assert books.ledger.expire(10.0 + ACK_TTL + 0.01) == 1 and books.ledger.live == 0
+
+
+def test_a_publish_acked_before_the_next_sweep_ends_in_its_batch_never_adopted(books) -> None:
+    slot = books.publish(1)
+    books.sweeper.sweep(20.0, defer_unacked=True)
+    books.ack(slot)
+    books.sweeper.sweep(20.05, defer_unacked=True)
+    assert books.ledger.live == 0 and books.counters.frees == 1 and books.counters.arena_publishes == 1
+    assert books.counters.bad_table_words == 0
+
+
+def test_sweeps_before_a_reply_adopt_at_once(books) -> None:
+    slot = books.publish(2)
+    books.sweeper.sweep(30.0)
+    assert books.ledger.live == 1 and books.ledger.live_lease(slot).deadline == 30.0 + ACK_TTL
+    # And a timer sweep's leftover is adopted by the next sweep of either kind, as of the first sighting.
+    other = books.publish(3)
+    books.sweeper.sweep(31.0, defer_unacked=True)
+    assert books.ledger.live_lease(other) is None
+    books.sweeper.sweep(31.5)
+    assert books.ledger.live == 2 and books.ledger.live_lease(other).deadline == 31.0 + ACK_TTL
