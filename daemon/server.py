@@ -41,7 +41,10 @@ TICK_S = 0.1
 # Sweeps of the lease table: see sweep_interval. The longest interval bounds how late a daemon that
 # was idle frees the first acked feature (and stats and every lease op sweep first, whatever it is).
 SWEEP_MIN_S = 0.005
-SWEEP_BUSY_MAX_S = 0.05
+# A trickle of features, too, is swept every 100 ms, as an idle client is: with payload copies of many
+# MiB between them, each wake-up of the daemon starts with cold caches (about 0.3-0.5 ms at 16 MiB), so
+# the number of wake-ups is its cost. Producers wait for no sweep (DONE gives their space back).
+SWEEP_BUSY_MAX_S = 0.1
 SWEEP_MAX_S = 0.1
 # While clients write, a sweep should apply a batch of words: its fixed cost (numpy over the columns,
 # and, with payload copies of many MiB evicting the daemon from the caches, a cold start of a few
