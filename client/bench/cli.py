@@ -159,10 +159,15 @@ def _run_data_plane(
             # (its pages faulted in) before the clock starts.
             job = Job(mode, size, count, warmup=max(2, args.window, count // 20), window=args.window, device=device,
                       ack=args.ack)
-            for parent, _ in pipes[1:]:
+            # Every worker connects (and closes the other modes' clients) before mmfeatd's CPU is
+            # sampled: a server opens its session once, so the column is the per-feature cost alone.
+            for parent, _ in pipes:
                 parent.send(job)
+            for parent, _ in pipes:
+                if not parent.poll(60) or parent.recv() != "set":
+                    raise SystemExit(f"mmfeat bench: a worker did not get ready for {mode} at {human_size(size)}")
             daemon_cpu0 = _cpu_seconds(daemon_pid)
-            pipes[0][0].send(job)
+            pipes[0][0].send("go")
             if not pipes[0][0].poll(600):
                 raise SystemExit(f"mmfeat bench: {mode} at {human_size(size)} did not finish in 600 s")
             res = pipes[0][0].recv()

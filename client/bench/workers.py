@@ -113,6 +113,7 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
         client = _client_for(clients, runtime_dir, job.mode)
         local = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device) if job.mode == "floor" else None
         ring = None  # shm_ring: mapped at the first feature, once the producer has made it
+        cmd.send("set")  # connected: mmfeatd's CPU is sampled from here (a server connects once)
         cpu0 = time.process_time()  # all threads: ZeroMQ's I/O thread and the background acker too
         for _ in range(total):
             if job.mode == "floor":
@@ -177,6 +178,8 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
         sent_at: list[float] = []
         read_at: dict[int, list[float]] = {}
         acked = 0  # features every consumer has finished
+        cmd.send("set")
+        cmd.recv()  # go: the daemon's CPU clock has started
 
         def collect(block: bool) -> None:
             nonlocal acked
