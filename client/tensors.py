@@ -78,11 +78,12 @@ def pool_view(pool: torch.Tensor, lease_offset: int, spec: TensorSpec) -> torch.
     dtype = torch_dtype(spec.dtype)
     if 0 in spec.shape:
         return torch.empty(spec.shape, dtype=dtype, device=pool.device)
-    typed = _typed_views(pool).get(dtype)
+    views = _typed_views(pool)
+    typed = views.get(dtype)
     if typed is None:
-        typed = _typed_views(pool)[dtype] = pool.view(dtype)
+        typed = views[dtype] = pool.view(dtype)
     start = lease_offset + spec.offset  # a multiple of the itemsize: leases are 256-byte aligned
-    return typed.as_strided(spec.shape, spec.strides, start // spec.itemsize)
+    return typed.as_strided(spec.shape, spec.strides, start // DTYPE_SIZES[spec.dtype])
 
 
 def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> None:
