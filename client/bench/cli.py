@@ -159,13 +159,12 @@ def _run_data_plane(
             # (its pages faulted in) before the clock starts.
             job = Job(mode, size, count, warmup=max(2, args.window, count // 20), window=args.window, device=device,
                       ack=args.ack)
-            # Every worker connects (and closes the other modes' clients) before mmfeatd's CPU is
-            # sampled: a server opens its session once, so the column is the per-feature cost alone.
             for parent, _ in pipes:
                 parent.send(job)
-            for parent, _ in pipes:
-                if not parent.poll(60) or parent.recv() != "set":
-                    raise SystemExit(f"mmfeat bench: a worker did not get ready for {mode} at {human_size(size)}")
+            # mmfeatd's CPU is sampled once the warm-up is read: every worker has connected (and closed
+            # the other modes' clients) and the producer holds its arenas, as a running server does.
+            if not pipes[0][0].poll(600) or pipes[0][0].recv() != "warm":
+                raise SystemExit(f"mmfeat bench: {mode} at {human_size(size)} did not finish its warm-up in 600 s")
             daemon_cpu0 = _cpu_seconds(daemon_pid)
             pipes[0][0].send("go")
             if not pipes[0][0].poll(600):
@@ -174,12 +173,11 @@ def _run_data_plane(
             consumer_cpu = [parent.recv()["cpu_s"] for parent, _ in pipes[1:]]
             daemon_cpu1 = _cpu_seconds(daemon_pid)
             row = make_row(mode, size, n, res["latencies"], res["elapsed"])
-            # CPU per feature, for the whole run (warm-up included): steadier than time on a shared machine.
-            total = job.count + job.warmup
-            row["producer_cpu_us"] = res["cpu_s"] / total * 1e6
-            row["consumer_cpu_us"] = sum(consumer_cpu) / n / total * 1e6
+            # CPU per feature after the warm-up: steadier than time on a shared machine.
+            row["producer_cpu_us"] = res["cpu_s"] / job.count * 1e6
+            row["consumer_cpu_us"] = sum(consumer_cpu) / n / job.count * 1e6
             row["daemon_cpu_us"] = (
-                (daemon_cpu1 - daemon_cpu0) / total * 1e6 if daemon_cpu0 is not None and daemon_cpu1 is not None else None
+                (daemon_cpu1 - daemon_cpu0) / job.count * 1e6 if daemon_cpu0 is not None and daemon_cpu1 is not None else None
             )
             row["round"] = rnd
             rows.append(row)

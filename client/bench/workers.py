@@ -113,9 +113,12 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
         client = _client_for(clients, runtime_dir, job.mode)
         local = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device) if job.mode == "floor" else None
         ring = None  # shm_ring: mapped at the first feature, once the producer has made it
-        cmd.send("set")  # connected: mmfeatd's CPU is sampled from here (a server connects once)
-        cpu0 = time.process_time()  # all threads: ZeroMQ's I/O thread and the background acker too
-        for _ in range(total):
+        cpu0 = time.process_time()
+        for k in range(total):
+            if k == job.warmup:
+                # Connected, warmed up: CPU per feature from here (all threads: ZeroMQ's I/O thread and
+                # the background acker too), as a server that connected once pays it.
+                cpu0 = time.process_time()
             if job.mode == "floor":
                 header, _ = pull.recv_multipart()
                 idx = msgpack.unpackb(header)
@@ -178,8 +181,6 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
         sent_at: list[float] = []
         read_at: dict[int, list[float]] = {}
         acked = 0  # features every consumer has finished
-        cmd.send("set")
-        cmd.recv()  # go: the daemon's CPU clock has started
 
         def collect(block: bool) -> None:
             nonlocal acked
@@ -190,8 +191,16 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
             while len(read_at.get(acked, ())) == n_consumers:
                 acked += 1
 
-        cpu0 = time.process_time()  # all threads; the payload and torch_mp's fresh tensors are made already
+        cpu0 = time.process_time()
         for i in range(total):
+            if i == job.warmup:
+                # Every consumer has read the warm-up: sessions open, arenas granted, pages faulted in.
+                # The CPU columns start here, mmfeatd's once the parent has sampled it.
+                while acked < i:
+                    collect(block=True)
+                cmd.send("warm")
+                cmd.recv()
+                cpu0 = time.process_time()  # all threads; the payload and torch_mp's fresh tensors are made already
             while i - acked >= job.window:
                 collect(block=True)
             t0 = time.monotonic()
