@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
-from mmfeat.protos.lease_table import DONE, PUBLISHED, state_word
+from mmfeat.protos.lease_table import DONE, GEN_MASK, PUBLISHED, state_word
 
 from .table import LeaseTableView
 
@@ -76,6 +76,7 @@ class ProducerArena:
         self._done: deque[Placement] = deque()  # space back, slot not yet: the daemon has not written FREE
         self.used = 0
         self.last_used = time.monotonic()
+        self.retired = 0  # slots left out for good: see place()
 
     def reclaim(self) -> None:
         """Take back the space and slots of the oldest features that are over."""
@@ -105,9 +106,20 @@ class ProducerArena:
         start = self._fit(size) if self._free_slots else None
         if start is None:
             return None
-        slot = self._free_slots.pop()
-        # The daemon wrote FREE with this slot's last generation; the next feature takes the one above.
-        gen = (self._table.state_word(slot) >> 2) + 1
+        while True:
+            slot = self._free_slots.pop()
+            # The daemon wrote FREE with this slot's last generation; the next feature takes the one above.
+            gen = (self._table.state_word(slot) >> 2) + 1
+            if gen <= GEN_MASK:
+                break
+            # Every generation of the slot is spent: a peer of the group wrote the highest one (SPEC.md,
+            # section 9). A wrapped generation would be refused, and its feature lost: retire the slot.
+            self.retired += 1
+            if self.retired == 1:
+                log.warning("lease slot %d of arena %d has no generation left (a peer of the group wrote the "
+                            "highest); retiring such slots", slot, self.arena_id)
+            if not self._free_slots:
+                return None
         p = Placement(self, slot, gen, self.offset + start, start, start + size, False, False,
                       state_word(gen, PUBLISHED), state_word(gen, DONE))
         self._ring.append(p)

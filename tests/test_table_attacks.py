@@ -18,7 +18,7 @@ import torch
 
 from mmfeat.protos import PROTOCOL_VERSION, ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
-    ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, POOL, PUBLISHED, RESERVED, STATE, TOKEN, ack_word, state_word,
+    ACKS, CONSUMERS, DONE, FREE, GEN_MASK, NBYTES, OFFSET, POOL, PUBLISHED, RESERVED, STATE, TOKEN, ack_word, state_word,
     table_bytes, word_offset,
 )
 
@@ -192,6 +192,34 @@ def test_a_forged_done_ends_the_feature_once_and_is_counted(daemon) -> None:
         assert s["counters"]["bad_table_words"] == 3 and s["leases"]["PUBLISHED"] == 0
         assert hostile.read(slot + 1, STATE) == state_word(1, FREE) and _consistent(s["pools"][0])
     assert daemon.pool()["used"] == 0
+
+
+def test_a_slot_whose_generations_a_peer_spent_is_retired_and_no_feature_is_lost(daemon) -> None:
+    """A peer publishes the highest generation, with garbage, in the free slots of a producer's arena:
+    the daemon refuses it, and those slots have no generation left. A wrapped generation would be
+    refused too, and its feature lost to its consumer; the producer retires the slots instead."""
+    with daemon.client(inline_threshold=0) as prod, daemon.client() as cons:
+        hostile = HostileTable(daemon, prod)
+        try:
+            first = prod.put(torch.ones(1024))
+            cons.get(first)
+            cons.ack(first)
+            base = first.lease  # a fresh arena places its first feature in its lowest slot
+            for slot in range(base + 1, base + 256):
+                hostile.write(slot, POOL, 999)
+                hostile.write(slot, STATE, state_word(GEN_MASK, PUBLISHED))
+            assert daemon.stats()["counters"]["bad_table_words"] >= 255
+            for i in range(600):
+                t = torch.full((1024,), float(i))
+                d = prod.put(t)
+                got = cons.get(d)
+                assert torch.equal(got, t), i
+                del got
+                cons.ack(d)
+        finally:
+            hostile.close()
+        assert prod.flush() and cons.flush()
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="every feature freed and the arenas back")
 
 
 def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(daemon) -> None:
