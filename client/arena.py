@@ -72,6 +72,10 @@ class ProducerArena:
         self.size = grant.size
         self._table = table
         self._free_slots = list(range(grant.slot_base + grant.slots - 1, grant.slot_base - 1, -1))
+        self._slot_base = grant.slot_base
+        # The last generation this producer gave each slot: a peer of the group can write a lower one
+        # into a free slot's STATE, and a generation the daemon has seen already would be refused.
+        self._last_gen = [0] * grant.slots
         self._ring: deque[Placement] = deque()
         self._done: deque[Placement] = deque()  # space back, slot not yet: the daemon has not written FREE
         self.used = 0
@@ -108,9 +112,11 @@ class ProducerArena:
             return None
         while True:
             slot = self._free_slots.pop()
-            # The daemon wrote FREE with this slot's last generation; the next feature takes the one above.
-            gen = (self._table.state_word(slot) >> 2) + 1
+            # The daemon wrote FREE with this slot's last generation; the next feature takes the one above
+            # (above this producer's own last one too, whatever a peer wrote there meanwhile).
+            gen = max(self._table.state_word(slot) >> 2, self._last_gen[slot - self._slot_base]) + 1
             if gen <= GEN_MASK:
+                self._last_gen[slot - self._slot_base] = gen
                 break
             # Every generation of the slot is spent: a peer of the group wrote the highest one (SPEC.md,
             # section 9). A wrapped generation would be refused, and its feature lost: retire the slot.

@@ -222,6 +222,36 @@ def test_a_slot_whose_generations_a_peer_spent_is_retired_and_no_feature_is_lost
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="every feature freed and the arenas back")
 
 
+def test_a_lower_generation_written_into_free_slots_costs_no_feature(daemon) -> None:
+    """A peer writes FREE with generation 0 into the free slots of a producer's arena, as if they had
+    never been used. A producer that believed the word would publish a generation the daemon has seen
+    already: refused at the next sweep, and lost to a consumer that reads after it. The producer goes
+    above the generation it used last in the slot instead."""
+    with daemon.client(inline_threshold=0) as prod, daemon.client() as cons:
+        hostile = HostileTable(daemon, prod)
+        try:
+            first = prod.put(torch.ones(1024))
+            cons.get(first)
+            cons.ack(first)
+            base = first.lease
+            for i in range(50):
+                daemon.stats()  # the daemon has written FREE for the features acked so far
+                for slot in range(base, base + 256):
+                    if hostile.read(slot, STATE) & 3 == FREE:
+                        hostile.write(slot, STATE, state_word(0, FREE))
+                t = torch.full((1024,), float(i))
+                d = prod.put(t)
+                daemon.stats()  # a sweep before the consumer reads: the publish is adopted or refused now
+                got = cons.get(d)
+                assert torch.equal(got, t), i
+                del got
+                cons.ack(d)
+        finally:
+            hostile.close()
+        assert prod.flush() and cons.flush()
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="every feature freed and the arenas back")
+
+
 def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(daemon) -> None:
     """Features published and acked by all between two sweeps are ended as one batch of array checks
     (Sweeper._end_acked). Each check must refuse what the per-slot path refuses: a batch of good and
