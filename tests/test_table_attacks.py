@@ -194,32 +194,46 @@ def test_a_forged_done_ends_the_feature_once_and_is_counted(daemon) -> None:
     assert daemon.pool()["used"] == 0
 
 
-def test_a_slot_whose_generations_a_peer_spent_is_retired_and_no_feature_is_lost(daemon) -> None:
-    """A peer publishes the highest generation, with garbage, in the free slots of a producer's arena:
-    the daemon refuses it, and those slots have no generation left. A wrapped generation would be
-    refused too, and its feature lost to its consumer; the producer retires the slots instead."""
+@contextmanager
+def _a_producer_and_its_first_slot(daemon) -> Iterator[tuple]:
+    """A producer and a consumer, the table mapped as a hostile peer of the group maps it, and the first
+    slot of the producer's arena (a fresh arena places its first feature in its lowest slot). Every
+    feature is freed afterwards, and the arenas are back."""
     with daemon.client(inline_threshold=0) as prod, daemon.client() as cons:
         hostile = HostileTable(daemon, prod)
         try:
             first = prod.put(torch.ones(1024))
             cons.get(first)
             cons.ack(first)
-            base = first.lease  # a fresh arena places its first feature in its lowest slot
-            for slot in range(base + 1, base + 256):
-                hostile.write(slot, POOL, 999)
-                hostile.write(slot, STATE, state_word(GEN_MASK, PUBLISHED))
-            assert daemon.stats()["counters"]["bad_table_words"] >= 255
-            for i in range(600):
-                t = torch.full((1024,), float(i))
-                d = prod.put(t)
-                got = cons.get(d)
-                assert torch.equal(got, t), i
-                del got
-                cons.ack(d)
+            yield prod, cons, hostile, first.lease
         finally:
             hostile.close()
         assert prod.flush() and cons.flush()
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="every feature freed and the arenas back")
+
+
+def _handed_over_intact(daemon, prod, cons, i: int, sweep_before_get: bool) -> None:
+    t = torch.full((1024,), float(i))
+    d = prod.put(t)
+    if sweep_before_get:
+        daemon.stats()  # the publish is adopted or refused before the consumer reads
+    got = cons.get(d)
+    assert torch.equal(got, t), i
+    del got
+    cons.ack(d)
+
+
+def test_a_slot_whose_generations_a_peer_spent_is_retired_and_no_feature_is_lost(daemon) -> None:
+    """A peer publishes the highest generation, with garbage, in the free slots of a producer's arena:
+    the daemon refuses it, and those slots have no generation left. A wrapped generation would be
+    refused too, and its feature lost to its consumer; the producer retires the slots instead."""
+    with _a_producer_and_its_first_slot(daemon) as (prod, cons, hostile, base):
+        for slot in range(base + 1, base + 256):
+            hostile.write(slot, POOL, 999)
+            hostile.write(slot, STATE, state_word(GEN_MASK, PUBLISHED))
+        assert daemon.stats()["counters"]["bad_table_words"] >= 255
+        for i in range(600):
+            _handed_over_intact(daemon, prod, cons, i, sweep_before_get=False)
 
 
 def test_a_lower_generation_written_into_free_slots_costs_no_feature(daemon) -> None:
@@ -227,29 +241,13 @@ def test_a_lower_generation_written_into_free_slots_costs_no_feature(daemon) -> 
     never been used. A producer that believed the word would publish a generation the daemon has seen
     already: refused at the next sweep, and lost to a consumer that reads after it. The producer goes
     above the generation it used last in the slot instead."""
-    with daemon.client(inline_threshold=0) as prod, daemon.client() as cons:
-        hostile = HostileTable(daemon, prod)
-        try:
-            first = prod.put(torch.ones(1024))
-            cons.get(first)
-            cons.ack(first)
-            base = first.lease
-            for i in range(50):
-                daemon.stats()  # the daemon has written FREE for the features acked so far
-                for slot in range(base, base + 256):
-                    if hostile.read(slot, STATE) & 3 == FREE:
-                        hostile.write(slot, STATE, state_word(0, FREE))
-                t = torch.full((1024,), float(i))
-                d = prod.put(t)
-                daemon.stats()  # a sweep before the consumer reads: the publish is adopted or refused now
-                got = cons.get(d)
-                assert torch.equal(got, t), i
-                del got
-                cons.ack(d)
-        finally:
-            hostile.close()
-        assert prod.flush() and cons.flush()
-    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="every feature freed and the arenas back")
+    with _a_producer_and_its_first_slot(daemon) as (prod, cons, hostile, base):
+        for i in range(50):
+            daemon.stats()  # the daemon has written FREE for the features acked so far
+            for slot in range(base, base + 256):
+                if hostile.read(slot, STATE) & 3 == FREE:
+                    hostile.write(slot, STATE, state_word(0, FREE))
+            _handed_over_intact(daemon, prod, cons, i, sweep_before_get=True)
 
 
 def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(daemon) -> None:
