@@ -73,9 +73,10 @@ class ProducerArena:
         self._table = table
         self._free_slots = list(range(grant.slot_base + grant.slots - 1, grant.slot_base - 1, -1))
         self._slot_base = grant.slot_base
-        # The last generation this producer gave each slot: a peer of the group can write a lower one
-        # into a free slot's STATE, and a generation the daemon has seen already would be refused.
-        self._last_gen = [0] * grant.slots
+        # The last generation each slot had when this arena was installed, then the last one this
+        # producer gave it: a peer of the group can write a lower one into a free slot's STATE, and a
+        # generation the daemon has seen already would be refused.
+        self._last_gen = [table.state_word(slot) >> 2 for slot in range(grant.slot_base, grant.slot_base + grant.slots)]
         self._ring: deque[Placement] = deque()
         self._done: deque[Placement] = deque()  # space back, slot not yet: the daemon has not written FREE
         self.used = 0

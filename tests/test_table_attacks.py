@@ -250,6 +250,32 @@ def test_a_lower_generation_written_into_free_slots_costs_no_feature(daemon) -> 
             _handed_over_intact(daemon, prod, cons, i, sweep_before_get=True)
 
 
+def test_a_lower_generation_written_into_a_reused_arena_block_costs_no_feature(daemon) -> None:
+    """The same in slots the producer never used itself: its arena's block served another session's
+    arena before, whose generations the daemon has seen. The producer starts from the generations the
+    slots had when it received the arena."""
+    with daemon.client(inline_threshold=0) as earlier, daemon.client() as cons:
+        held = [earlier.put(torch.ones(1024)) for _ in range(5)]  # five slots of the block, generation 1
+        for d in held:
+            cons.get(d)
+            cons.ack(d)
+        assert earlier.flush() and cons.flush()
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the first arena back")
+    with _a_producer_and_its_first_slot(daemon) as (prod, cons, hostile, base):
+        assert base == held[0].lease  # the same block again
+        daemon.stats()
+        for slot in range(base + 1, base + 256):
+            hostile.write(slot, STATE, state_word(0, FREE))
+        ts = [torch.full((1024,), float(i)) for i in range(5)]
+        ds = [prod.put(t) for t in ts]  # slots base+1.., which the earlier session used
+        daemon.stats()  # a sweep before the consumer reads
+        for t, d in zip(ts, ds):
+            got = cons.get(d)
+            assert torch.equal(got, t), d.lease
+            del got
+            cons.ack(d)
+
+
 def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(daemon) -> None:
     """Features published and acked by all between two sweeps are ended as one batch of array checks
     (Sweeper._end_acked). Each check must refuse what the per-slot path refuses: a batch of good and
