@@ -32,8 +32,9 @@ class Books:
     def __init__(self) -> None:
         self.table = LeaseTable(SLOTS, 7)
         self.counters = Counters()
+        self.quick: list[int] = []  # what the ledger tells a QuickObserver (metrics): features ended in a batch
         self.ledger = Ledger({0: Allocator(1 << 24)}, 7, self.counters, 5.0, ACK_TTL, SLOTS, (), self.table,
-                             0, 1 << 20, 16, 4)
+                             0, 1 << 20, 16, 4, [self.quick.append])
         self.sweeper = Sweeper(self.table, self.ledger)
         self.arena = self.ledger.grant_arena(b"s" * 16, 0)
         self.mm = mmap.mmap(self.table.fd, table_bytes(SLOTS), flags=mmap.MAP_SHARED)
@@ -83,7 +84,7 @@ def test_a_publish_acked_before_the_next_sweep_ends_in_its_batch_never_adopted(b
     books.ack(slot)
     books.sweeper.sweep(20.05, defer_unacked=True)
     assert books.ledger.live == 0 and books.counters.frees == 1 and books.counters.arena_publishes == 1
-    assert books.counters.bad_table_words == 0
+    assert books.counters.bad_table_words == 0 and books.quick == [1]  # ended in the batch, never a live lease
 
 
 def test_sweeps_before_a_reply_adopt_at_once(books) -> None:
