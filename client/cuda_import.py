@@ -8,6 +8,7 @@ driver call at all: get() slices the cached tensor.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -31,8 +32,10 @@ class _DeviceRange:
         self.size = size
         self.devices = devices  # local ordinals with access; devices[0] is the one it was mapped for
 
-    def __del__(self) -> None:
-        if self.va is None or drv.cu is None:
+    def __del__(self, finalizing: Any = sys.is_finalizing) -> None:
+        # At exit the process's teardown unmaps everything, and torch and the driver bindings may be
+        # half gone: calling them then is what can crash.
+        if self.va is None or finalizing() or drv.cu is None:
             return
         try:
             for ordinal in self.devices:

@@ -42,7 +42,7 @@ class _Managed(ctypes.Structure):
     pass
 
 
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_Managed))
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # takes the struct's address, as a plain int
 _Managed._fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
 
 _CAPSULE_NAME = b"dltensor"
@@ -50,40 +50,62 @@ _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-# What each live capsule needs kept alive (its structs, the shape array, the mapping's owner), by the
-# address torch hands back to the deleter.
-_live: dict[int, tuple[Any, ...]] = {}
+# The struct torch keeps a pointer to lives on the C heap, not in a Python object: at interpreter exit
+# Python clears module dicts in an order of its own, and a struct held by one would be freed while a
+# tensor in another module (or in torch's) still pointed at it, so torch's deleter call read freed
+# memory (SIGSEGV at exit, seen on the first GPU run). The deleter frees it.
+_libc = ctypes.CDLL(None)
+_libc.malloc.restype = ctypes.c_void_p
+_libc.malloc.argtypes = [ctypes.c_size_t]
+_libc.free.restype = None
+_libc.free.argtypes = [ctypes.c_void_p]
+_SHAPE_AT = ctypes.sizeof(_Managed)  # the one-element shape array follows the struct in the block
+
+# What each live tensor keeps alive (the mapping's owner), by the struct's address.
+_live: dict[int, Any] = {}
 _lock = threading.Lock()
 
 
-@_Deleter
-def _delete(managed: Any) -> None:
-    with _lock:
-        _live.pop(ctypes.addressof(managed.contents), None)  # drops the owner: it may unmap now
+def _delete_impl(addr: int, live: dict[int, Any] = _live, lock: Any = _lock, free: Any = _libc.free) -> None:
+    # Everything it uses is bound here, not looked up in module globals, which exit sets to None.
+    with lock:
+        owner = live.pop(addr, None)
+    free(addr)
+    del owner  # may unmap now
+
+
+_delete = _Deleter(_delete_impl)
+# The C thunk torch calls must outlive every tensor, so it is never freed (one leaked reference).
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_delete))
 
 
 def uint8_tensor(ptr: int, nbytes: int, device_type: int, device_id: int, owner: Any) -> torch.Tensor:
     """A 1-D uint8 tensor over ``[ptr, ptr + nbytes)`` on the given DLPack device; ``owner`` is kept
     alive until torch has freed every view of it."""
-    shape = (ctypes.c_int64 * 1)(nbytes)
-    managed = _Managed()
+    addr = _libc.malloc(_SHAPE_AT + ctypes.sizeof(ctypes.c_int64))
+    if not addr:
+        raise MemoryError("no memory for a DLPack tensor header")
+    shape = (ctypes.c_int64 * 1).from_address(addr + _SHAPE_AT)
+    shape[0] = nbytes
+    managed = _Managed.from_address(addr)
     managed.dl_tensor.data = ptr
     managed.dl_tensor.device = _Device(device_type, device_id)
     managed.dl_tensor.ndim = 1
     managed.dl_tensor.dtype = _DType(_KDL_UINT, 8, 1)
-    managed.dl_tensor.shape = shape
+    managed.dl_tensor.shape = ctypes.cast(addr + _SHAPE_AT, ctypes.POINTER(ctypes.c_int64))
     managed.dl_tensor.strides = None  # compact
     managed.dl_tensor.byte_offset = 0
     managed.manager_ctx = None
     managed.deleter = _delete
     with _lock:
-        _live[ctypes.addressof(managed)] = (managed, shape, owner)
+        _live[addr] = owner
     try:
-        capsule = _capsule_new(ctypes.addressof(managed), _CAPSULE_NAME, None)
+        capsule = _capsule_new(addr, _CAPSULE_NAME, None)
         tensor = torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
         with _lock:
-            _live.pop(ctypes.addressof(managed), None)
+            _live.pop(addr, None)
+        _libc.free(addr)  # torch did not take it, so its deleter will not run
         raise
     if tensor.data_ptr() != ptr:
         raise RuntimeError("torch copied the memory instead of viewing it")
@@ -91,6 +113,6 @@ def uint8_tensor(ptr: int, nbytes: int, device_type: int, device_id: int, owner:
 
 
 def live_capsules() -> int:
-    """Capsules whose tensors torch has not freed yet (tests check that views release their owner)."""
+    """Tensors torch has not freed yet (tests check that views release their owner)."""
     with _lock:
         return len(_live)

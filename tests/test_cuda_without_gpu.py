@@ -233,6 +233,29 @@ def test_dlpack_view_has_no_copy_and_keeps_its_owner_until_the_last_view() -> No
     assert released and dlpack.live_capsules() == before
 
 
+def test_a_view_alive_at_interpreter_exit_does_not_crash_it() -> None:
+    """The first GPU run's consumers died of SIGSEGV at exit: Python freed the DLPack struct (held in a
+    module dict) before a tensor that pointed at it, and torch's deleter call read freed memory. Here a
+    tensor is parked in torch's own module, which exit clears after ours."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, mmap, os, torch\n"
+        "from mmfeat.client import dlpack\n"
+        "mm = mmap.mmap(-1, 1 << 16)\n"
+        "ptr = ctypes.addressof((ctypes.c_uint8 * (1 << 16)).from_buffer(mm))\n"
+        "class Owner:\n"
+        "    def __del__(self):\n"
+        "        os.write(1, b'owner released\\n')\n"
+        "torch._mmfeat_parked = dlpack.uint8_tensor(ptr, 1 << 16, dlpack.KDL_CPU, 0, Owner())\n"
+    )
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr}"
+        assert "Exception ignored" not in r.stderr, r.stderr
+
+
 def test_any_openable_imex_channel_counts(tmp_path) -> None:
     assert drv.imex_channel_present(tmp_path / "absent")[0] is False
     channels = tmp_path / "nvidia-caps-imex-channels"
