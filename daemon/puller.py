@@ -82,6 +82,11 @@ class Result:
     code: str = ""  # set when the verify READ showed the feature gone (STALE) or not as named (FORBIDDEN)
 
 
+# What the first GPU run found: nixl-cu12 on a CUDA 13 node (no libcudart.so.12) registers no GPU memory.
+_VRAM_HINT = ("; NIXL's UCX loads the CUDA runtime of its own build for GPU memory (nixl-cu12: libcudart.so.12, "
+              "nixl-cu13: libcudart.so.13): install the build that matches this node, mmfeat[mesh] or mmfeat[mesh-cu13]")
+
+
 class Puller:
     def __init__(self, name: str, regions: list[Region], table: Optional[tuple[int, int]] = None) -> None:
         """``table``: (address, size) of this daemon's lease table, registered so that pullers can check
@@ -97,7 +102,9 @@ class Puller:
                     self._agent.register_memory([(r.addr, r.size, r.device, f"pool{r.pool}")], r.mem)
                     registered.append(r)
                 except Exception as exc:  # e.g. VRAM with a UCX built without CUDA: that pool is not pulled
-                    log.warning("NIXL cannot register pool %d (%s memory): %s: %s", r.pool, r.mem, type(exc).__name__, exc)
+                    hint = _VRAM_HINT if r.mem == "VRAM" else ""
+                    log.warning("NIXL cannot register pool %d (%s memory): %s: %s%s", r.pool, r.mem, type(exc).__name__, exc,
+                                hint)
             if not registered:
                 raise NixlUnavailable("NIXL could register none of this daemon's pools")
             self.table_addr = 0

@@ -8,7 +8,8 @@ import os
 import threading
 from typing import Any
 
-# Tried in order: the meta package, then the CUDA 12 and 13 builds (mmfeat[mesh] installs nixl-cu12).
+# Tried in order: the meta package, then the CUDA 12 and 13 builds (mmfeat[mesh] installs nixl-cu12,
+# mmfeat[mesh-cu13] nixl-cu13: each registers GPU memory only where its CUDA runtime is).
 _NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
 
@@ -40,7 +41,8 @@ def load_nixl() -> Any:
             return api
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
-    raise NixlUnavailable("NIXL is not installed (pip install 'mmfeat[mesh]'); " + "; ".join(errors))
+    raise NixlUnavailable("NIXL is not installed (pip install 'mmfeat[mesh]', or 'mmfeat[mesh-cu13]' on a CUDA 13 node); "
+                          + "; ".join(errors))
 
 
 def make_agent(api: Any, name: str) -> Any:
