@@ -13,6 +13,7 @@ from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from . import tensors as tz
 from .channel import ControlChannel
 from .session import Session
+from .stream_wait import wait_for_current_stream
 from .table import STATE_FREE, STATE_MISMATCH
 
 Tensors = Union[torch.Tensor, list[torch.Tensor]]
@@ -128,7 +129,7 @@ def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> T
     # range can then be reused. torch queues a copy on the current stream of the source device (and,
     # across devices, may involve the target's), so finish both.
     for dev in sources:
-        torch.cuda.current_stream(dev).synchronize()
+        wait_for_current_stream(dev)
     return views if many else views[0]
 
 

@@ -20,6 +20,7 @@ from . import tensors as tz
 from .channel import ControlChannel
 from .fallbacks import FallbackTracker
 from .session import Session
+from .stream_wait import wait_for_current_stream
 
 _FALLBACK_ERRORS = {
     ErrorCode.POOL_FULL: FallbackReason.POOL_FULL,
@@ -180,4 +181,4 @@ def _write(pool: torch.Tensor, offset: int, tensors: list[torch.Tensor], specs: 
         # must be complete before the descriptor exists (see research/cuda_vmm.md). The copy ran on the
         # current stream of the destination or of a source device: finish them all.
         for dev in {t.device for t in tensors if t.is_cuda} | ({pool.device} if pool.is_cuda else set()):
-            torch.cuda.current_stream(dev).synchronize()
+            wait_for_current_stream(dev)

@@ -125,3 +125,27 @@ def test_the_daemon_logs_the_fabric_verdict_on_a_multinode_setting(runtime_dir) 
     verdict = [line for line in err.splitlines() if "FABRIC" in line or "fabric" in line]
     print("daemon's fabric verdict:", *verdict, sep="\n  ")
     assert verdict and handle in ("posix_fd", "fabric")
+
+
+def test_a_put_and_a_staged_get_behind_a_long_kernel_sleep_instead_of_spinning(gpu_daemon) -> None:
+    """Both must wait for the GPU (the bytes exist before the descriptor; a staged copy is complete when
+    get returns), and a wait that spans other work on the GPU must not burn a core (stream_wait.py)."""
+    torch.cuda.set_device(0)
+    with gpu_daemon.client(inline_threshold=0, fallback="error") as c:
+        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+        c.ack(c.put(x))  # the mapping and the arena, outside the measurement
+        for step in ("put", "staged get"):
+            desc = c.put(x) if step == "staged get" else None
+            torch.cuda._sleep(int(1e9))  # about half a second of GPU time queued first
+            t0, cpu0 = time.monotonic(), time.thread_time()
+            if step == "put":
+                desc = c.put(x)
+                got = c.get(desc)
+            else:
+                got = c.get(desc, device=0)
+            waited, cpu = time.monotonic() - t0, time.thread_time() - cpu0
+            print(f"{step} behind a {waited:.2f} s kernel: {cpu * 1e3:.1f} ms of CPU")
+            assert waited > 0.2, f"the {step} returned before the queued kernel ended"
+            assert torch.equal(got, x)
+            c.ack(desc, wait=True)
+            assert cpu < 0.25 * waited, f"the {step} spun a core while it waited"
