@@ -82,9 +82,10 @@ class Result:
     code: str = ""  # set when the verify READ showed the feature gone (STALE) or not as named (FORBIDDEN)
 
 
-# What the first GPU run found: nixl-cu12 on a CUDA 13 node (no libcudart.so.12) registers no GPU memory.
-_VRAM_HINT = ("; NIXL's UCX loads the CUDA runtime of its own build for GPU memory (nixl-cu12: libcudart.so.12, "
-              "nixl-cu13: libcudart.so.13): install the build that matches this node, mmfeat[mesh] or mmfeat[mesh-cu13]")
+# What the first GPU run found: nixl-cu12 on a CUDA 13 node registered no GPU memory (no libcudart.so.12;
+# mmfeat.nixl.preload_cuda_runtime now loads the mesh extra's copy).
+_VRAM_HINT = ("; NIXL's UCX registers GPU memory through the CUDA runtime of its build (nixl-cu12: libcudart.so.12, "
+              "nixl-cu13: libcudart.so.13), which the mesh extras install (mmfeat[mesh], mmfeat[mesh-cu13])")
 
 
 class Puller:

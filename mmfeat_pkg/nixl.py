@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import importlib
+import importlib.util
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Optional
 
 # Tried in order: the meta package, then the CUDA 12 and 13 builds (mmfeat[mesh] installs nixl-cu12,
 # mmfeat[mesh-cu13] nixl-cu13: each registers GPU memory only where its CUDA runtime is).
@@ -45,11 +48,41 @@ def load_nixl() -> Any:
                           + "; ".join(errors))
 
 
+def preload_cuda_runtime(api: Any) -> Optional[str]:
+    """Load the CUDA runtime that this NIXL build's UCX names (``libcudart.so.12`` for nixl_cu12) from
+    an installed NVIDIA wheel, if the system's library paths lack it; the path loaded, else None.
+
+    UCX's CUDA module, which registers GPU memory, needs that library. A process that imported torch
+    has it loaded, but mmfeatd imports no torch, and a node or image without a CUDA toolkit has no copy
+    on its library paths (the first GPU run: a GPU pool NIXL could not register). The mesh extras
+    install the runtime's wheel; once a library of that soname is loaded, the loader uses it for UCX."""
+    major = {"nixl_cu12": 12, "nixl_cu13": 13}.get(api.__name__.split(".")[0])
+    if major is None:
+        return None
+    name = f"libcudart.so.{major}"
+    try:
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        return None  # already loaded, or on the library paths
+    except OSError:
+        pass
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec is not None else []:
+        for path in sorted(glob.glob(os.path.join(base, "**", name), recursive=True)):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                return path
+            except OSError as exc:
+                logging.getLogger("mmfeat").warning("cannot load %s: %s", path, exc)
+    return None
+
+
 def make_agent(api: Any, name: str) -> Any:
     """A UCX agent whose progress thread sleeps between events (see PROGRESS_DELAY_US), with UCX_DEFAULTS
-    where the environment sets none (UCX reads its environment when the agent starts its backend)."""
+    where the environment sets none (UCX reads its environment when the agent starts its backend), and
+    with the CUDA runtime UCX needs for GPU memory loaded (preload_cuda_runtime)."""
     if not any(key in os.environ for key in UCX_DEFAULTS):
         os.environ.update(UCX_DEFAULTS)
+    preload_cuda_runtime(api)
     real = api.nixlBind.nixlAgent
 
     def with_delay(agent_name: str, config: Any) -> Any:

@@ -279,3 +279,13 @@ def test_nixl_agents_get_mmfeats_ucx_defaults_unless_the_environment_sets_its_ow
                            env=clean | given)
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.split() == expected, (given, r.stdout)
+
+
+def test_a_meshed_daemon_loads_the_cuda_runtime_its_nixl_build_needs(cluster) -> None:
+    """mmfeatd imports no torch, and a node or image without a CUDA toolkit has no libcudart on its
+    library paths; NIXL's UCX then cannot register a GPU pool (the first GPU run, with the wrong build).
+    The mesh extra installs the runtime's wheel and the daemon loads it before NIXL starts."""
+    a, _ = meshed(cluster)
+    with open(f"/proc/{a.pid}/maps") as f:
+        loaded = {line.split()[-1] for line in f if "libcudart.so" in line}
+    assert any(path.endswith("libcudart.so.12") for path in loaded), loaded

@@ -19,7 +19,9 @@ print(version("nixl-cu12"))  # the version tested here; the node gets that versi
 PY
 )
 nixl_version=$(echo "$pins" | tail -1)
-pins="$(echo "$pins" | head -1) nixl-cu$cu==$nixl_version"
+# With its CUDA runtime, as the mesh extras install it: the daemon loads it for NIXL (mmfeat.nixl).
+if [ "$cu" = 12 ]; then cudart="nvidia-cuda-runtime-cu12>=12.0,<13"; else cudart="nvidia-cuda-runtime>=13.0,<14"; fi
+pins="$(echo "$pins" | head -1) nixl-cu$cu==$nixl_version $cudart"
 echo "== wheels for the GPU node: $pins"
 $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
