@@ -6,6 +6,8 @@ bytes stayed leased after the TTLs, or the daemon grew fds or memory.
 
 With ``--nodes 2`` two daemons on 127.0.0.1 play two nodes, meshed: producers on node a, consumer c0
 on a and the others on b, which pull every feature they read; either daemon is killed and restarted.
+With ``--backend cuda_vmm`` (a GPU node) the pools are in GPU 0's memory and the workers put and check
+CUDA tensors (tests/gpu/run.sh runs it).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from tests.conftest import anon_bytes, fd_count, start_daemon
 RESERVE_TTL, ACK_TTL = 3.0, 6.0
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
+def _spawn(args: list[str], device: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.chaos.worker", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "MMFEAT_CHAOS_DEVICE": device})
 
 
 def _kill_worker(run: Path, name: str) -> bool:
@@ -62,11 +65,11 @@ def _settle(daemon, what: str) -> tuple[int, int]:
 class _Nodes:
     """One daemon, or two meshed ones (a and b) that keep their runtime dirs across restarts."""
 
-    def __init__(self, root: Path, runtime: Path, daemon_args: tuple[str, ...], n: int) -> None:
-        self.root, self.args = root, daemon_args
+    def __init__(self, root: Path, runtime: Path, daemon_args: tuple[str, ...], n: int, backend: str) -> None:
+        self.root, self.args, self.backend = root, daemon_args, backend
         self.cluster = None
         if n == 1:
-            self.daemons = [start_daemon(runtime, *daemon_args, log=root / "mmfeatd.log")]
+            self.daemons = [start_daemon(runtime, *daemon_args, backend=backend, log=root / "mmfeatd.log")]
             return
         from tests.cluster import Cluster
 
@@ -83,7 +86,7 @@ class _Nodes:
     def _start(self, i: int):
         name = self.names[i]
         return self.cluster.start(name, [m for m in self.names if m != name], *self.args, runtime=self.runtimes[i],
-                                  log=self.root / f"mmfeatd-{name}.log")
+                                  backend=self.backend, log=self.root / f"mmfeatd-{name}.log")
 
     def runtime_for_consumer(self, k: int) -> Path:
         return self.daemons[0].runtime_dir if self.cluster is None or k == 0 else self.runtimes[1]
@@ -93,7 +96,7 @@ class _Nodes:
         if self.cluster is None:
             d.proc.kill()
             d.proc.communicate()
-            self.daemons[i] = start_daemon(d.runtime_dir, *self.args, log=self.root / "mmfeatd.log")
+            self.daemons[i] = start_daemon(d.runtime_dir, *self.args, backend=self.backend, log=self.root / "mmfeatd.log")
             return
         self.cluster.stop(self.names[i], signal.SIGKILL, keep_runtime=True)
         self.daemons[i] = self._start(i)
@@ -114,24 +117,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--daemon-kill-every", type=float, default=20.0, help="seconds between daemon kills")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two meshed daemons, consumers on both")
+    p.add_argument("--backend", choices=("host", "cuda_vmm"), default="host",
+                   help="cuda_vmm: pools in GPU 0's memory, CUDA tensors put and checked")
     args = p.parse_args(argv)
+    device = "cuda:0" if args.backend == "cuda_vmm" else "cpu"
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="mmf-chaos-", dir="/tmp"))
     runtime, run = root / "rt", root / "run"
     runtime.mkdir(mode=0o700)
     run.mkdir()
     daemon_args = ("--pool-mb", "256", "--reserve-ttl", str(RESERVE_TTL), "--ack-ttl", str(ACK_TTL))
-    nodes = _Nodes(root, runtime, daemon_args, args.nodes)
+    nodes = _Nodes(root, runtime, daemon_args, args.nodes, args.backend)
     daemon = nodes.daemons[0]
     endpoints = [f"ipc://{root}/consumer{i}.sock" for i in range(args.consumers)]
     workers: dict[str, subprocess.Popen] = {}
 
     def start(name: str) -> None:
         if name.startswith("p"):
-            workers[name] = _spawn(["producer", str(runtime), str(run), name, str(args.seconds * 2), ",".join(endpoints)])
+            workers[name] = _spawn(["producer", str(runtime), str(run), name, str(args.seconds * 2), ",".join(endpoints)],
+                                   device)
         else:
             rt = nodes.runtime_for_consumer(int(name[1:]))
-            workers[name] = _spawn(["consumer", str(rt), str(run), name, endpoints[int(name[1:])]])
+            workers[name] = _spawn(["consumer", str(rt), str(run), name, endpoints[int(name[1:])]], device)
 
     names = [f"p{i}" for i in range(args.producers)] + [f"c{i}" for i in range(args.consumers)]
     kills = {"producer": 0, "consumer": 0, "daemon": 0}
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.5)
         fds_end, anon_end = _settle(daemon, "end")
-        fresh = start_daemon(root / "fresh", "--pool-mb", "256")
+        fresh = start_daemon(root / "fresh", "--pool-mb", "256", backend=args.backend)
         fds_fresh, anon_fresh = _settle(fresh, "fresh")
         fresh.stop()
         fresh.proc.communicate()
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         leaked = sum(x["pools"][0]["used"] for x in every)
         report = {
             "seconds": args.seconds,
+            "backend": args.backend,
             "kills": kills,
             "features_put": totals.get("put", 0),
             "features_inline": totals.get("inline", 0),

@@ -21,6 +21,8 @@ import zmq
 from mmfeat.client import Client, MmfeatError
 
 DTYPES = [torch.uint8, torch.float32, torch.int64, torch.bfloat16, torch.float16]
+# chaos.py --backend cuda_vmm: features are made, put and checked as CUDA tensors.
+DEVICE = os.environ.get("MMFEAT_CHAOS_DEVICE", "cpu")
 
 
 def pattern(seed: int, nbytes: int) -> torch.Tensor:
@@ -32,7 +34,7 @@ def pattern(seed: int, nbytes: int) -> torch.Tensor:
 def feature(seed: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     size = torch.empty((), dtype=dtype).element_size()
     n = max(1, nbytes // size)
-    return pattern(seed, n * size).view(dtype).reshape(-1)
+    return pattern(seed, n * size).view(dtype).reshape(-1).to(DEVICE)
 
 
 class Counts:
@@ -119,7 +121,7 @@ def consume(runtime_dir: str, run: Path, endpoint: str) -> None:
                 continue
             for (seed, numel, dtype), t in zip(spec, got if isinstance(got, list) else [got]):
                 expect = feature(seed, numel * t.element_size(), getattr(torch, dtype.split(".")[1]))
-                if not torch.equal(t.view(torch.uint8), expect.view(torch.uint8)):
+                if not torch.equal(t.view(torch.uint8), expect.view(torch.uint8).to(t.device)):
                     os.write(wrong, f"seed {seed} numel {numel} {dtype} copy={copy}\n".encode())
                     counts.add("wrong")
                 else:

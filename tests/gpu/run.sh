@@ -51,7 +51,8 @@ rc=$?
 echo "== pytest exit $rc"
 
 # What an operator sees first on a GPU node: the demo on the default backend (auto picks cuda_vmm),
-# then the bench against a cuda_vmm daemon. Neither decides the exit status; each is bounded.
+# then a profile, the bench against a cuda_vmm daemon, and a minute of chaos on a GPU pool. None of
+# them decides the exit status; each is bounded.
 stage "make demo's script on the default backend"
 timeout 90 python3 examples/demo.py
 echo "== demo exit $?"
@@ -70,4 +71,8 @@ timeout 150 python3 -m mmfeat.client --runtime-dir "$rt" bench --use-running --s
   --modes floor,pool_view,pool_copy,zmq_bytes,torch_mp --rounds 1 --count 200 --control-clients '' --json "$out/bench-gpu.json"
 echo "== bench exit $?"
 kill -TERM $dpid; wait $dpid; echo "== daemon exit $?"
+
+stage "chaos on a GPU pool: workers and the daemon SIGKILLed, every byte checked"
+timeout 150 python3 -m tests.chaos.chaos --backend cuda_vmm --seconds 60 --daemon-kill-every 20 > "$out/chaos-gpu.txt" 2>&1
+echo "== chaos exit $?"; tail -40 "$out/chaos-gpu.txt"
 exit $rc
