@@ -76,12 +76,12 @@ def test_producer_exiting_without_close_still_publishes(daemon, tmp_path) -> Non
         "open(sys.argv[2], 'wb').write(d.to_bytes())\n"
         # no close(): the interpreter exits with the publish possibly still queued
     )
-    for _ in range(3):  # each round is a fresh interpreter that imports torch: a second or more
+    for _ in range(2):  # each round is a fresh interpreter that imports torch: 3 s here
         r = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir), str(out)], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         with daemon.client() as consumer:
             assert torch.equal(consumer.get(out.read_bytes()), torch.arange(20000))
             assert consumer.ack(out.read_bytes(), wait=True)["freed"]
     s = daemon.stats()
-    assert s["counters"]["reclaimed_on_disconnect"] == 0 and s["counters"]["publishes"] == 3
+    assert s["counters"]["reclaimed_on_disconnect"] == 0 and s["counters"]["publishes"] == 2
     assert s["pools"][0]["used"] == 0

@@ -210,10 +210,20 @@ def _cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def test_an_idle_meshed_daemon_with_nixl_costs_next_to_no_cpu(cluster) -> None:
+def _cuda_runtimes_mapped(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-1] for line in f if "libcudart.so" in line}
+
+
+def test_an_idle_meshed_daemon_with_nixl_costs_next_to_no_cpu_and_has_its_cuda_runtime(cluster) -> None:
     # NIXL's own agent class spins its UCX progress thread: a whole core per daemon, forever.
     a, b = meshed(cluster)
     assert a.stats()["mesh"]["transport"] == "nixl"
+    # mmfeatd imports no torch, and a node or image without a CUDA toolkit has no libcudart on its
+    # library paths: NIXL's UCX then cannot register a GPU pool (the first GPU run). The mesh extra
+    # installs the runtime's wheel, and the daemon loads it before NIXL starts.
+    loaded = _cuda_runtimes_mapped(a.pid)
+    assert any(path.endswith("libcudart.so.12") for path in loaded), f"no CUDA 12 runtime in the daemon: {loaded}"
     with a.client(inline_threshold=0, fallback="error") as producer, b.client() as consumer:
         desc = producer.put(torch.ones(1 << 16), consumers=1)
         consumer.get(desc)  # UCX has connected both ways
@@ -280,12 +290,3 @@ def test_nixl_agents_get_mmfeats_ucx_defaults_unless_the_environment_sets_its_ow
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.split() == expected, (given, r.stdout)
 
-
-def test_a_meshed_daemon_loads_the_cuda_runtime_its_nixl_build_needs(cluster) -> None:
-    """mmfeatd imports no torch, and a node or image without a CUDA toolkit has no libcudart on its
-    library paths; NIXL's UCX then cannot register a GPU pool (the first GPU run, with the wrong build).
-    The mesh extra installs the runtime's wheel and the daemon loads it before NIXL starts."""
-    a, _ = meshed(cluster)
-    with open(f"/proc/{a.pid}/maps") as f:
-        loaded = {line.split()[-1] for line in f if "libcudart.so" in line}
-    assert any(path.endswith("libcudart.so.12") for path in loaded), loaded
