@@ -8,12 +8,14 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from typing import Any, Optional
 
 # Tried in order: the meta package, then the CUDA 12 and 13 builds (mmfeat[mesh] installs nixl-cu12,
 # mmfeat[mesh-cu13] nixl-cu13: each registers GPU memory only where its CUDA runtime is).
 _NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+_RUNTIME_MAJOR = {"nixl_cu12": 12, "nixl_cu13": 13}
 
 
 # How long NIXL's progress thread waits for UCX events before it looks again, in microseconds. The
@@ -44,8 +46,8 @@ def load_nixl() -> Any:
             return api
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
-    raise NixlUnavailable("NIXL is not installed (pip install 'mmfeat[mesh]', or 'mmfeat[mesh-cu13]' on a CUDA 13 node); "
-                          + "; ".join(errors))
+    raise NixlUnavailable("NIXL is not installed (pip install 'mmfeat[mesh]', or 'mmfeat[mesh-cu13]' for its CUDA 13 "
+                          "build); " + "; ".join(errors))
 
 
 def preload_cuda_runtime(api: Any) -> Optional[str]:
@@ -56,7 +58,9 @@ def preload_cuda_runtime(api: Any) -> Optional[str]:
     has it loaded, but mmfeatd imports no torch, and a node or image without a CUDA toolkit has no copy
     on its library paths (the first GPU run: a GPU pool NIXL could not register). The mesh extras
     install the runtime's wheel; once a library of that soname is loaded, the loader uses it for UCX."""
-    major = {"nixl_cu12": 12, "nixl_cu13": 13}.get(api.__name__.split(".")[0])
+    # The meta package ``nixl`` imports one of the builds: whichever is loaded names the runtime.
+    builds = [api.__name__.split(".")[0], *(m for m in ("nixl_cu12", "nixl_cu13") if m in sys.modules)]
+    major = next((_RUNTIME_MAJOR[b] for b in builds if b in _RUNTIME_MAJOR), None)
     if major is None:
         return None
     name = f"libcudart.so.{major}"
