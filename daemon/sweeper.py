@@ -138,10 +138,10 @@ class Sweeper:
         arena = ledger.arenas.of_slot(slot)
         if arena is None or arena.returned:
             # Slots of reserved leases and of free blocks are the daemon's alone (but for DONE, above).
-            self._refuse(slot, f"STATE of slot {slot} changed, but no producer holds that slot")
+            self._refuse(slot, word, f"STATE of slot {slot} changed, but no producer holds that slot")
             return
         if lease is not None or state not in (PUBLISHED, DONE) or gen <= ledger.slot_gen(slot):
-            self._refuse(slot, f"STATE of slot {slot} went to generation {gen} state {state}; a producer may only "
+            self._refuse(slot, word, f"STATE of slot {slot} went to generation {gen} state {state}; a producer may only "
                          f"publish a generation above {ledger.slot_gen(slot)} in a slot it got back FREE")
             return
         # Not ended by _end_acked: a feature waiting for acks, or words it refused.
@@ -221,9 +221,12 @@ class Sweeper:
         self.ledger.counters.table_acks += count
         self.ledger.apply_acks(lease, count, now)
 
-    def _refuse(self, slot: int, message: str) -> None:
-        """Put the daemon's STATE word back."""
-        self.table.store_state(slot, int(self.table.seen_state[slot]))
+    def _refuse(self, slot: int, word: int, message: str) -> None:
+        """Put the daemon's STATE word back over the refused ``word``, unless the slot holds another word
+        by now: its producer may have published there since this sweep read the refused one (a peer
+        rewrote a FREE slot's generation just before), and a plain store would erase that feature.
+        The next sweep judges whatever is there."""
+        self.table.cas(slot, STATE, word, int(self.table.seen_state[slot]))
         self._count_bad(message)
 
     def _count_bad(self, message: str) -> None:

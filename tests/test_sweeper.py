@@ -15,7 +15,7 @@ from mmfeat.daemon.lease_table import LeaseTable
 from mmfeat.daemon.ledger import Ledger
 from mmfeat.daemon.sweeper import Sweeper
 from mmfeat.protos.lease_table import (
-    ACKS, CONSUMERS, DONE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, table_bytes,
+    ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, table_bytes,
     word_offset,
 )
 
@@ -42,13 +42,13 @@ class Books:
     def write(self, slot: int, word: int, value: int) -> None:
         _U64.pack_into(self.mm, word_offset(SLOTS, slot, word), value)
 
-    def publish(self, k: int) -> int:
-        """Feature k of the arena (4 KiB at 4 KiB * k, one consumer, generation 1); its slot."""
+    def publish(self, k: int, gen: int = 1) -> int:
+        """Feature k of the arena (4 KiB at 4 KiB * k, one consumer, generation ``gen``); its slot."""
         slot = self.arena.slot_base + k
-        for word, value in ((ACKS, ack_word(1)), (POOL, 0), (OFFSET, self.arena.offset + 4096 * k), (NBYTES, 4096),
+        for word, value in ((ACKS, ack_word(gen)), (POOL, 0), (OFFSET, self.arena.offset + 4096 * k), (NBYTES, 4096),
                             (CONSUMERS, 1), (TOKEN, 1), (TOKEN + 1, 2)):
             self.write(slot, word, value)
-        self.write(slot, STATE, state_word(1, PUBLISHED))
+        self.write(slot, STATE, state_word(gen, PUBLISHED))
         return slot
 
     def ack(self, slot: int) -> None:
@@ -97,3 +97,31 @@ def test_sweeps_before_a_reply_adopt_at_once(books) -> None:
     assert books.ledger.live_lease(other) is None
     books.sweeper.sweep(31.5)
     assert books.ledger.live == 2 and books.ledger.live_lease(other).deadline == 31.0 + ACK_TTL
+
+
+def test_a_refused_word_put_back_never_erases_a_publish_made_meanwhile(books) -> None:
+    """A peer writes FREE with generation 0 over a slot the daemon freed; the sweep refuses it and puts
+    its own word back. If the slot's producer publishes in between (it read FREE, and goes above its own
+    last generation), putting the word back with a plain store erased that feature: its consumer then
+    got STALE (seen once in CI, test_table_attacks). The producer's publish is made to land there, the
+    moment the sweep judges the refused word, by running it from the ledger's lookup of the slot."""
+    slot = books.publish(4)
+    books.ack(slot)
+    books.sweeper.sweep(40.0)
+    assert books.ledger.live == 0 and books.counters.frees == 1  # the daemon wrote FREE, generation 1
+    books.write(slot, STATE, state_word(0, FREE))  # the peer
+    live_lease, armed = books.ledger.live_lease, [True]
+
+    def publish_while_judged(s: int):
+        if s == slot and armed:
+            armed.clear()
+            books.publish(4, gen=2)  # the producer, between the sweep's read of the column and its judgement
+        return live_lease(s)
+
+    books.ledger.live_lease = publish_while_judged
+    books.sweeper.sweep(41.0)
+    assert not armed and books.counters.bad_table_words == 1  # the peer's word was judged and refused
+    books.sweeper.sweep(41.1)
+    lease = books.ledger.live_lease(slot)
+    assert lease is not None and lease.gen == 2, "the publish made while the peer's word was judged was erased"
+
