@@ -34,13 +34,14 @@ Favoured = Callable[[socket.socket], bool]  # asked once per accepted connection
 
 class ConnectionCap:
     def __init__(self, ctx: zmq.Context, name: str, max_connections: int, is_ours: IsOurs, advice: str,
-                 favoured: Optional[Favoured] = None) -> None:
+                 favoured: Optional[Favoured] = None, on_accept: Optional[Callable[[], None]] = None) -> None:
         self._ctx = ctx
         self.name = name
         self.max_connections = max_connections
         self._is_ours = is_ours  # fds the daemon itself owns: never shut one of those down
         self._advice = advice  # what to do when connections are refused, for the log
         self._favoured = favoured
+        self._on_accept = on_accept  # called on this thread for each connection kept
         # fd -> favoured, oldest first; the thread's, others only read its size.
         self._conns: dict[int, bool] = {}
         self.refused = 0
@@ -131,6 +132,8 @@ class ConnectionCap:
             favoured = self._favoured is not None and self._with_socket(fd, self._favoured)
             if len(self._conns) < self.max_connections:
                 self._conns[fd] = favoured
+                if self._on_accept is not None:
+                    self._on_accept()
                 return
             victim = next((old for old, fav in self._conns.items() if not fav), None) if favoured else None
             if victim is not None:  # a favoured newcomer takes the oldest other connection's place

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -33,7 +33,8 @@ REPLY_LINGER_MS = 500
 
 
 class ControlSocket:
-    def __init__(self, ctx: zmq.Context, path: Path, endpoint: str, mode: int, max_connections: int, is_ours: IsOurs) -> None:
+    def __init__(self, ctx: zmq.Context, path: Path, endpoint: str, mode: int, max_connections: int, is_ours: IsOurs,
+                 on_accept: Optional[Callable[[], None]] = None) -> None:
         self._ctx = ctx
         self._path = path
         self.endpoint = endpoint
@@ -42,7 +43,8 @@ class ControlSocket:
         self._file: Optional[SocketFile] = None
         self.resets = 0
         self._cap = ConnectionCap(ctx, "control socket", max_connections, is_ours,
-                                  "Raise LimitNOFILE and max_connections, or find the process that opens them")
+                                  "Raise LimitNOFILE and max_connections, or find the process that opens them",
+                                  on_accept=on_accept)
         self._bind(SocketFile(self._path, socket.SOCK_STREAM, self._mode))
 
     @property

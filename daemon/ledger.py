@@ -10,6 +10,7 @@ that outlived its lease is told STALE instead of touching someone else's feature
 from __future__ import annotations
 
 import heapq
+import math
 import hmac
 import secrets
 from dataclasses import dataclass
@@ -388,6 +389,15 @@ class Ledger:
             self.counters.cut_on_shutdown += 1
             self._free(lease, EndReason.SHUTDOWN, now)
         return len(leases)
+
+    def next_deadline(self) -> float:
+        """The earliest deadline of a live lease, for the loop to wake at. Entries that a free or a publish
+        made stale are dropped from the top first: under a stream of reserved features acked well
+        before their TTL, they would wake the loop once each."""
+        heap = self._deadlines
+        while heap and not self._current(heap[0]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
 
     @property
     def timers(self) -> int:

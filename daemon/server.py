@@ -25,6 +25,7 @@ from .config import Settings
 from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
+from .memory_watch import MemoryWatch
 from .mesh import Mesh
 from .puller import Puller, Region, agent_name
 from .remote import RemoteFeatures
@@ -37,15 +38,21 @@ if TYPE_CHECKING:  # prometheus-client is imported only by a daemon that serves 
 
 log = logging.getLogger("mmfeatd")
 
-TICK_S = 0.1
+# Housekeeping (stale handshakes, unattached sessions) runs this often while clients are connected;
+# lease expiry wakes the loop at the earliest deadline instead, so it is on time whatever this is.
+# While features flow, the daemon's cost is its wake-ups, not its work: each starts with caches that
+# payload copies of many MiB emptied (0.3-1 ms at 16 MiB), so wake-ups per second times that is its CPU.
+TICK_S = 0.4
+# A mesh's heartbeats and a remote pull's waiters keep a finer tick.
+MESH_TICK_S = 0.1
 # Sweeps of the lease table: see sweep_interval. The longest interval bounds how late a daemon that
 # was idle frees the first acked feature (and stats and every lease op sweep first, whatever it is).
 SWEEP_MIN_S = 0.005
-# A trickle of features, too, is swept every 100 ms, as an idle client is: with payload copies of many
-# MiB between them, each wake-up of the daemon starts with cold caches (about 0.3-0.5 ms at 16 MiB), so
-# the number of wake-ups is its cost. Producers wait for no sweep (DONE gives their space back).
-SWEEP_BUSY_MAX_S = 0.1
-SWEEP_MAX_S = 0.1
+# A trickle of features, too, is swept at most this often, as an idle client is. Producers wait for no
+# sweep (DONE gives their space back); an arena's slots come back at a sweep, and a rate that would use
+# half of them between two sweeps halves the interval (SWEEP_BATCH).
+SWEEP_BUSY_MAX_S = 0.4
+SWEEP_MAX_S = 0.4
 # While clients write, a sweep should apply a batch of words: its fixed cost (numpy over the columns,
 # and, with payload copies of many MiB evicting the daemon from the caches, a cold start of a few
 # hundred microseconds) is then shared by many features instead of one or two. The upper bound keeps
@@ -87,6 +94,7 @@ class Server:
         self._fds: Optional[FdChannel] = None
         self._guard: Optional[MemoryGuard] = None
         self._wake: tuple[socket.socket, ...] = ()  # the signal wake-up pair, while serve() runs
+        self._watch: Optional[MemoryWatch] = None  # the memory guard's thread, while serve() runs
         self._mesh: Optional[Mesh] = None
         self._puller: Optional[Puller] = None
         self._remote: Optional[RemoteFeatures] = None
@@ -115,7 +123,7 @@ class Server:
         )
         self._control = ControlSocket(
             self._ctx, runtime / CONTROL_SOCKET, control_endpoint(runtime), self.settings.socket_mode,
-            max(1, (fd_limit - FD_RESERVE) // 2 - clients), self._owns,
+            max(1, (fd_limit - FD_RESERVE) // 2 - clients), self._owns, self._peer_arrived,
         )
         self.core.endpoint = self._control.endpoint
         self.core.resource_stats = self._resource_stats
@@ -210,20 +218,25 @@ class Server:
         for end in self._wake:
             end.setblocking(False)
         previous_wakeup = signal.set_wakeup_fd(self._wake[1].fileno(), warn_on_full_buffer=False)
+        self._watch = MemoryWatch(self._guard, self._memory_load, self._ring)
         try:
             return self._loop()
         finally:
+            self._watch.close()
+            self._watch = None
             signal.set_wakeup_fd(previous_wakeup)
             for end in self._wake:
                 end.close()
             self._wake = ()
 
     def _loop(self) -> int:
-        assert self._control is not None and self._fds is not None and self._wake
+        assert self._control is not None and self._fds is not None and self._wake and self._watch is not None
+        watch, ledger = self._watch, self.core.ledger
         poller = self._poller()
         self.notifier.ready(self._status())
         now = time.monotonic()
-        next_tick = now + TICK_S
+        tick_every = TICK_S if self._mesh is None and self._remote is None else MESH_TICK_S
+        next_tick = now + tick_every
         sweep_every = SWEEP_MAX_S
         next_sweep = now + sweep_every
         next_status = now + STATUS_EVERY_S
@@ -242,7 +255,8 @@ class Server:
                     self.notifier.ready(self._status())
             # Rounded up: pyzmq truncates to whole milliseconds, and 0 would spin until the next sweep.
             # The watchdog too: an idle loop sleeps a second, and WatchdogSec may ask for pings more often.
-            wake_at = min(next_tick, next_sweep, time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf,
+            wake_at = min(next_tick, next_sweep, ledger.next_deadline(),
+                          time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf,
                           next_watchdog if next_watchdog is not None else math.inf,
                           self._remote.outbox.next_flush if self._remote is not None else math.inf,
                           self._puller.next_poll if self._puller is not None else math.inf)
@@ -262,16 +276,23 @@ class Server:
                     self._remote.on_pulled(self._puller.poll(now), now)
                 if now >= self._remote.outbox.next_flush:
                     self._remote.outbox.flush(now)
-            # No client (not even one handshaking or only on the control socket, whose memory the tick
-            # watches) and nothing live.
-            idle = len(self._fds) == 0 and self._control.connections == 0 and self.core.ledger.live == 0
+            # No client (not even one handshaking or only on the control socket, whose memory the watch
+            # guards) and nothing live.
+            idle = len(self._fds) == 0 and self._control.connections == 0 and ledger.live == 0
             if not idle:  # timers an idle loop set far ahead come back in when something arrives
+                watch.wake()
                 next_sweep = min(next_sweep, now + sweep_every)
-                next_tick = min(next_tick, now + TICK_S)
+                next_tick = min(next_tick, now + tick_every)
             swept = now >= next_sweep
             if swept:
                 sweep_every = sweep_interval(sweep_every, self.core.sweep(now, defer_unacked=True))
                 next_sweep = now + (IDLE_WAKE_S if idle else sweep_every)
+            if now >= ledger.next_deadline():  # on time, whatever the tick
+                ledger.expire(now)
+            if watch.tripped:
+                if self._check_memory():
+                    poller = self._poller()
+                watch.rearm()
             # A tick due before the next sweep runs on this sweep's wake-up, a little early, instead of
             # taking a wake-up of its own: while clients write, every tick rides on a sweep.
             if now >= next_tick or (swept and next_tick < next_sweep):
@@ -281,10 +302,8 @@ class Server:
                 if self._remote is not None:
                     self._remote.tick(now)
                 self._fds.close_stale_handshakes()
-                if self._check_memory():
-                    poller = self._poller()
-                next_tick = now + (IDLE_WAKE_S if idle else TICK_S)
-            if sweep_every >= TICK_S:
+                next_tick = now + (IDLE_WAKE_S if idle else tick_every)
+            if sweep_every >= tick_every:
                 # Nothing written lately: the next sweep rides on the tick's wake-up instead of taking one
                 # of its own (a server's idle client otherwise costs twice the wake-ups).
                 next_sweep = next_tick
@@ -313,10 +332,26 @@ class Server:
             poller.register(sock, zmq.POLLIN)
         return poller
 
+    def _memory_load(self) -> tuple[int, int]:
+        """What the memory guard's budget grows with: connections and live leases (read by its thread)."""
+        assert self._control is not None
+        return self._control.connections + len(self._fds or ()), self.core.ledger.live
+
+    def _peer_arrived(self) -> None:
+        watch = self._watch  # read once: the connection thread calls this while serve() may be ending
+        if watch is not None:
+            watch.wake()
+
+    def _ring(self) -> None:
+        try:
+            self._wake[1].send(b"m")
+        except OSError:
+            pass  # full: the loop has a wake-up pending already
+
     def _check_memory(self) -> bool:
         """Reset the control socket if peers made the daemon outgrow its budget; True if it did."""
         assert self._control is not None and self._guard is not None
-        over = self._guard.over(self._control.connections + len(self._fds or ()), self.core.ledger.live)
+        over = self._guard.over(*self._memory_load())
         if over is None:
             return False
         self._control.reset(f"the daemon holds {over >> 20} MiB more than control_memory_mb and its connections allow "

@@ -103,15 +103,19 @@ def _recv_exactly(s: socket.socket, n: int) -> bytes:
 
 
 def test_a_message_that_never_ends_does_not_grow_the_daemon_without_bound(daemon_factory) -> None:
+    """The memory guard's thread reads /proc every 100 ms while peers are connected and once a second
+    when none is; a newcomer wakes it. The attack starts on an idle daemon, with no request that would
+    wake the loop: without that wake-up, the first second of the flood goes unwatched (1.4 GiB here)."""
     d = daemon_factory("--pool-mb", "8", "--control-memory-mb", "64")
     with d.client() as c:
         c.ping()
+    time.sleep(0.5)  # the client's goodbye is in and the guard's thread sleeps its idle second
     base = anon_bytes(d.pid)
     frame = bytes([0x03]) + struct.pack(">Q", 200 << 10) + b"\xab" * (200 << 10)  # MORE | LONG, 200 KiB
-    peak, sent, peers = 0, 0, 0
+    peak, sent, peers, resets = 0, 0, 0, 0
     # One message that never ends, until 1.5 GiB are out or the daemon cut the peer off by a reset;
     # an attacker cut off some other way reconnects and goes on.
-    while sent < 1536 << 20 and d.stats()["limits"]["control_resets"] == 0:
+    while sent < 1536 << 20 and resets == 0:
         peer = _zmtp_peer(str(d.runtime_dir / "mmfeatd.sock"))
         peers += 1
         try:
@@ -124,6 +128,7 @@ def test_a_message_that_never_ends_does_not_grow_the_daemon_without_bound(daemon
             pass
         finally:
             peer.close()
+        resets = d.stats()["limits"]["control_resets"]
     assert d.proc.poll() is None
     s = d.wait_for(lambda s: s["limits"]["control_resets"] >= 1, what=f"a control socket reset ({sent >> 20} MiB sent by {peers} peers)")
     # 64 MiB allowance, 64 KiB a connection, one check interval (0.1 s) of a fast peer on top.

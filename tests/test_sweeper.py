@@ -3,6 +3,7 @@ clock is passed in, so what a sweep leaves for the next one is checked exactly, 
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 
@@ -125,3 +126,22 @@ def test_a_refused_word_put_back_never_erases_a_publish_made_meanwhile(books) ->
     lease = books.ledger.live_lease(slot)
     assert lease is not None and lease.gen == 2, "the publish made while the peer's word was judged was erased"
 
+
+
+def test_the_loop_wakes_at_the_earliest_live_deadline_and_no_other(books) -> None:
+    """The loop sleeps until ``next_deadline()``, so a TTL expires on time whatever its tick. A feature
+    acked before its deadline leaves its entry in the expiry heap; ``next_deadline()`` drops such
+    entries, or a stream of features acked early would wake the loop once for each."""
+    assert books.ledger.next_deadline() == math.inf
+    first = books.publish(4)
+    books.sweeper.sweep(40.0)
+    second = books.publish(5)
+    books.sweeper.sweep(41.0)
+    assert books.ledger.next_deadline() == 40.0 + ACK_TTL
+    books.ack(first)
+    books.sweeper.sweep(41.5)
+    assert books.ledger.live == 1 and books.ledger.timers == 2  # the acked one's entry is still there
+    assert books.ledger.next_deadline() == 41.0 + ACK_TTL
+    books.ack(second)
+    books.sweeper.sweep(41.6)
+    assert books.ledger.next_deadline() == math.inf and books.ledger.timers == 0
