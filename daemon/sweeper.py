@@ -155,7 +155,11 @@ class Sweeper:
         if not valid or not arena.fits(offset, nbytes):
             # The generation is spent (the producer believes it published it); the feature is not.
             ledger.end_generation(slot, gen)
-            self.table.store_state(slot, state_word(gen, FREE))
+            # With a compare-and-swap, as _refuse puts words back: a peer that rewrote the word FREE
+            # since this sweep read it lets the slot's producer publish there, and that stays.
+            spent = state_word(gen, FREE)
+            if self.table.cas(slot, STATE, word, spent)[0]:
+                self.table.seen_state[slot] = spent
             self._count_bad(f"slot {slot} was published with pool {pool}, range [{offset}, +{nbytes}), {consumers} "
                             f"consumers and state {state}: not inside arena {arena.arena_id} [{arena.offset}, "
                             f"+{arena.size}) of pool {arena.pool_id}, over a live feature, or DONE without its acks; refused")

@@ -145,3 +145,30 @@ def test_the_loop_wakes_at_the_earliest_live_deadline_and_no_other(books) -> Non
     books.ack(second)
     books.sweeper.sweep(41.6)
     assert books.ledger.next_deadline() == math.inf and books.ledger.timers == 0
+
+
+def test_a_spent_generation_never_erases_a_publish_made_meanwhile(books) -> None:
+    """A peer publishes garbage in a free slot; the sweep spends that generation and writes FREE with
+    it. If the peer rewrote the word FREE just after the sweep read it, the slot's producer may have
+    published there (above the spent generation) before the sweep's store, and a plain store erased
+    that feature. The producer's publish is made to land the moment the sweep spends the generation."""
+    slot = books.publish(6)
+    books.ack(slot)
+    books.sweeper.sweep(50.0)
+    assert books.counters.frees == 1  # FREE with generation 1
+    books.write(slot, POOL, 9)  # the peer: another pool's feature, generation 2
+    books.write(slot, STATE, state_word(2, PUBLISHED))
+    end_generation, armed = books.ledger.end_generation, [True]
+
+    def publish_while_spent(s: int, gen: int) -> None:
+        end_generation(s, gen)
+        if s == slot and armed:
+            armed.clear()
+            books.publish(6, gen=3)  # the producer, after the peer's FREE and before the sweep's store
+
+    books.ledger.end_generation = publish_while_spent
+    books.sweeper.sweep(51.0)
+    assert not armed and books.counters.bad_table_words == 1  # the peer's generation was spent
+    books.sweeper.sweep(51.1)
+    lease = books.ledger.live_lease(slot)
+    assert lease is not None and lease.gen == 3, "the publish made while a generation was spent was erased"
