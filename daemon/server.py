@@ -43,7 +43,9 @@ log = logging.getLogger("mmfeatd")
 # While features flow, the daemon's cost is its wake-ups, not its work: each starts with caches that
 # payload copies of many MiB emptied (0.3-1 ms at 16 MiB), so wake-ups per second times that is its CPU.
 TICK_S = 0.4
-# A mesh's heartbeats and a remote pull's waiters keep a finer tick.
+# A mesh's heartbeats and a remote pull's waiters keep a finer tick, and a meshed daemon sweeps at
+# least this often too: a remote consumer's ack of a pulled copy reaches the owner only once its own
+# daemon's sweep has seen it, and until then the owner's producer cannot reuse that space.
 MESH_TICK_S = 0.1
 # Sweeps of the lease table: see sweep_interval. The longest interval bounds how late a daemon that
 # was idle frees the first acked feature (and stats and every lease op sweep first, whatever it is).
@@ -51,7 +53,6 @@ SWEEP_MIN_S = 0.005
 # A trickle of features, too, is swept at most this often, as an idle client is. Producers wait for no
 # sweep (DONE gives their space back); an arena's slots come back at a sweep, and a rate that would use
 # half of them between two sweeps halves the interval (SWEEP_BATCH).
-SWEEP_BUSY_MAX_S = 0.4
 SWEEP_MAX_S = 0.4
 # While clients write, a sweep should apply a batch of words: its fixed cost (numpy over the columns,
 # and, with payload copies of many MiB evicting the daemon from the caches, a cold start of a few
@@ -235,9 +236,11 @@ class Server:
         poller = self._poller()
         self.notifier.ready(self._status())
         now = time.monotonic()
-        tick_every = TICK_S if self._mesh is None and self._remote is None else MESH_TICK_S
+        meshed = self._mesh is not None or self._remote is not None
+        tick_every = MESH_TICK_S if meshed else TICK_S
+        sweep_longest = MESH_TICK_S if meshed else SWEEP_MAX_S
         next_tick = now + tick_every
-        sweep_every = SWEEP_MAX_S
+        sweep_every = sweep_longest
         next_sweep = now + sweep_every
         next_status = now + STATUS_EVERY_S
         next_metrics = now
@@ -285,7 +288,7 @@ class Server:
                 next_tick = min(next_tick, now + tick_every)
             swept = now >= next_sweep
             if swept:
-                sweep_every = sweep_interval(sweep_every, self.core.sweep(now, defer_unacked=True))
+                sweep_every = sweep_interval(sweep_every, self.core.sweep(now, defer_unacked=True), sweep_longest)
                 next_sweep = now + (IDLE_WAKE_S if idle else sweep_every)
             if now >= ledger.next_deadline():  # on time, whatever the tick
                 ledger.expire(now)
@@ -455,16 +458,13 @@ def _drain(sock: socket.socket) -> None:
         pass
 
 
-def sweep_interval(every: float, applied: int) -> float:
+def sweep_interval(every: float, applied: int, longest: float = SWEEP_MAX_S) -> float:
     """The next sweep's interval after one that applied ``applied`` words. Since a feature's last ack
     hands its space back to the producer (DONE), nothing waits for a sweep but slots and the books, so
     while clients write the interval follows the rate: halved while sweeps find more than a batch,
-    doubled (up to SWEEP_BUSY_MAX_S) while they find less; doubled up to SWEEP_MAX_S when idle."""
-    if applied == 0:
-        return min(SWEEP_MAX_S, every * 2)
-    every = min(every, SWEEP_BUSY_MAX_S)  # writes again after a quiet spell: back under the busy bound
+    doubled while they find less, up to ``longest`` (SWEEP_MAX_S; a meshed daemon's is shorter)."""
     if applied > SWEEP_BATCH[1]:
-        return max(SWEEP_MIN_S, every / 2)
+        return max(SWEEP_MIN_S, min(every, longest) / 2)
     if applied < SWEEP_BATCH[0]:
-        return min(SWEEP_BUSY_MAX_S, every * 2)
-    return every
+        return min(longest, every * 2)
+    return min(every, longest)
