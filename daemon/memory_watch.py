@@ -66,8 +66,10 @@ class MemoryWatch:
         load, over, wait = self._load, self._guard.over, select.select
         try:
             while True:
+                self._long = True  # before the load: a wake() from now on either writes or is seen by it
                 connections, leases = load()
-                self._long = not (connections or leases)
+                if connections or leases:
+                    self._long = False
                 if wait(pipe, (), (), IDLE_S if self._long else GUARD_S)[0]:
                     if self._stopping:
                         return
