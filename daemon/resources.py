@@ -51,7 +51,8 @@ def raise_fd_limit() -> int:
     if soft < MIN_FD_LIMIT:
         raise FdLimitError(
             f"the fd limit is {soft} (hard {hard}); mmfeatd needs at least {MIN_FD_LIMIT}: libzmq aborts the whole "
-            "process when a flood of connections exhausts it. Raise LimitNOFILE (the shipped unit sets 65536) or ulimit -Hn"
+            "process when a flood of connections exhausts it. Raise LimitNOFILE (the shipped unit sets 65536) or ulimit -Hn; "
+            "in a container, docker or podman run --ulimit nofile=65536:65536"
         )
     return soft
 
