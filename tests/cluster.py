@@ -1,18 +1,17 @@
-"""Nodes for mesh tests: CURVE keys made by mmfeatd --gen-keys, a port each, and daemons that list each
+"""Nodes for mesh tests: CURVE keys made by mmfeatd's key generator, a port each, and daemons that list each
 other as peers, all on 127.0.0.1."""
 
 from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import zmq
 
 from mmfeat.client.daemon_process import free_tcp_port
+from mmfeat.daemon import mesh_keys
 from mmfeat.daemon.mesh_keys import load_secret
 
 from .conftest import Daemon, start_daemon
@@ -23,9 +22,9 @@ def _free_port() -> int:
 
 
 def _gen_keys(directory: Path) -> str:
-    r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(directory)], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0, r.stderr
+    """A node's keypair, written by what ``mmfeatd --gen-keys`` runs (test_mesh runs the command itself):
+    the mesh tests make about forty, and a daemon's start-up costs half a second of CPU each."""
+    mesh_keys.generate(directory)
     return (directory / "mesh.public").read_text().strip()
 
 

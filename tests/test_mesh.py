@@ -33,7 +33,11 @@ def _peer(d: Daemon, endpoint: str) -> dict:
 
 
 def test_gen_keys_writes_a_private_secret_once(tmp_path) -> None:
-    public = _gen_keys(tmp_path)
+    first = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(tmp_path)], capture_output=True, text=True,
+                           timeout=60)
+    assert first.returncode == 0, first.stderr
+    public = (tmp_path / "mesh.public").read_text().strip()
+    assert f'public_key = "{public}"' in first.stdout  # what to list on the other nodes
     secret = tmp_path / "mesh.secret"
     assert len(public) == 40 and secret.stat().st_mode & 0o777 == 0o600
     assert load_secret(secret)[0].decode() == public
