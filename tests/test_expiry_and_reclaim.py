@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 
@@ -33,8 +32,8 @@ def test_ack_ttl_frees_published_and_spares_acked(daemon_factory) -> None:
         assert abandoned.lease != done.lease or abandoned.gen != done.gen
 
 
-def test_killed_producer_reserved_leases_freed_at_once(daemon) -> None:
-    ctx = mp.get_context("spawn")
+def test_killed_producer_reserved_leases_freed_at_once(daemon, children) -> None:
+    ctx = children
     ready = ctx.Queue()
     p = ctx.Process(target=workers.reserve_and_hang, args=(str(daemon.runtime_dir), 5, 1 << 20, ready))
     p.start()

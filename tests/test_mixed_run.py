@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 from . import mixed_workers as w
 
@@ -10,9 +9,9 @@ FEATURES = 10_000
 PRODUCERS = CONSUMERS = 3
 
 
-def test_ten_thousand_mixed_features_every_byte_and_exact_stats(daemon_factory) -> None:
+def test_ten_thousand_mixed_features_every_byte_and_exact_stats(daemon_factory, children) -> None:
     d = daemon_factory("--pool-mb", "512")
-    ctx = mp.get_context("spawn")
+    ctx = children
     consumer_qs = [ctx.Queue() for _ in range(CONSUMERS)]
     done_qs = [ctx.Queue() for _ in range(PRODUCERS)]
     results = ctx.Queue()

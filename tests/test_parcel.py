@@ -18,7 +18,7 @@ from . import parcel_workers as w
 from .conftest import run_ready_child
 
 
-def test_requests_reach_two_ranks_over_zmq_with_every_tensor_intact(daemon) -> None:
+def test_requests_reach_two_ranks_over_zmq_with_every_tensor_intact(daemon, children) -> None:
     import zmq
 
     ctx = zmq.Context()
@@ -27,7 +27,7 @@ def test_requests_reach_two_ranks_over_zmq_with_every_tensor_intact(daemon) -> N
     for k, s in enumerate(pushes):
         endpoints.append(f"ipc://{daemon.runtime_dir}/rank{k}.sock")
         s.bind(endpoints[-1])
-    spawn = mp.get_context("spawn")
+    spawn = children
     results = spawn.Queue()
     ranks = [spawn.Process(target=w.rank, args=(str(daemon.runtime_dir), ep, 12, results)) for ep in endpoints]
     for p in ranks:

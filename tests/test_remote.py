@@ -5,7 +5,6 @@ what attacks it: test_remote_failures.py."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import re
 import subprocess
@@ -32,10 +31,10 @@ from .cluster import idle, meshed
 pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed: make setup installs mmfeat[mesh]")
 
 
-def test_a_producer_on_a_feeds_consumers_on_a_and_b_every_byte(cluster) -> None:
+def test_a_producer_on_a_feeds_consumers_on_a_and_b_every_byte(cluster, children) -> None:
     a, b = meshed(cluster, pool_mb=256)
     fds_b = fd_count(b.pid)
-    ctx = mp.get_context("spawn")
+    ctx = children
     q_prod, q_a, q_b, results = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     consumers = [ctx.Process(target=workers.consume, args=(str(d.runtime_dir), q, results, copy))
                  for d, q, copy in ((a, q_a, False), (b, q_b, False))]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from . import workers
 from .conftest import assert_fds_settle, fd_count
 
 
-def _run(runtime_dir, copies: tuple[bool, bool]) -> list:
-    ctx = mp.get_context("spawn")
+def _run(ctx, runtime_dir, copies: tuple[bool, bool]) -> list:
     q_prod = ctx.Queue()
     q_cons = [ctx.Queue() for _ in copies]
     results = ctx.Queue()
@@ -38,10 +36,10 @@ def _run(runtime_dir, copies: tuple[bool, bool]) -> list:
     return out
 
 
-def test_producer_to_two_consumers_every_byte(daemon_factory) -> None:
+def test_producer_to_two_consumers_every_byte(daemon_factory, children) -> None:
     d = daemon_factory("--pool-mb", "256")
     daemon_fds = fd_count(d.pid)
-    results = _run(d.runtime_dir, (False, True))  # one consumer takes views, the other copies
+    results = _run(children, d.runtime_dir, (False, True))  # one consumer takes views, the other copies
     expected = len(workers.cases()) + 1
     assert results == [("ok", expected), ("ok", expected)], results
     s = d.stats()
