@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .control import run_control
+from .procs import worker_context
 from .report import MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, render, targets, write_json
 from .workers import MODES, Job, consumer_main, producer_main, ring_path
 
@@ -136,7 +137,7 @@ def _run_data_plane(
     import torch.multiprocessing as tmp
 
     tmp.set_sharing_strategy("file_descriptor")
-    ctx = tmp.get_context("spawn")
+    ctx = worker_context(tmp)
     mp_queues = [ctx.Queue() for _ in range(n)]
     pipes = [ctx.Pipe() for _ in range(n + 1)]
     procs = [ctx.Process(target=producer_main, args=(n, str(runtime_dir), str(sock_dir), args.threads, pipes[0][1], mp_queues))]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import mmap
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -39,6 +38,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from .procs import worker_context
 from .report import MiB, combine_rounds, human_size, parse_size
 
 REMOTE_MODES = ("remote", "remote_prefetch", "remote_premade", "local", "nixl_read", "nixl_read_hot", "zmq_tcp")
@@ -241,7 +241,7 @@ def _nixl_reader(size: int, ring: int, count: int, meta_q: Any, out: Any) -> Non
 
 
 def _run_mode(mode: str, nodes: dict, size: int, count: int, pool_bytes: int) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     out = ctx.Queue()
     (rt_a, _), (rt_b, _) = nodes["bench-a"], nodes["bench-b"]
     if mode in ("nixl_read", "nixl_read_hot"):
