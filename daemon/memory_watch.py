@@ -33,8 +33,6 @@ class MemoryWatch:
     """Sets ``tripped`` and calls ``ring`` (which wakes the loop) when ``guard`` finds the daemon over
     budget; the loop calls ``rearm`` once it has handled that. Only reads the loop's books."""
 
-    # The pipe wakes the thread early: a byte from wake() re-reads the load, close() also sets _stopping.
-
     def __init__(self, guard: MemoryGuard, load: Load, ring: Callable[[], None]) -> None:
         self._guard = guard
         self._load = load
@@ -43,6 +41,7 @@ class MemoryWatch:
         self._stopping = False
         self._long = False  # the thread sleeps IDLE_S: a newcomer must wake it
         self._pipe_lock = threading.Lock()  # wake() from another thread never writes to a closed fd
+        # Wakes the thread early: a byte from wake() has it read the load again; close() sets _stopping first.
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._run, name="mmfeatd-memory-watch", daemon=True)
         self._thread.start()
