@@ -75,6 +75,21 @@ def test_rounds_combine_into_medians_of_each_rounds_own_ratio() -> None:
     assert single == [{k: v for k, v in row("pool_view", 5, 0).items() if k != "round"}]
 
 
+def test_the_daemon_verdict_says_when_a_row_was_too_short_to_judge() -> None:
+    """mmfeatd's CPU is mostly wake-ups every 5-400 ms: over a 0.2 s row its column is one or two of them
+    divided by the row. The verdict still says met or missed, and says how to measure the steady state."""
+    from mmfeat.client.bench.report import targets
+
+    def row(seconds: float, fps: float) -> dict:
+        return {"mode": "pool_view", "size": 16 << 20, "consumers": 2, "features_per_s": fps, "seconds": seconds,
+                "daemon_cpu_us": 20.0}
+
+    ((_, met, short),) = [v for v in targets([row(0.25, 400)], []) if "mmfeatd" in v[0]]
+    assert not met and short.startswith("20 us over a row of 0.25 s") and "--count 400 " in short
+    ((_, _, steady),) = [v for v in targets([row(2.5, 400)], []) if "mmfeatd" in v[0]]
+    assert steady == "20 us"
+
+
 def test_remote_rounds_take_each_ratio_against_the_nixl_read_of_its_own_round() -> None:
     """What `mmfeat bench --remote --rounds N` reports (test_remote's smoke test runs one round)."""
     from mmfeat.client.bench.remote import ratios_to_nixl_read
