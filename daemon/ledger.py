@@ -10,8 +10,8 @@ that outlived its lease is told STALE instead of touching someone else's feature
 from __future__ import annotations
 
 import heapq
-import math
 import hmac
+import math
 import secrets
 from dataclasses import dataclass
 from enum import Enum

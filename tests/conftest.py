@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
@@ -19,6 +18,7 @@ from typing import Iterator
 import pytest
 
 from mmfeat.client import Client
+from mmfeat.client.bench.procs import worker_context
 from mmfeat.client.daemon_process import spawn_daemon
 
 
@@ -131,8 +131,7 @@ def children() -> multiprocessing.context.BaseContext:
     imports as a spawned interpreter does. They are separate processes all the same. The server starts
     here, before any test of the session has set a variable: its children inherit its environment, not
     the test's (a test that sets one for its children spawns them)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "mmfeat.client"])
+    ctx = worker_context()  # the bench's: the same server, the same preloads
     multiprocessing.forkserver.ensure_running()
     return ctx
 
