@@ -144,6 +144,11 @@ class ConfigError(Exception):
     """A setting that cannot be used; the message names it and where it came from."""
 
 
+class MeshConfigError(Exception):
+    """The mesh cannot start as configured (found when it starts: keys, the listen address); the
+    message says what to change. Here, not in mesh.py, so that a daemon without a mesh never imports it."""
+
+
 # Fields the daemon may change on SIGHUP without a restart.
 RELOADABLE = ("log_level", "reserve_ttl", "ack_ttl", "allowed_uids", "allowed_gids", "max_session_mb")
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 from typing import Callable, Optional
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger("mmfeatd")
 
@@ -27,6 +27,10 @@ log = logging.getLogger("mmfeatd")
 # instead of polling a stop flag.
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 _IDLE_WAIT_S = 1.0  # how often the thread looks at its stop flag when nothing happens (a safety net)
+# A monitor event's first frame (zmq_socket_monitor): the event's 16-bit id, then its 32-bit value (for
+# ACCEPTED and DISCONNECTED, the connection's fd). Read here rather than with zmq.utils.monitor, whose
+# import brings asyncio: a tenth of a daemon's start-up.
+_EVENT = struct.Struct("=hi")
 
 IsOurs = Callable[[int], bool]
 Favoured = Callable[[socket.socket], bool]  # asked once per accepted connection
@@ -107,12 +111,13 @@ class ConnectionCap:
                 if not monitor.poll(_IDLE_WAIT_S * 1000):
                     continue
                 try:
-                    event = recv_monitor_message(monitor)
-                    if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    frames = monitor.recv_multipart()
+                    event, value = _EVENT.unpack(frames[0])
+                    if event == zmq.EVENT_MONITOR_STOPPED:
                         monitor.close()
                         monitor = None
                     else:
-                        self._count(event)
+                        self._count(event, value)
                 except zmq.ContextTerminated:
                     raise
                 except Exception:  # noqa: BLE001 - this thread must outlive any one event (see close)
@@ -123,11 +128,10 @@ class ConnectionCap:
             if monitor is not None:
                 monitor.close()
 
-    def _count(self, event: dict) -> None:
-        fd = event["value"]
-        if event["event"] == zmq.EVENT_DISCONNECTED:
+    def _count(self, event: int, fd: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
             self._conns.pop(fd, None)
-        elif event["event"] == zmq.EVENT_ACCEPTED:
+        elif event == zmq.EVENT_ACCEPTED:
             self._conns.pop(fd, None)  # a reused number: the newest connection goes last
             favoured = self._favoured is not None and self._with_socket(fd, self._favoured)
             if len(self._conns) < self.max_connections:

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .backends import create_pools
-from .config import HELP, RELOADABLE, ConfigError, Settings, load_settings, render_config
+from .config import HELP, RELOADABLE, ConfigError, MeshConfigError, Settings, load_settings, render_config
 from .core import DaemonCore
 from . import mesh_keys
 from .logs import setup_logging
-from .mesh import MeshConfigError
 from .pools import PoolCreateError
 from .resources import FdLimitError, raise_fd_limit
 from .runtime_dir import RuntimeDir, RuntimeDirError

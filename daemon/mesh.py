@@ -28,7 +28,7 @@ from mmfeat.protos.mesh import (
     MAX_MESH_FRAME, MESH_REPLIES, MESH_REQUESTS, MeshError, MeshHello, MeshPing, MeshPong, decode_mesh, encode_mesh,
 )
 
-from .config import Peer, Settings
+from .config import MeshConfigError, Peer, Settings
 from .connection_cap import ConnectionCap, IsOurs
 from .mesh_keys import SECRET_FILE, KeyFileError, load_secret
 
@@ -53,10 +53,6 @@ class PeerHandler(Protocol):
     def on_reply(self, peer: "PeerState", op: str, body: Any, now: float) -> None: ...
 
     def on_peer_change(self, peer: "PeerState", now: float) -> None: ...
-
-
-class MeshConfigError(Exception):
-    """The mesh cannot start as configured; the message says what to change."""
 
 
 @dataclass

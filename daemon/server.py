@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import zmq
 
-from mmfeat.nixl import NixlUnavailable
 from mmfeat.protos.codec import MAX_REQUEST_BYTES
 from mmfeat.protos.errors import ErrorCode
 from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint, fd_socket_path
@@ -26,15 +25,15 @@ from .core import DaemonCore
 from .dispatch import dispatch, error_reply
 from .fd_channel import FdChannel
 from .memory_watch import MemoryWatch
-from .mesh import Mesh
-from .puller import Puller, Region, agent_name
-from .remote import RemoteFeatures
 from .control_socket import ControlSocket
 from .resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .sd_notify import Notifier
 
-if TYPE_CHECKING:  # prometheus-client is imported only by a daemon that serves metrics
-    from .metrics import Metrics
+if TYPE_CHECKING:
+    from .mesh import Mesh
+    from .metrics import Metrics  # prometheus-client is imported only by a daemon that serves metrics
+    from .puller import Puller
+    from .remote import RemoteFeatures
 
 log = logging.getLogger("mmfeatd")
 
@@ -129,6 +128,11 @@ class Server:
         self.core.endpoint = self._control.endpoint
         self.core.resource_stats = self._resource_stats
         if self.settings.listen:
+            # Imported only here: the mesh's modules (ZeroMQ's authenticator, asyncio) are a tenth of a
+            # daemon's start-up, which a daemon without a mesh need not pay.
+            from .mesh import Mesh
+            from .remote import RemoteFeatures
+
             no_puller = self._start_puller()
             self._mesh = Mesh(self._ctx, self.settings, self._mesh_hello, self._owns)
             self._remote = RemoteFeatures(self.core, self._mesh, self._puller, no_puller)
@@ -152,6 +156,10 @@ class Server:
 
     def _start_puller(self) -> str:
         """NIXL, with every pool it can register; what a client is told if it cannot start ("" if it did)."""
+        from mmfeat.nixl import NixlUnavailable
+
+        from .puller import Puller, Region, agent_name
+
         regions = []
         for pool in self.core.pools.values():
             try:
