@@ -49,7 +49,9 @@ def test_a_frozen_or_dead_owner_fails_gets_in_time_and_a_restarted_one_is_stale(
             t0 = time.monotonic()
             with pytest.raises(DaemonUnavailableError):
                 consumer.get(frozen)
-            assert time.monotonic() - t0 < 3.5  # the daemon answers within the client's timeout
+            # Bounded by the client's 3 s timeout, not a hang; the margin is for a loaded machine (make test runs a
+            # worker more than there are cores).
+            assert time.monotonic() - t0 < 6
         finally:
             a.proc.send_signal(signal.SIGCONT)
         cluster.stop("a", signal.SIGKILL)
