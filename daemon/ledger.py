@@ -9,9 +9,7 @@ that outlived its lease is told STALE instead of touching someone else's feature
 
 from __future__ import annotations
 
-import heapq
 import hmac
-import math
 import secrets
 from dataclasses import dataclass
 from enum import Enum
@@ -27,6 +25,7 @@ from mmfeat.protos.lease_table import FREE, PUBLISHED, RESERVED
 from .allocator import Allocator, align_up
 from .arenas import Arena, Arenas
 from .counters import Counters
+from .deadlines import Deadlines
 from .lease_table import LeaseTable
 from .slots import SlotSpace
 
@@ -82,11 +81,6 @@ class AckResult:
     duplicate: bool = False
 
 
-# Expiry entries are dropped lazily; the heap is rebuilt from the live leases once it holds this many
-# more than twice their number, so its memory follows live leases, not throughput x ack_ttl.
-_HEAP_SLACK = 64
-
-
 # Called as observer(lease, reason, now) whenever a lease is freed; metrics and the mesh hang off it.
 FreeObserver = Callable[[Lease, EndReason, float], None]
 # Called with the number of features a sweep found published and acked by all since the last one:
@@ -128,9 +122,9 @@ class Ledger:
         # while a lease is live in it.
         self.gate = np.zeros(max_leases, dtype=np.uint64)
         self._leases: dict[int, Lease] = {}  # slot -> its live lease
+        self._deadlines = Deadlines(self._leases)
         self.space = SlotSpace(max_leases, min(arena_slots, max_leases))
         self.arenas = Arenas(allocators, self.space, counters, arena_bytes, arenas_per_session)
-        self._deadlines: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen); lazily invalidated
         self._reserved_by_session: dict[bytes, set[int]] = {}
         self.session_quota = session_quota  # bytes a session's live leases may hold; 0: no limit
         self._bytes_by_session: dict[bytes, int] = {}
@@ -205,7 +199,7 @@ class Ledger:
             self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes, consumers, lease.token)
         self._reserved_by_session.setdefault(session, set()).add(lease_id)
         self._hold(session, lease.size)
-        self._push_deadline(lease)
+        self._deadlines.push(lease)
         self.counters.reserves += 1
         return lease
 
@@ -234,7 +228,7 @@ class Ledger:
         self.live += 1
         self._account(lease, +1)
         self.arenas.feature_added(arena, slot_id, offset, lease.size)
-        self._push_deadline(lease)
+        self._deadlines.push(lease)
         self.counters.publishes += 1
         self.counters.arena_publishes += 1
         return lease
@@ -255,7 +249,7 @@ class Ledger:
             # Every consumer acked before this publish arrived (it was pipelined): done already.
             self._free(lease, EndReason.ACKED, now)
         else:
-            self._push_deadline(lease)
+            self._deadlines.push(lease)
         return lease
 
     def ack(self, ref: LeaseRef, count: int, now: float, ack_id: Optional[bytes] = None) -> AckResult:
@@ -302,11 +296,7 @@ class Ledger:
     def expire(self, now: float) -> int:
         """Free every lease whose deadline has passed; the number freed."""
         n = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, lease_id, gen = heapq.heappop(self._deadlines)
-            if not self._current((deadline, lease_id, gen)):
-                continue  # freed or republished since this entry was pushed
-            lease = self._leases[lease_id]
+        for lease in self._deadlines.due(now):
             reason = EndReason.EXPIRED_RESERVED if lease.state is LeaseState.RESERVED else EndReason.EXPIRED_PUBLISHED
             self.counters.expired += 1
             self._free(lease, reason, now)
@@ -391,32 +381,13 @@ class Ledger:
         return len(leases)
 
     def next_deadline(self) -> float:
-        """The earliest deadline of a live lease, for the loop to wake at. Entries that a free or a publish
-        made stale are dropped from the top first: under a stream of reserved features acked well
-        before their TTL, they would wake the loop once each."""
-        heap = self._deadlines
-        while heap and not self._current(heap[0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else math.inf
+        """The earliest deadline of a live lease, for the loop to wake at (math.inf: none)."""
+        return self._deadlines.earliest()
 
     @property
     def timers(self) -> int:
         """Entries in the expiry heap, stale ones included (stats shows it: it must follow live leases)."""
         return len(self._deadlines)
-
-    def _push_deadline(self, lease: Lease) -> None:
-        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id, lease.gen))
-        self._compact_deadlines()
-
-    def _compact_deadlines(self) -> None:
-        if len(self._deadlines) > 2 * self.live + _HEAP_SLACK:
-            self._deadlines = [e for e in self._deadlines if self._current(e)]
-            heapq.heapify(self._deadlines)
-
-    def _current(self, entry: tuple[float, int, int]) -> bool:
-        """Whether an expiry entry still belongs to a live lease's current deadline."""
-        lease = self._leases.get(entry[1])
-        return lease is not None and lease.gen == entry[2] and lease.deadline == entry[0]
 
     def count_by_state(self, pool_id: Optional[int] = None) -> dict[str, int]:
         pools = [pool_id] if pool_id is not None else list(self._count)
@@ -523,6 +494,6 @@ class Ledger:
             self.space.give(lease.lease_id)
         self.live -= 1
         self.counters.frees += 1
-        self._compact_deadlines()  # a sweep may end many leases adopted in one go
+        self._deadlines.compact()  # a sweep may end many leases adopted in one go
         for observe in self._observers:
             observe(lease, reason, now)
