@@ -31,8 +31,33 @@ def torch_dtype(name: str) -> torch.dtype:
         raise TypeError(f"this torch has no dtype {name!r}") from None
 
 
+# One tensor's spec and size by (dtype, shape). A server puts a few shapes over and over, and building a
+# spec was a sixth of put()'s Python; cleared when full, which costs a rebuild per shape.
+LAYOUT_CACHE_ENTRIES = 1024
+_one: dict[tuple[torch.dtype, torch.Size], tuple[TensorSpec, int]] = {}
+
+
+def layout_cache_len() -> int:
+    """How many single-tensor layouts ``layout`` keeps now (at most LAYOUT_CACHE_ENTRIES)."""
+    return len(_one)
+
+
 def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], int]:
     """Specs for ``tensors`` packed contiguously one after another, and the total size in bytes."""
+    if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+        t = tensors[0]
+        key = (t.dtype, t.shape)
+        hit = _one.get(key)
+        if hit is None:
+            specs, nbytes = _layout(tensors)
+            if len(_one) >= LAYOUT_CACHE_ENTRIES:
+                _one.clear()
+            hit = _one[key] = (specs[0], nbytes)
+        return [hit[0]], hit[1]
+    return _layout(tensors)
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], int]:
     specs, offset = [], 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):

@@ -203,3 +203,22 @@ def test_the_sweep_interval_follows_the_rate_within_its_bounds() -> None:
     assert every == SWEEP_MAX_S
     for applied in (0, 1, (SWEEP_BATCH[0] + SWEEP_BATCH[1]) // 2, SWEEP_BATCH[1] + 1):  # a meshed daemon
         assert SWEEP_MIN_S <= sweep_interval(SWEEP_MAX_S, applied, MESH_TICK_S) <= MESH_TICK_S
+
+
+def test_one_tensors_layout_from_the_cache_is_the_one_it_would_build() -> None:
+    """put() takes a single tensor's spec from a cache keyed by dtype and shape: the same dtype with another
+    shape, the same shape in another dtype, and a non-contiguous input (packed contiguous) each get their
+    own, the spec that a put of several tensors builds afresh for its first."""
+    import torch
+
+    from mmfeat.client import tensors as tz
+
+    cases = [torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float16), torch.zeros(4, 3), torch.zeros(4, 3).t(),
+             torch.zeros(0, 5, dtype=torch.int64), torch.zeros((), dtype=torch.bfloat16)]
+    for t in cases * 2:  # the second pass reads the cache
+        (spec,), nbytes = tz.layout([t])
+        assert spec == tz.layout([t, t])[0][0] and nbytes == t.numel() * t.element_size()
+    assert tz.layout([cases[0]])[0][0] != tz.layout([cases[1]])[0][0]
+    for n in range(tz.LAYOUT_CACHE_ENTRIES + 8):  # more shapes than it keeps: it starts again, and stays bounded
+        assert tz.layout([torch.zeros(n + 1, dtype=torch.uint8)]) == ([TensorSpec("uint8", (n + 1,), (1,), 0)], n + 1)
+    assert 0 < tz.layout_cache_len() <= tz.LAYOUT_CACHE_ENTRIES
