@@ -23,8 +23,9 @@ BYTECODE := $(BIN)/python -m compileall -q daemon client protos mmfeat_pkg tests
 
 # Most of the suite's time is waiting on daemons and child processes it starts, so it runs whole files
 # (a file's module fixtures are built once) on one worker more than there are cores: on 2 cores, 1 worker
-# took 4.5 minutes, 2 took 2.5-2.7 and 3 take 2.1-2.3 (4: no faster).
-TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
+# took 4.5 minutes, 2 took 2.5-2.7 and 3 take 2.1-2.3 (4: no faster). At most 8: each worker holds a
+# forkserver with torch loaded, and the longest files, not the worker count, bound the time past that.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 < 8 ? n + 1 : 8 )))
 test: $(STAMP)
 	$(BYTECODE)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
