@@ -90,6 +90,24 @@ def test_the_daemon_verdict_says_when_a_row_was_too_short_to_judge() -> None:
     assert steady == "20 us"
 
 
+def test_rounds_pool_the_daemons_cpu_and_its_seconds() -> None:
+    """A median of three 0.25 s rows picks one row's wake-ups; the rounds together are a 0.75 s look.
+    mmfeatd's column is their mean (equal counts), and the verdict judges it over their summed seconds."""
+    from mmfeat.client.bench.report import combine_rounds, targets
+
+    def row(rnd: int, us: float) -> dict:
+        return {"mode": "pool_view", "size": 16 << 20, "consumers": 2, "features_per_s": 400, "seconds": 0.25,
+                "daemon_cpu_us": us, "round": rnd}
+
+    (combined,) = combine_rounds([row(0, 5.0), row(1, 6.0), row(2, 25.0)])
+    assert combined["daemon_cpu_us"] == 12.0 and combined["daemon_seconds"] == 0.75  # the median would say 6
+    ((_, met, what),) = [v for v in targets([combined], []) if "mmfeatd" in v[0]]
+    assert not met and what.startswith("12 us over 3 rounds' rows of 0.75 s in all") and "--count 200 " in what
+    (longer,) = combine_rounds([{**row(r, 9.0), "seconds": 0.5} for r in range(3)])
+    ((_, met, what),) = [v for v in targets([longer], []) if "mmfeatd" in v[0]]
+    assert met and what == "9 us"
+
+
 def test_remote_rounds_take_each_ratio_against_the_nixl_read_of_its_own_round() -> None:
     """What `mmfeat bench --remote --rounds N` reports (test_remote's smoke test runs one round)."""
     from mmfeat.client.bench.remote import ratios_to_nixl_read

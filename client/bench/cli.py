@@ -235,7 +235,7 @@ def run_bench(args: argparse.Namespace) -> int:
         verdicts = targets(rows, control)
         print(f"payloads on {device}; limit: one {'device-to-device' if device != 'cpu' else 'host'} copy; "
               f"consumers ack {'with wait=False' if args.ack == 'background' else 'and wait'}"
-              f"{f'; medians of {args.rounds} interleaved rounds (ratios: of each round its own)' if args.rounds > 1 else ''}\n")
+              f"{f'; medians of {args.rounds} interleaved rounds (ratios: of each round its own; mmfeatd: the rounds pooled)' if args.rounds > 1 else ''}\n")
         print(render(rows, control, verdicts))
         if args.json:
             write_json(args.json, rows, control)
