@@ -123,7 +123,7 @@ def targets(rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[t
             if seconds is not None and seconds < DAEMON_STEADY_ROW_S:
                 steady = math.ceil(DAEMON_STEADY_ROW_S * r["features_per_s"] / rounds / 100) * 100
                 over = f"a row of {seconds:.2f} s" if rounds == 1 else f"{rounds} rounds' rows of {seconds:.2f} s in all"
-                short = (f" over {over}, one or two of the daemon's wake-ups: --count {steady} "
+                short = (f" over {over}, too short for the daemon's wake-ups to average out: --count {steady} "
                          "or more measures its steady state")
             out.append((f"{human_size(size)} x{n}: mmfeatd CPU <= {DAEMON_US_PER_FEATURE:g} us per feature",
                         us <= DAEMON_US_PER_FEATURE, f"{us:.0f} us{short}"))
