@@ -40,9 +40,9 @@ class Deadlines:
     def due(self, now: float) -> Iterator["Lease"]:
         """Each live lease whose deadline is at or before ``now``, earliest first; the caller may free
         each before taking the next."""
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
+        # self._heap read afresh each time: a free may compact it into a new list meanwhile.
+        while self._heap and self._heap[0][0] <= now:
+            entry = heapq.heappop(self._heap)
             if self._current(entry):
                 yield self._leases[entry[1]]
 
