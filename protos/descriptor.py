@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import msgpack
 
+from .descriptor_parts import KnownParts, head_bytes, tail_bytes
 from .dtypes import DTYPE_SIZES
 from .messages import TOKEN_BYTES
 
@@ -31,11 +32,24 @@ LEASE_ALIGNMENT = 256
 PARSE_CACHE_MAX_BYTES = 512
 PARSE_CACHE_ENTRIES = 4096
 _parsed: dict[bytes, "Descriptor"] = {}
+_known = KnownParts()  # heads and tails of descriptors parsed in full: later ones check only the rest
 
 
 def parse_cache_len() -> int:
     """How many parsed descriptors ``from_bytes`` keeps now (at most PARSE_CACHE_ENTRIES)."""
     return len(_parsed)
+
+
+def parse_known(data: bytes) -> Optional["Descriptor"]:
+    """The descriptor ``data`` names if it is made of a head and a tail a full parse already accepted
+    (descriptor_parts.py), None otherwise: what ``from_bytes`` takes before a full parse."""
+    fields = _known.parse(data) if type(data) is bytes else None
+    return Descriptor.checked(*fields) if fields is not None else None
+
+
+def parse_in_full(data: bytes) -> "Descriptor":
+    """The full parse, with neither cache: the reference ``from_bytes`` must agree with (tests, triage)."""
+    return Descriptor._parse_or_refuse(data)
 
 
 _INT_FIELDS = ("pool", "epoch", "lease", "gen", "offset", "nbytes")
@@ -189,21 +203,35 @@ class Descriptor:
         # other rank of a node that hands the bytes around in-process) finds them here, already
         # validated. Keyed by the exact bytes of small pool descriptors only; a Descriptor is frozen.
         cacheable = type(data) is bytes and len(data) <= PARSE_CACHE_MAX_BYTES
-        if cacheable:
-            hit = _parsed.get(data)
-            if hit is not None:
-                return hit
+        if not cacheable:
+            return cls._parse_or_refuse(data)
+        desc = _parsed.get(data)
+        if desc is not None:
+            return desc
+        fields = _known.parse(data)  # a new feature of a known pool and shape: its own four fields checked
+        if fields is not None:
+            desc = cls.checked(*fields)
+        else:
+            desc = cls._parse_or_refuse(data)
+            if desc.is_inline:
+                return desc
+            head = (desc.kind, desc.node, desc.endpoint, desc.device, desc.pool, desc.epoch)
+            _known.remember(data, head_bytes(FORMAT, *head), head,
+                            tail_bytes(desc.nbytes, desc.many, [t.to_wire() for t in desc.tensors]),
+                            (desc.nbytes, desc.many, desc.tensors))
+        if len(_parsed) >= PARSE_CACHE_ENTRIES:
+            _parsed.clear()  # cheaper than an LRU, and a miss only costs a parse
+        _parsed[data] = desc
+        return desc
+
+    @classmethod
+    def _parse_or_refuse(cls, data: bytes) -> "Descriptor":
         try:
-            desc = cls._parse(data)
+            return cls._parse(data)
         except DescriptorError:
             raise
         except Exception as exc:  # any other failure on hostile bytes is still just a bad descriptor
             raise DescriptorError(f"not a descriptor: {type(exc).__name__}: {exc}") from None
-        if cacheable and not desc.is_inline:
-            if len(_parsed) >= PARSE_CACHE_ENTRIES:
-                _parsed.clear()  # cheaper than an LRU, and a miss only costs a parse
-            _parsed[data] = desc
-        return desc
 
     @classmethod
     def _parse(cls, data: bytes) -> "Descriptor":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import struct
 from dataclasses import replace
 
 import msgpack
@@ -168,3 +169,113 @@ def test_checked_descriptors_are_the_constructors_and_stay_frozen() -> None:
         made.offset = 0  # type: ignore[misc]
     parsed = Descriptor.from_bytes(_spec_bytes(nbytes=256))
     assert Descriptor.from_bytes(parsed.to_bytes()) == parsed and type(parsed) is Descriptor
+
+
+def test_known_parts_accept_only_what_a_full_parse_accepts_and_give_the_same_descriptor() -> None:
+    """from_bytes checks a descriptor whose head and tail it has fully parsed before by comparing bytes
+    and decoding the four fields between (protos/descriptor_parts.py). It must accept nothing the full
+    parse refuses, give the very descriptor it gives, and recognise every valid descriptor of known parts."""
+    from mmfeat.protos import descriptor
+
+    rng = random.Random(20261201)
+    specs = [
+        (TensorSpec("uint8", (65536,), (1,), 0),),
+        (TensorSpec("float32", (3, 224, 224), (50176, 224, 1), 0),),
+        (TensorSpec("bfloat16", (16, 8), (8, 1), 0), TensorSpec("int64", (5,), (1,), 256)),
+    ]
+    templates = [
+        Descriptor(kind=kind, tensors=t, nbytes=max(s.offset + s.extent for s in t) + 256 * extra, many=len(t) > 1 or many,
+                   node="node-a", endpoint="ipc:///run/mmfeat/mmfeatd.sock", device=device, pool=pool, epoch=epoch,
+                   token=b"t" * 16)
+        for kind, device, pool in (("host", -1, 0), ("cuda", 3, 2))
+        for t in specs for extra in (0, 1) for many in (False, True)
+        for epoch in (1, (1 << 63) + 5)
+    ]
+    for t in templates:  # a full parse of each makes its head and tail known
+        assert descriptor.parse_in_full(t.to_bytes()) == t
+        Descriptor.from_bytes(t.to_bytes())
+    # Every width msgpack gives an unsigned integer, and the edges between them.
+    ints = [0, 1, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, 1 << 62, (1 << 64) - 1]
+    offsets = [0, 256, 65536, 1 << 32, 1 << 62, (1 << 64) - 256]
+    recognised = refused_both = 0
+    for i in range(30_000):
+        d = replace(rng.choice(templates), lease=rng.choice(ints), gen=rng.choice(ints), offset=rng.choice(offsets),
+                    token=rng.randbytes(16))
+        blob = d.to_bytes()
+        if i % 3 == 1:
+            blob = _mutations(rng, blob)
+        elif i % 3 == 2:
+            blob = _reencoded_fields(rng, d)
+        known = descriptor.parse_known(blob)
+        try:
+            full = descriptor.parse_in_full(blob)
+        except DescriptorError:
+            full = None
+        if i % 3 == 0:
+            assert known == full == d, blob.hex()  # a valid descriptor of known parts is always recognised
+        if known is not None:
+            recognised += 1
+            assert full is not None and vars(known) == vars(full), blob.hex()
+            assert Descriptor.from_bytes(blob) == full
+        elif full is None:
+            refused_both += 1
+            with pytest.raises(DescriptorError):
+                Descriptor.from_bytes(blob)
+    assert recognised > 10_500 and refused_both > 10_000, (recognised, refused_both)
+
+
+def _reencoded_fields(rng: random.Random, d: Descriptor) -> bytes:
+    """``d``'s bytes with its lease, generation and offset each written in some msgpack form: the
+    shortest, a wider unsigned one, a signed one (of the value or of a negative one), a float, nil."""
+    def some_form(value: int) -> bytes:
+        form = rng.randrange(6)
+        if form == 0:
+            return msgpack.packb(value)
+        if form == 1:
+            for code, fmt in ((0xCC, ">B"), (0xCD, ">H"), (0xCE, ">I"), (0xCF, ">Q")):
+                if value < 1 << (8 * struct.calcsize(fmt)) and rng.random() < 0.5:
+                    return bytes((code,)) + struct.pack(fmt, value)
+            return b"\xcf" + struct.pack(">Q", value)
+        if form == 2:
+            signed = rng.choice([value, -value - 1, -1, -32, -33, -(1 << 31), -(1 << 63)])
+            for code, fmt in ((0xD0, ">b"), (0xD1, ">h"), (0xD2, ">i"), (0xD3, ">q")):
+                try:
+                    return bytes((code,)) + struct.pack(fmt, signed)
+                except struct.error:
+                    continue
+            return msgpack.packb(value)
+        if form == 3:
+            return bytes((rng.randrange(0xE0, 0x100),))  # a negative fixint
+        if form == 4:
+            return b"\xcb" + struct.pack(">d", float(value))
+        return b"\xc0"
+
+    def items(*values) -> bytes:
+        return b"".join(msgpack.packb(v, use_bin_type=True) for v in values)
+
+    return (b"\x9f" + items(1, d.kind, d.node, d.endpoint, d.device, d.pool, d.epoch)
+            + some_form(d.lease) + some_form(d.gen) + b"\xc4\x10" + d.token + some_form(d.offset)
+            + items(d.nbytes, d.many, [t.to_wire() for t in d.tensors], None))
+
+
+@pytest.mark.parametrize("middle,why", [
+    (b"\xff", "non-negative"),  # a negative lease
+    (b"\xcb" + bytes(8), "non-negative"),  # a float
+    (b"\xc0", "non-negative"),  # nil
+])
+def test_a_forged_field_between_known_parts_takes_the_full_parse_and_is_refused(middle, why) -> None:
+    from mmfeat.protos import descriptor
+
+    good = Descriptor(kind="host", tensors=(TensorSpec("uint8", (512,), (1,), 0),), nbytes=512, node="n",
+                      endpoint="ipc:///x", pool=0, epoch=7, lease=3, gen=9, token=b"k" * 16, offset=1024)
+    blob = good.to_bytes()
+    assert Descriptor.from_bytes(blob) == good and descriptor.parse_known(blob) == good
+    head = blob[: blob.index(b"\x03\x09\xc4\x10")]  # ... epoch, then lease 3 and gen 9
+    forged = head + middle + blob[len(head) + 1:]
+    assert descriptor.parse_known(forged) is None
+    with pytest.raises(DescriptorError, match=why):
+        Descriptor.from_bytes(forged)
+    for bad in (blob + b"\xc0", blob[:-1], blob.replace(b"\xcd\x04\x00", b"\xcd\x04\x01")):  # trailing, short, misaligned
+        assert descriptor.parse_known(bad) is None
+        with pytest.raises(DescriptorError):
+            Descriptor.from_bytes(bad)
