@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import msgpack
 
-from .descriptor_parts import KnownParts, head_bytes, tail_bytes
+from .descriptor_parts import KnownParts, Tail, head_bytes
 from .dtypes import DTYPE_SIZES
 from .messages import TOKEN_BYTES
 
@@ -32,7 +32,7 @@ LEASE_ALIGNMENT = 256
 PARSE_CACHE_MAX_BYTES = 512
 PARSE_CACHE_ENTRIES = 4096
 _parsed: dict[bytes, "Descriptor"] = {}
-_known = KnownParts()  # heads and tails of descriptors parsed in full: later ones check only the rest
+_known = KnownParts()  # heads and tails already checked: a later descriptor checks only what differs
 
 
 def parse_cache_len() -> int:
@@ -41,10 +41,16 @@ def parse_cache_len() -> int:
 
 
 def parse_known(data: bytes) -> Optional["Descriptor"]:
-    """The descriptor ``data`` names if it is made of a head and a tail a full parse already accepted
-    (descriptor_parts.py), None otherwise: what ``from_bytes`` takes before a full parse."""
-    fields = _known.parse(data) if type(data) is bytes else None
-    return Descriptor.checked(*fields) if fields is not None else None
+    """The descriptor ``data`` names if it is made of a head and a tail already checked (see
+    descriptor_parts.py), without a parse of either; None otherwise (and for bytes that are not a
+    descriptor). Remembers nothing: for tests and triage of what ``from_bytes`` does first."""
+    split = _known.split(data) if type(data) is bytes else None
+    tail = _known.tail(data[split[5]:]) if split is not None else None
+    if split is None or tail is None or split[4] % LEASE_ALIGNMENT:
+        return None
+    (kind, node, endpoint, device, pool, epoch), lease, gen, token, offset, _ = split
+    return Descriptor.checked(kind, tail[2], tail[0], tail[1], node, endpoint, device, pool, epoch, lease, gen, token,
+                              offset, None)
 
 
 def parse_in_full(data: bytes) -> "Descriptor":
@@ -140,6 +146,37 @@ def _spec_from_wire(raw: Any, nbytes: Optional[int]) -> TensorSpec:
     return TensorSpec.checked(dtype, tuple(shape), tuple(strides), offset)
 
 
+def _tensor_specs(tensors: Any, many: bool, nbytes: int) -> tuple[TensorSpec, ...]:
+    if not isinstance(tensors, list) or not tensors or len(tensors) > _MAX_TENSORS:
+        raise DescriptorError(f"a descriptor holds 1 to {_MAX_TENSORS} tensors")
+    if not many and len(tensors) != 1:
+        raise DescriptorError("a single-tensor descriptor must hold exactly one tensor")
+    return tuple([_spec_from_wire(t, nbytes) for t in tensors])
+
+
+def _unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, max_bin_len=_MAX_DESCRIPTOR_BYTES, max_array_len=_MAX_TENSORS * 4,
+                               max_ext_len=0)
+    except Exception as exc:
+        raise DescriptorError(f"not a descriptor: {type(exc).__name__}: {exc}") from None
+
+
+def _parse_pool_tail(tail: bytes) -> Tail:
+    """A pool descriptor's last four fields (nbytes, many, tensors, inline), checked as a full parse
+    checks them; ``tail`` must be exactly those four."""
+    nbytes, many, tensors, inline = _unpack(b"\x94" + tail)  # msgpack: an array of the four
+    if type(nbytes) is not int or nbytes < 0:
+        raise DescriptorError("nbytes must be a non-negative integer")
+    if type(many) is not bool:
+        raise DescriptorError("node and endpoint must be strings, many a bool")
+    if inline is not None:
+        raise DescriptorError("a pool descriptor carries no inline data")
+    if nbytes == 0:
+        raise DescriptorError("a pool descriptor names at least one byte")
+    return nbytes, many, _tensor_specs(tensors, many, nbytes)
+
+
 @dataclass(frozen=True)
 class Descriptor:
     """Names one feature: a lease in a pool (``kind`` host or cuda) or the bytes themselves (inline)."""
@@ -208,17 +245,18 @@ class Descriptor:
         desc = _parsed.get(data)
         if desc is not None:
             return desc
-        fields = _known.parse(data)  # a new feature of a known pool and shape: its own four fields checked
-        if fields is not None:
-            desc = cls.checked(*fields)
+        split = _known.split(data)
+        if split is not None:  # a pool this process has parsed a descriptor of before
+            desc = cls._parse_after_head(data, split)
         else:
             desc = cls._parse_or_refuse(data)
             if desc.is_inline:
                 return desc
             head = (desc.kind, desc.node, desc.endpoint, desc.device, desc.pool, desc.epoch)
-            _known.remember(data, head_bytes(FORMAT, *head), head,
-                            tail_bytes(desc.nbytes, desc.many, [t.to_wire() for t in desc.tensors]),
-                            (desc.nbytes, desc.many, desc.tensors))
+            _known.remember_head(data, head_bytes(FORMAT, *head), head)
+            split = _known.split(data)
+            if split is not None:
+                _known.remember_tail(data[split[5]:], (desc.nbytes, desc.many, desc.tensors))
         if len(_parsed) >= PARSE_CACHE_ENTRIES:
             _parsed.clear()  # cheaper than an LRU, and a miss only costs a parse
         _parsed[data] = desc
@@ -234,15 +272,25 @@ class Descriptor:
             raise DescriptorError(f"not a descriptor: {type(exc).__name__}: {exc}") from None
 
     @classmethod
+    def _parse_after_head(cls, data: bytes, split: tuple[Any, ...]) -> "Descriptor":
+        """A descriptor whose head is known: its four fields are decoded (``split``); its tail is one
+        already checked or is checked here alone, as ``_parse`` checks those fields of a pool descriptor."""
+        (kind, node, endpoint, device, pool, epoch), lease, gen, token, offset, at = split
+        tail_bytes = data[at:]
+        tail = _known.tail(tail_bytes)
+        if tail is None:
+            tail = _parse_pool_tail(tail_bytes)
+            _known.remember_tail(tail_bytes, tail)
+        if offset % LEASE_ALIGNMENT:
+            raise DescriptorError(f"lease offset {offset} is not {LEASE_ALIGNMENT}-byte aligned, as every lease is")
+        return cls.checked(kind, tail[2], tail[0], tail[1], node, endpoint, device, pool, epoch, lease, gen, token,
+                           offset, None)
+
+    @classmethod
     def _parse(cls, data: bytes) -> "Descriptor":
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DescriptorError(f"a descriptor is bytes, not {type(data).__name__}")
-        try:
-            raw = msgpack.unpackb(
-                data, raw=False, max_bin_len=_MAX_DESCRIPTOR_BYTES, max_array_len=_MAX_TENSORS * 4, max_ext_len=0
-            )
-        except Exception as exc:
-            raise DescriptorError(f"not a descriptor: {type(exc).__name__}: {exc}") from None
+        raw = _unpack(data)
         if not isinstance(raw, list) or len(raw) != 15:
             raise DescriptorError("not a descriptor: expected a 15-element msgpack array")
         if raw[0] != FORMAT:
@@ -259,10 +307,6 @@ class Descriptor:
             raise DescriptorError(f"{_INT_FIELDS[bad]} must be a non-negative integer")
         if type(device) is not int or device < -1:
             raise DescriptorError("device must be an integer >= -1")
-        if not isinstance(tensors, list) or not tensors or len(tensors) > _MAX_TENSORS:
-            raise DescriptorError(f"a descriptor holds 1 to {_MAX_TENSORS} tensors")
-        if not many and len(tensors) != 1:
-            raise DescriptorError("a single-tensor descriptor must hold exactly one tensor")
         if kind == "inline":
             if not isinstance(inline, (bytes, bytearray)) or len(inline) != nbytes:
                 raise DescriptorError("an inline descriptor must carry exactly nbytes of data")
@@ -275,8 +319,8 @@ class Descriptor:
                 raise DescriptorError(f"lease offset {offset} is not {LEASE_ALIGNMENT}-byte aligned, as every lease is")
             if nbytes == 0:
                 raise DescriptorError("a pool descriptor names at least one byte")
-        specs = tuple([_spec_from_wire(t, nbytes) for t in tensors])
-        return cls.checked(kind, specs, nbytes, many, node, endpoint, device, pool, epoch, lease, gen, token, offset, inline)
+        return cls.checked(kind, _tensor_specs(tensors, many, nbytes), nbytes, many, node, endpoint, device, pool, epoch,
+                           lease, gen, token, offset, inline)
 
     @classmethod
     def checked(cls, kind: str, tensors: tuple[TensorSpec, ...], nbytes: int, many: bool, node: str, endpoint: str,

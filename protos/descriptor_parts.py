@@ -4,15 +4,14 @@ Every descriptor of one pool starts with the same bytes (format, kind, node, end
 epoch: the *head*), and every descriptor of one feature shape ends with the same bytes (nbytes, many,
 the tensor specs, no inline data: the *tail*). Only the four fields between differ from feature to
 feature: lease, generation, token and offset. A consumer parsing a new descriptor spent most of its
-10 µs checking the head and tail again (dtype, shape against the lease, strides, alignment), and a
-producer re-encoded them.
+10 µs checking the head and tail again (dtype, shape against the lease, strides, alignment).
 
-Here a head and a tail are remembered once a full parse has accepted them (or this process encoded
-them from its own checked fields), as the exact bytes msgpack makes for them. A descriptor then parses
-by comparing its ends with those bytes and decoding the four fields between, with the checks a full
-parse makes on them; anything else (another encoding, a negative integer, a short or long token,
-trailing bytes) is not recognised here and takes the full parse, which accepts or refuses it.
-``test_descriptors`` checks that the two agree on mutated and random bytes.
+Here a head is remembered once a full parse has accepted it, as the bytes msgpack makes for its
+fields, and a tail once it was checked, as the bytes it came in. A descriptor that starts with a known
+head has its four fields decoded here (``split``) and checked by the caller; its tail is then either
+known (a dict lookup) or parsed and checked alone. Anything else (another encoding, a negative integer,
+a token of another size) takes the full parse. ``test_descriptors`` checks that the paths agree on
+valid, mutated and re-encoded bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from typing import Any, Optional
 
 import msgpack
 
-LEASE_ALIGNMENT = 256  # as descriptor.LEASE_ALIGNMENT: every lease starts on this boundary
 TOKEN_HEADER = b"\xc4\x10"  # msgpack bin 8 of 16 bytes: the token
 
 _HEADS = 8  # pools one process reads from at once: a node's GPUs and its host pool
@@ -52,42 +50,43 @@ def _uint(data: bytes, at: int) -> tuple[int, int]:
 
 
 def head_bytes(fmt: int, kind: str, node: str, endpoint: str, device: int, pool: int, epoch: int) -> bytes:
+    """msgpack's bytes for a descriptor's array header and its first seven fields."""
     return _ARRAY15 + b"".join(msgpack.packb(v, use_bin_type=True) for v in (fmt, kind, node, endpoint, device, pool, epoch))
 
 
-def tail_bytes(nbytes: int, many: bool, wire_tensors: list[Any]) -> bytes:
-    return b"".join(msgpack.packb(v, use_bin_type=True) for v in (nbytes, many, wire_tensors, None))
+Head = tuple[str, str, str, int, int, int]  # kind, node, endpoint, device, pool, epoch
+Tail = tuple[int, bool, tuple[Any, ...]]  # nbytes, many, the checked tensor specs
 
 
 class KnownParts:
     """Heads and tails already checked, and the fields they stand for."""
 
     def __init__(self) -> None:
-        # Most recently used first; each (head bytes, (kind, node, endpoint, device, pool, epoch)).
-        self._heads: list[tuple[bytes, tuple[str, str, str, int, int, int]]] = []
-        self._tails: dict[bytes, tuple[int, bool, tuple[Any, ...]]] = {}  # tail -> (nbytes, many, specs)
+        self._heads: list[tuple[bytes, Head]] = []  # most recently used first
+        self._tails: dict[bytes, Tail] = {}
 
-    def __len__(self) -> int:
-        return len(self._heads) + len(self._tails)
+    def remember_head(self, data: bytes, head: bytes, fields: Head) -> None:
+        """Remember a head whose fields a full parse of ``data`` accepted, if ``data`` starts with it."""
+        if data.startswith(head):
+            self._heads = [(head, fields)] + [h for h in self._heads if h[0] != head][: _HEADS - 1]
 
-    def remember(self, data: bytes, head: bytes, head_fields: tuple[str, str, str, int, int, int], tail: bytes,
-                 tail_fields: tuple[int, bool, tuple[Any, ...]]) -> None:
-        """Remember a head and a tail whose fields are checked, if ``data`` (their descriptor) is made of
-        exactly those bytes around its four fields: a parse then finds what the full parse would."""
-        if not (data.startswith(head) and data.endswith(tail) and len(data) > len(head) + len(tail)):
-            return
-        heads = self._heads
-        if not heads or heads[0][0] != head:
-            self._heads = [(head, head_fields)] + [h for h in heads if h[0] != head][: _HEADS - 1]
+    def remember_tail(self, tail: bytes, fields: Tail) -> None:
+        """Remember the bytes after a known head's four fields in a descriptor whose tail was checked,
+        as they are (they were read as exactly nbytes, many, tensors and no inline data)."""
         if tail not in self._tails:
             if len(self._tails) >= _TAILS:
                 self._tails.clear()
-            self._tails[tail] = tail_fields
+            self._tails[tail] = fields
 
-    def parse(self, data: bytes) -> Optional[tuple[Any, ...]]:
-        """The 14 fields of ``Descriptor.checked`` for a descriptor made of a known head and tail, with
-        its four own fields checked as a full parse checks them; None if this is not such a descriptor."""
-        for head, head_fields in self._heads:
+    def tail(self, tail: bytes) -> Optional[Tail]:
+        return self._tails.get(tail)
+
+    def split(self, data: bytes) -> Optional[tuple[Head, int, int, bytes, int, int]]:
+        """For bytes that start with a known head and go on with three unsigned integers and a 16-byte
+        token around the third (lease, generation, token, offset): the head's fields, those four, and
+        where the tail starts. None for anything else. The offset's alignment and the tail are the
+        caller's to check."""
+        for head, fields in self._heads:
             if data.startswith(head):
                 break
         else:
@@ -101,13 +100,4 @@ class KnownParts:
             offset, at = _uint(data, at + 18)
         except (_Unknown, IndexError, struct.error):
             return None
-        tail = self._tails.get(data[at:])
-        if tail is None or offset % LEASE_ALIGNMENT:
-            return None
-        kind, node, endpoint, device, pool, epoch = head_fields
-        nbytes, many, specs = tail
-        return (kind, specs, nbytes, many, node, endpoint, device, pool, epoch, lease, gen, token, offset, None)
-
-    def clear(self) -> None:
-        self._heads = []
-        self._tails.clear()
+        return fields, lease, gen, token, offset, at

@@ -206,21 +206,25 @@ def test_known_parts_accept_only_what_a_full_parse_accepts_and_give_the_same_des
             blob = _mutations(rng, blob)
         elif i % 3 == 2:
             blob = _reencoded_fields(rng, d)
-        known = descriptor.parse_known(blob)
         try:
             full = descriptor.parse_in_full(blob)
         except DescriptorError:
             full = None
-        if i % 3 == 0:
-            assert known == full == d, blob.hex()  # a valid descriptor of known parts is always recognised
+        known = descriptor.parse_known(blob)  # None unless its head and tail are known already
+        try:
+            parsed = Descriptor.from_bytes(blob)  # a known head: the four fields, then a known or new tail
+        except DescriptorError:
+            parsed = None
+        if i % 3 == 0:  # valid: from_bytes has made its head and tail known, if they were not
+            assert descriptor.parse_known(blob) == full == d, blob.hex()
+        assert (parsed is None) == (full is None), blob.hex()
+        if full is not None:
+            assert vars(parsed) == vars(full), blob.hex()
         if known is not None:
             recognised += 1
             assert full is not None and vars(known) == vars(full), blob.hex()
-            assert Descriptor.from_bytes(blob) == full
         elif full is None:
             refused_both += 1
-            with pytest.raises(DescriptorError):
-                Descriptor.from_bytes(blob)
     assert recognised > 10_500 and refused_both > 10_000, (recognised, refused_both)
 
 
@@ -279,3 +283,26 @@ def test_a_forged_field_between_known_parts_takes_the_full_parse_and_is_refused(
         assert descriptor.parse_known(bad) is None
         with pytest.raises(DescriptorError):
             Descriptor.from_bytes(bad)
+
+
+@pytest.mark.parametrize("index,value", [
+    (10, 100), (11, 0), (11, -256), (11, 2.5), (11, "x"), (12, 1), (12, None), (13, []), (13, "x"),
+    (13, [["float32", [4], [1], 0]] * 2), (13, [["float32", [65], [1], 0]]), (13, [["float99", [4], [1], 0]]),
+    (14, b"x"), (14, 0),
+])
+def test_a_fault_after_a_known_head_is_refused_as_the_full_parse_refuses_it(index, value) -> None:
+    """Once a pool's head is known, from_bytes checks the rest of a descriptor on its own: each single
+    fault there must be refused with the full parse's own words."""
+    from mmfeat.protos import descriptor
+
+    good = Descriptor(kind="host", tensors=(TensorSpec("float32", (4,), (1,), 0),), nbytes=256, node="faults",
+                      endpoint="ipc:///y", pool=1, epoch=11, lease=5, gen=6, token=b"f" * 16, offset=512)
+    assert Descriptor.from_bytes(good.to_bytes()) == good and descriptor.parse_known(good.to_bytes()) == good
+    blob = _mutate_raw(good.to_bytes(), (index,), value)
+    if index == 11 and value == 0:
+        blob = _mutate_raw(blob, (13,), [["float32", [0], [1], 0]])  # no byte at all: only the nbytes check says no
+    with pytest.raises(DescriptorError) as full:
+        descriptor.parse_in_full(blob)
+    with pytest.raises(DescriptorError) as after_head:
+        Descriptor.from_bytes(blob)
+    assert str(after_head.value) == str(full.value)
