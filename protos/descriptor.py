@@ -247,7 +247,7 @@ class Descriptor:
             return desc
         split = _known.split(data)
         if split is not None:  # a pool this process has parsed a descriptor of before
-            desc = cls._parse_after_head(data, split)
+            desc = cls._parse_or_refuse(data, split)
         else:
             desc = cls._parse_or_refuse(data)
             if desc.is_inline:
@@ -263,9 +263,10 @@ class Descriptor:
         return desc
 
     @classmethod
-    def _parse_or_refuse(cls, data: bytes) -> "Descriptor":
+    def _parse_or_refuse(cls, data: bytes, split: Optional[tuple[Any, ...]] = None) -> "Descriptor":
+        """The full parse, or with ``split`` (a known head) the parse of the rest; DescriptorError only."""
         try:
-            return cls._parse(data)
+            return cls._parse(data) if split is None else cls._parse_after_head(data, split)
         except DescriptorError:
             raise
         except Exception as exc:  # any other failure on hostile bytes is still just a bad descriptor
