@@ -42,15 +42,15 @@ def parse_cache_len() -> int:
 
 def parse_known(data: bytes) -> Optional["Descriptor"]:
     """The descriptor ``data`` names if it is made of a head and a tail already checked (see
-    descriptor_parts.py), without a parse of either; None otherwise (and for bytes that are not a
-    descriptor). Remembers nothing: for tests and triage of what ``from_bytes`` does first."""
+    descriptor_parts.py), by the same code ``from_bytes`` runs for it; None otherwise (and for bytes
+    that are not a descriptor). Learns nothing: for tests and triage."""
     split = _known.split(data) if type(data) is bytes else None
-    tail = _known.tail(data[split[5]:]) if split is not None else None
-    if split is None or tail is None or split[4] % LEASE_ALIGNMENT:
+    if split is None or _known.tail(data[split[5]:]) is None:
         return None
-    (kind, node, endpoint, device, pool, epoch), lease, gen, token, offset, _ = split
-    return Descriptor.checked(kind, tail[2], tail[0], tail[1], node, endpoint, device, pool, epoch, lease, gen, token,
-                              offset, None)
+    try:
+        return Descriptor._parse_or_refuse(data, split)
+    except DescriptorError:
+        return None
 
 
 def parse_in_full(data: bytes) -> "Descriptor":

@@ -62,7 +62,7 @@ class KnownParts:
     """Heads and tails already checked, and the fields they stand for."""
 
     def __init__(self) -> None:
-        self._heads: list[tuple[bytes, Head]] = []  # most recently used first
+        self._heads: list[tuple[bytes, Head]] = []  # most recently learned first; at most _HEADS
         self._tails: dict[bytes, Tail] = {}
 
     def remember_head(self, data: bytes, head: bytes, fields: Head) -> None:
