@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from mmfeat.protos.errors import MmfeatError
 
+from .async_failures import AsyncFailures
 
 log = logging.getLogger("mmfeat.client")
 
@@ -37,13 +38,13 @@ Sync = Callable[[float], bool]
 
 
 class Acker:
-    def __init__(self, send: Send, sync: Sync) -> None:
+    def __init__(self, send: Send, sync: Sync, failures: AsyncFailures) -> None:
         self._send = send
         self._sync = sync
+        self._failures = failures
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._cond = threading.Condition()
-        self.failed = 0
         self.pid = os.getpid()  # threads do not survive fork: a child needs its own acker
         self._thread = threading.Thread(target=self._run, name="mmfeat-acker", daemon=True)
         self._thread.start()
@@ -62,11 +63,11 @@ class Acker:
                     _wait_for(event)  # the consumer's GPU work that read the feature is done
                 self._send(fields, count, ack_id)
             except MmfeatError as exc:
-                self.failed += 1
-                log.warning("background ack of lease %s failed: %s", fields["lease"].get("lease"), exc)
-            except Exception:  # never let the thread die: later acks would hang flush()
-                self.failed += 1
-                log.exception("background ack of lease %s failed", fields["lease"].get("lease"))
+                code = exc.code.value if exc.code is not None else "UNAVAILABLE"
+                self._failures.record("ack", code, f"lease {fields['lease'].get('lease')}: {exc.message}")
+            except Exception as exc:  # never let the thread die: later acks would hang flush()
+                self._failures.record("ack", type(exc).__name__, f"lease {fields['lease'].get('lease')}: {exc}",
+                                      exc_info=True)
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()

@@ -19,6 +19,7 @@ import torch
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError
 
+from .acked import AckedLeases
 from .channel import ControlChannel
 from .session import Session
 
@@ -34,6 +35,7 @@ class Acks:
         self._channel = channel
         self._timeout = timeout
         self._acker: Optional[Any] = None
+        self._acked = AckedLeases()
         self._unconfirmed: dict[tuple[int, int, int], bytes] = {}
 
     def ack(self, desc: Descriptor, count: int, after: Any, wait: bool) -> Optional[dict[str, Any]]:
@@ -42,19 +44,26 @@ class Acks:
         if desc.is_inline:
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
         session = self._connect()
-        if (after is None and not wait and desc.node == session.node and desc.epoch == session.epoch
+        local = desc.node == session.node and desc.epoch == session.epoch
+        if (after is None and not wait and local
                 and session.table.add_acks(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, count)):
+            self._acked.remember(desc)
             return None  # the common ack: one compare-and-swap in the table, nothing built for a message
+        if local and not wait:
+            self._acked.refuse_repeat(session, desc)
         fields: dict[str, Any] = {"lease": desc.lease_ref()}
         if desc.node != session.node:
             fields["node"] = desc.node  # relayed to the owner's daemon by ours
+        reply = None
         if after is not None:
             self._background().submit(fields, count, os.urandom(8), _completion_event(after))
-            return None
-        if not wait:
+        elif not wait:
             self._send_now(session, fields, count)
-            return None
-        return self._waiting_ack(desc, fields, count)
+        else:
+            reply = self._waiting_ack(desc, fields, count)
+        if local:
+            self._acked.remember(desc)
+        return reply
 
     def _send_now(self, session: Session, fields: dict[str, Any], count: int) -> None:
         """The ack without waiting: in the table if it takes it, else a quiet message."""
@@ -100,7 +109,7 @@ class Acks:
                 if not _table_ack(session, fields, count):
                     session.send("ack", count=count, ack_id=ack_id, **fields)
 
-            self._acker = Acker(send, lambda timeout: self._connect().sync(timeout))
+            self._acker = Acker(send, lambda timeout: self._connect().sync(timeout), self._channel.failures)
         return self._acker
 
     def close(self) -> None:

@@ -21,9 +21,14 @@ from mmfeat.protos.codec import decode, encode
 from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
 from mmfeat.protos.version import PROTOCOL_VERSION
 
+from .async_failures import AsyncFailures
+
 log = logging.getLogger("mmfeat.client")
 
 _MAX_ABANDONED = 256
+# The ids of quiet requests sent from here that someone should hear about if they fail: the op's name,
+# so that the error reply says which op failed. A prefetch hint ("hint") is dropped when it fails.
+_QUIET_IDS = ("release",)
 
 
 class ControlChannel:
@@ -39,6 +44,8 @@ class ControlChannel:
         self._pid = os.getpid()
         # Calls that timed out, by id, so their late replies can be undone (bounded: the oldest go first).
         self._abandoned: dict[int, tuple[str, dict[str, Any]]] = {}
+        # Failed requests nobody waits for, here and on the session's fd channel.
+        self.failures = AsyncFailures()
         # Set once hello showed that the daemon's CLOCK_MONOTONIC is this process's.
         self.send_deadlines = False
 
@@ -119,15 +126,16 @@ class ControlChannel:
         # A late reply to a call that already timed out, or the error reply to a quiet release sent from
         # here. Called with the lock held.
         rid = reply.get("id")
-        if not reply.get("ok") and isinstance(rid, int) and rid < 0:
-            err = reply.get("error") or {}
-            log.warning("a pipelined request failed: %s: %s", err.get("code"), err.get("message"))
+        if not reply.get("ok") and rid in _QUIET_IDS:
+            err = reply.get("error")
+            err = err if isinstance(err, dict) else {}
+            self.failures.record(rid, str(err.get("code")), str(err.get("message")))
         abandoned = self._abandoned.pop(rid, None) if isinstance(rid, int) else None
         if abandoned is not None and abandoned[0] == "reserve" and reply.get("ok") and isinstance(reply.get("lease"), dict):
             # The caller fell back inline long ago; nobody will publish this lease.
             log.info("releasing lease %s, reserved after its request had timed out", reply["lease"].get("lease"))
             try:
-                self._socket().send(encode({"v": PROTOCOL_VERSION, "op": "release", "id": -next(self._ids), "quiet": True,
+                self._socket().send(encode({"v": PROTOCOL_VERSION, "op": "release", "id": "release", "quiet": True,
                                             "session": abandoned[1].get("session"), "lease": reply["lease"]}), zmq.NOBLOCK)
             except (zmq.ZMQError, DaemonUnavailableError):
                 pass  # reserve_ttl frees it

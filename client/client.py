@@ -78,6 +78,12 @@ class Client:
         """Features this client sent inline, by reason."""
         return self._fallbacks.counts
 
+    @property
+    def async_failures(self) -> Counter[str]:
+        """Requests nobody waited for that failed (quiet publishes and acks, background acks), by kind:
+        "<op> <error code>". The first of each kind is logged; close() logs the counts."""
+        return self._channel.failures.counts
+
     # --- lifecycle -----------------------------------------------------------------------------
 
     def __enter__(self) -> "Client":
@@ -99,6 +105,7 @@ class Client:
                 self._session.arenas.give_back_all(min(self.timeout, 2.0))
             self._session.close()
             self._session = None
+        self._channel.failures.report()
         self._channel.close()
 
     @property

@@ -11,7 +11,6 @@ them. Quiet requests are answered only when they fail; calls and pings always.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import select
 import socket
@@ -22,6 +21,7 @@ from typing import Any, Optional
 
 from mmfeat.protos.codec import decode, encode
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.messages import REQUEST_MODELS
 from mmfeat.protos.paths import fd_socket_path
 from mmfeat.protos.version import PROTOCOL_VERSION
 
@@ -29,11 +29,10 @@ from mmfeat import atomics
 
 from . import mapping as mapping_cache
 from .arena import ArenaSet
+from .async_failures import AsyncFailures
 from .channel import ControlChannel
 from .fd_receiver import open_fd_channel
 from .table import LeaseTableView, map_lease_table
-
-log = logging.getLogger("mmfeat.client")
 
 _MAX_DATAGRAM = 4096
 # Threads share the fd channel: another thread may read our reply (and file it for us) while we sleep in
@@ -53,6 +52,7 @@ class Session:
         fds: dict[int, int],
         table: LeaseTableView,
         timeout: float,
+        failures: AsyncFailures,
     ) -> None:
         self.token: bytes = hello["session"]
         self.epoch: int = hello["epoch"]
@@ -64,6 +64,7 @@ class Session:
         self.pid = os.getpid()  # the process that opened it: a forked child must open its own
         self.table = table
         self.timeout = timeout
+        self.failures = failures
         self._sock = fd_sock
         self._readable = select.poll()
         self._readable.register(fd_sock, select.POLLIN)
@@ -112,8 +113,8 @@ class Session:
     def _on_reply(self, data: bytes) -> None:
         try:
             reply = decode(data)
-        except ValueError:
-            log.warning("unreadable datagram from the daemon on the fd channel")
+        except ValueError as exc:
+            self.failures.record("reply", "UNREADABLE", f"a datagram from the daemon on the fd channel: {exc}")
             return
         rid = reply.get("id")
         if isinstance(rid, int) and rid in self._waiting:
@@ -128,14 +129,17 @@ class Session:
                 except DaemonUnavailableError:
                     pass  # the session is ending: the daemon takes its arenas back anyway
             return
-        err = reply.get("error") or {}
-        log.warning("a pipelined request failed: %s: %s", err.get("code"), err.get("message"))
+        err = reply.get("error")
+        err = err if isinstance(err, dict) else {}
+        # A quiet request's id is its op (send()), so the failure is counted under the op that failed.
+        op = rid if isinstance(rid, str) and rid in REQUEST_MODELS else "request"
+        self.failures.record(op, str(err.get("code")), str(err.get("message")))
 
     # --- requests on the fd channel ------------------------------------------------------------
 
     def send(self, op: str, quiet: bool = True, req_id: Optional[int] = None, **fields: Any) -> None:
         """One request on the fd channel; returns once the daemon's socket buffer holds it."""
-        frame = encode({"v": PROTOCOL_VERSION, "op": op, "id": req_id if req_id is not None else -next(self._ids),
+        frame = encode({"v": PROTOCOL_VERSION, "op": op, "id": req_id if req_id is not None else op,
                         "quiet": quiet, **fields})
         deadline = time.monotonic() + self.timeout
         while True:
@@ -159,7 +163,7 @@ class Session:
 
     def try_send(self, op: str, **fields: Any) -> bool:
         """A quiet request on the fd channel if the daemon's socket buffer has room now; False if not."""
-        frame = encode({"v": PROTOCOL_VERSION, "op": op, "id": -next(self._ids), "quiet": True, **fields})
+        frame = encode({"v": PROTOCOL_VERSION, "op": op, "id": op, "quiet": True, **fields})
         try:
             self._sock.send(frame, socket.MSG_DONTWAIT)
             return True
@@ -315,7 +319,7 @@ def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout:
         for fd in fds.values():
             os.close(fd)
         raise
-    session = Session(hello, channel.endpoint, fd_sock, fds, table, timeout)
+    session = Session(hello, channel.endpoint, fd_sock, fds, table, timeout, channel.failures)
     session.send_deadlines = channel.send_deadlines
     try:
         for pool_id, info in session.pools.items():

@@ -123,13 +123,16 @@ def test_background_acks_reach_the_daemon(daemon, caplog) -> None:
             assert c.ack(d, count=2, wait=False) is None
         assert c.flush(5.0)
         assert daemon.pool()["bytes"] == {"RESERVED": 0, "PUBLISHED": 0}
-        bad = _put(c, consumers=1)
-        c.ack(bad, wait=True)
+        # A feature this client did not ack, that ended: the quiet ack fails on the wire, and that
+        # failure is counted and logged, never raised on some later call.
+        gone = _put(c, consumers=1)
+        c.release(gone)
         with caplog.at_level(logging.WARNING, logger="mmfeat.client"):
-            c.ack(bad, wait=False)  # a failing background ack is logged, never raised
+            assert c.ack(gone, wait=False) is None
             assert c.flush(5.0)
         assert any("NOT_FOUND" in r.message for r in caplog.records), caplog.records
-    assert daemon.stats()["counters"]["frees"] == 51
+        assert c.async_failures == {"ack NOT_FOUND": 1}
+    assert daemon.stats()["counters"]["frees"] == 51  # the release frees too
 
 
 def test_ack_of_expired_lease_says_so(daemon_factory) -> None:
@@ -193,3 +196,46 @@ def test_clients_cannot_resize_the_lease_table(daemon) -> None:
         assert session.table.slots == 65536 and session.table.writable
     # The session's end reaches the daemon as its fd channel's EOF, after close() returns.
     daemon.wait_for(lambda s: s["clients"] == 0, what="both sessions to end")
+
+
+def test_second_ack_of_an_ended_feature_fails_at_its_call(daemon) -> None:
+    """A repeat of an ack this client made, once the feature has ended, raises at that call: nothing is
+    sent, so no failure surfaces later on an unrelated call."""
+    with daemon.client(inline_threshold=0) as c:
+        one, two, waited = _put(c, consumers=1), _put(c, consumers=2), _put(c, consumers=1)
+        c.ack(one)  # the table ack that completes the count
+        assert _code(lambda: c.ack(one)) is ErrorCode.NOT_FOUND
+        c.ack(two)
+        c.ack(two)  # the same process may stand for both consumers: still live until this one
+        with pytest.raises(MmfeatError) as info:
+            c.ack(two)
+        assert info.value.code is ErrorCode.NOT_FOUND and "already acked it 2 time(s)" in info.value.message
+        assert c.ack(waited, wait=True)["freed"]
+        assert _code(lambda: c.ack(waited)) is ErrorCode.NOT_FOUND
+        assert c.flush(5.0)
+        assert c.async_failures == {}
+        s = daemon.stats()
+        assert s["counters"]["not_found"] == 0 and s["counters"]["over_acks"] == 0 and s["counters"]["frees"] == 3
+    assert daemon.pool()["used"] == 0
+
+
+def test_pipelined_failures_are_counted_per_kind_and_logged_once(daemon, caplog) -> None:
+    import logging
+
+    with daemon.client(inline_threshold=0) as producer, daemon.client() as consumer:
+        gone = [_put(producer, consumers=1) for _ in range(5)]
+        for d in gone:
+            producer.release(d)
+        with caplog.at_level(logging.WARNING, logger="mmfeat.client"):
+            for d in gone:  # ended before this consumer acked: only the daemon can say so, later
+                assert consumer.ack(d) is None
+            session = consumer.session
+            for _ in range(3):
+                session.send_frame(b"\xc1")
+            assert consumer.flush(5.0)
+            assert consumer.async_failures == {"ack NOT_FOUND": 5, "request BAD_REQUEST": 3}
+            firsts = [r.getMessage() for r in caplog.records if "pipelined" in r.getMessage()]
+            assert len(firsts) == 2, firsts
+            consumer.close()
+        summary = [r.getMessage() for r in caplog.records if "by kind" in r.getMessage()]
+        assert summary == ["pipelined requests that failed, by kind: ack NOT_FOUND x5, request BAD_REQUEST x3"]

@@ -109,8 +109,13 @@ def test_group_acks_cache_hits_and_over_acks_in_the_table(daemon) -> None:
         # A late ack of the ended feature does not reach its slot's next tenant.
         reused = c.put(torch.zeros(4096), consumers=1)
         assert (reused.lease, reused.gen) == (d.lease, d.gen + 1)
-        c.ack(d)
-        c.flush()
+        with pytest.raises(MmfeatError) as info:
+            c.ack(d)  # this client acked it already: refused at the call, nothing sent
+        assert info.value.code is ErrorCode.STALE and "already acked" in info.value.message
+        with daemon.client() as late:  # one that never acked it: the table refuses, the daemon says why
+            late.ack(d)
+            assert late.flush()
+            assert late.async_failures == {"ack STALE": 1}
         assert daemon.pool()["leases"]["PUBLISHED"] == 1
         with pytest.raises(MmfeatError) as info:
             c.ack(d, wait=True)

@@ -1,0 +1,54 @@
+"""The leases this client acked lately, so that a second ack of one that has ended fails at its call.
+
+An ack that does not wait is a store into the lease table or a quiet message: were a repeat of it sent,
+the daemon's refusal would surface on whatever call next read the channel, naming no descriptor. The
+client knows better: it acked that lease itself, and the table says the lease has ended. The table
+alone cannot say who ended it; this memory can.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from mmfeat.protos.descriptor import Descriptor
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+
+from .session import Session
+from .table import STATE_FREE
+
+# A repeat further back than this many acks goes on the wire and is counted as a pipelined failure.
+MAX_REMEMBERED = 4096
+
+Key = tuple[int, int, int, int]
+
+
+class AckedLeases:
+    def __init__(self, limit: int = MAX_REMEMBERED) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._acks: OrderedDict[Key, int] = OrderedDict()
+
+    def remember(self, desc: Descriptor) -> None:
+        """``desc`` (this daemon's, this epoch's) was acked by this client."""
+        key = (desc.epoch, desc.pool, desc.lease, desc.gen)
+        with self._lock:
+            self._acks[key] = self._acks.get(key, 0) + 1
+            if len(self._acks) > self._limit:
+                self._acks.popitem(last=False)
+
+    def refuse_repeat(self, session: Session, desc: Descriptor) -> None:
+        """Raise NOT_FOUND (STALE once its slot was reused) if this client acked ``desc`` before and the
+        lease table says it has ended: the daemon would refuse the ack the same way, but later."""
+        with self._lock:
+            times = self._acks.get((desc.epoch, desc.pool, desc.lease, desc.gen), 0)
+        table = session.table
+        if not times or table.state(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes) != STATE_FREE:
+            return
+        # The codes the daemon would answer: STALE once the slot holds a newer feature, else NOT_FOUND.
+        newer = 0 <= desc.lease < table.slots and table.state_word(desc.lease) >> 2 > desc.gen
+        raise MmfeatError(
+            ErrorCode.STALE if newer else ErrorCode.NOT_FOUND,
+            f"lease {desc.lease} (generation {desc.gen}) has ended and this client already acked it {times} time(s); "
+            "nothing was sent. Ack a feature once per consumer (count= acks for a group)",
+        )
