@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 from pydantic import ValidationError
 
 from mmfeat.protos.codec import DecodeError, decode, encode
+from mmfeat.protos.envelope import ENVELOPE_FIELDS, parse_envelope, reply_id
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import FD_CHANNEL_OPS, REQUEST_MODELS
 from mmfeat.protos.version import PROTOCOL_VERSION
@@ -18,17 +19,9 @@ from .handlers import HANDLERS, Deferred
 
 log = logging.getLogger("mmfeatd.dispatch")
 
-_ENVELOPE = ("v", "op", "id", "quiet", "deadline")
-
 
 def error_reply(req_id: Any, code: ErrorCode, message: str) -> bytes:
     return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "error": {"code": code.value, "message": message}})
-
-
-def _request_id(msg: dict) -> Optional[Any]:
-    rid = msg.get("id")
-    # Echo the id only when it is a type the client can match on; anything else is replaced by None.
-    return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) and len(str(rid)) <= 64 else None
 
 
 SendLater = Callable[[bytes], None]
@@ -49,25 +42,20 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
         core.counters.bad_requests += 1
         code = ErrorCode.TOO_LARGE if exc.too_large else ErrorCode.BAD_REQUEST
         return error_reply(None, code, str(exc))
-    req_id = _request_id(msg)
-    if msg.get("v") != PROTOCOL_VERSION:
+    req_id = reply_id(msg)
+    try:
+        env = parse_envelope(msg)
+    except MmfeatError as exc:
         core.counters.bad_requests += 1
-        return error_reply(req_id, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}; upgrade the client or daemon")
-    quiet = msg.get("quiet", False)
-    if type(quiet) is not bool:
-        core.counters.bad_requests += 1
-        return error_reply(req_id, ErrorCode.BAD_REQUEST, f"field quiet must be a bool, got {type(quiet).__name__}")
-    deadline = msg.get("deadline")
-    if deadline is not None:
-        if type(deadline) not in (int, float):
-            core.counters.bad_requests += 1
-            return error_reply(req_id, ErrorCode.BAD_REQUEST, f"field deadline must be a number, got {type(deadline).__name__}")
-        if now > deadline:
-            # The client stopped waiting (the daemon was frozen or swamped): acting now would apply a
-            # request it believes failed, such as an ack it will retry or a reserve it fell back from.
-            core.counters.late_requests += 1
-            return error_reply(req_id, ErrorCode.TIMED_OUT, f"reached the daemon {now - deadline:.3f} s after its deadline; not applied")
-    op = msg.get("op")
+        return error_reply(req_id, exc.code, exc.message)
+    quiet, deadline = env.quiet, env.deadline
+    if deadline is not None and now > deadline:
+        # The client stopped waiting (the daemon was frozen or swamped): acting now would apply a
+        # request it believes failed, such as an ack it will retry or a reserve it fell back from.
+        core.counters.late_requests += 1
+        return error_reply(req_id, ErrorCode.TIMED_OUT,
+                           f"reached the daemon {now - deadline:.3f} s after its deadline; not applied")
+    op = env.op
     model = REQUEST_MODELS.get(op) if isinstance(op, str) else None
     if session is not None and model is not None and op not in FD_CHANNEL_OPS:
         core.counters.bad_requests += 1
@@ -76,7 +64,7 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
         core.counters.bad_requests += 1
         return error_reply(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
     try:
-        fields = {k: v for k, v in msg.items() if k not in _ENVELOPE}
+        fields = {k: v for k, v in msg.items() if k not in ENVELOPE_FIELDS}
         if session is not None and "session" in model.model_fields:
             fields["session"] = session
         req = model.model_validate(fields)

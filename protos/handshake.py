@@ -8,6 +8,7 @@ from typing import Any
 
 import msgpack
 
+from .envelope import is_int
 from .errors import ErrorCode, MmfeatError
 from .version import PROTOCOL_VERSION
 
@@ -26,8 +27,9 @@ def parse_hello(data: bytes) -> bytes:
         msg = msgpack.unpackb(data, raw=False, max_ext_len=0)
     except Exception:
         raise MmfeatError(ErrorCode.BAD_REQUEST, "fd channel hello is not msgpack") from None
-    if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION:
-        raise MmfeatError(ErrorCode.UNSUPPORTED_VERSION, f"fd channel speaks version {PROTOCOL_VERSION}")
+    if not isinstance(msg, dict) or not is_int(msg.get("v")) or msg["v"] != PROTOCOL_VERSION:
+        # 4.0 and true are not 4 here either (SPEC.md, section 2: types are checked strictly).
+        raise MmfeatError(ErrorCode.UNSUPPORTED_VERSION, f"fd channel speaks version {PROTOCOL_VERSION} (an int)")
     token = msg.get("session")
     if not isinstance(token, bytes):
         raise MmfeatError(ErrorCode.BAD_REQUEST, "fd channel hello needs 'session' (bytes from the hello reply)")

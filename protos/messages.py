@@ -82,7 +82,8 @@ class RemoteGetRequest(_Message):
     node: NodeName
     lease: LeaseRef
     # How long the client waits; the daemon answers within it, with an error if it must.
-    wait_s: Annotated[float, Field(gt=0, le=600, strict=False)] = 5.0
+    # Strict: an int is taken (it is a number), a bool or a str is not; NaN and inf fail the bounds.
+    wait_s: Annotated[float, Field(gt=0, le=600, allow_inf_nan=False)] = 5.0
     # The pool of this daemon's (its numbering) the client would read a pulled copy from: the one on its
     # GPU, on a node with a pool per GPU. A hint: another pool is used if that one cannot take pulls.
     into_pool: Optional[Annotated[int, Field(ge=0, le=1023)]] = None
