@@ -23,14 +23,31 @@ _cache: dict[tuple[int, str, int, int, int], "CudaMapping"] = {}
 
 
 class _DeviceRange:
-    """Owns one mapped VA range and the primary context it was mapped in. The tensors over it keep it
-    alive (dlpack.uint8_tensor), so the range is unmapped only after the last view is gone, and then
-    only after the GPUs that can reach it have finished their work: a kernel may still read it."""
+    """Owns one mapped VA range and one reference to the primary context it was mapped in. The tensors
+    over it keep it alive (dlpack.uint8_tensor), so the range is unmapped only after the last view is
+    gone, and then only after the GPUs that can reach it have finished their work: a kernel may still
+    read it. close() gives back the range and the context reference exactly once."""
 
-    def __init__(self, va: Any, size: int, devices: list[int]) -> None:
+    def __init__(self, va: Any, size: int, devices: list[int], ctx: Any) -> None:
         self.va = va
         self.size = size
         self.devices = devices  # local ordinals with access; devices[0] is the one it was mapped for
+        self.ctx = ctx
+
+    def close(self) -> None:
+        if self.va is None:
+            return
+        va, self.va = self.va, None  # first, so that no path can release the context twice
+        try:
+            with drv.context_current(self.ctx):
+                for ordinal in self.devices:
+                    # As PyTorch does before it unmaps VMM memory; a GPU this process never used (the
+                    # pool's owner, granted access) has no work, and a synchronise would create a context.
+                    drv.synchronize_if_used(ordinal)
+                drv.cu.cuMemUnmap(va, self.size)
+                drv.cu.cuMemAddressFree(va, self.size)
+        finally:
+            drv.release_primary_context(self.devices[0], self.ctx)
 
     def __del__(self, finalizing: Any = sys.is_finalizing) -> None:
         # At exit the process's teardown unmaps everything, and torch and the driver bindings may be
@@ -38,14 +55,9 @@ class _DeviceRange:
         if self.va is None or finalizing() or drv.cu is None:
             return
         try:
-            for ordinal in self.devices:
-                torch.cuda.synchronize(ordinal)  # as PyTorch does before it unmaps VMM memory
-            drv.cu.cuMemUnmap(self.va, self.size)
-            drv.cu.cuMemAddressFree(self.va, self.size)
-            drv.release_primary_context(self.devices[0])
+            self.close()
         except Exception:
-            pass  # interpreter shutdown: the process exit frees it anyway
-        self.va = None
+            pass  # a garbage collection cannot report it; the process exit frees the range
 
 
 @dataclass
@@ -74,22 +86,35 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> Cud
             hit = _cache.get(key)
             if hit is not None:
                 return hit
+            mapping = _map_uncached(info, owned, device)
             for old in [k for k in _cache if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info["epoch"])]:
                 del _cache[old]  # a daemon restart: the old pool goes once its last view is gone
-            # The VMM calls take no context but need one current: retain ours explicitly (the mapping
-            # keeps it) rather than rely on torch having made one current.
-            drv.retain_primary_context(device)
-            try:
-                handle = _import_handle(info, owned)
-                mapping = _map(info, handle, device)
-            except BaseException:
-                drv.release_primary_context(device)
-                raise
             _cache[key] = mapping
             return mapping
     finally:
         if owned is not None:
             os.close(owned)  # cuMemImportFromShareableHandle does not take ownership of the fd
+
+
+def _map_uncached(info: dict[str, Any], fd: Optional[int], device: int) -> CudaMapping:
+    """Import and map the pool for ``device``; on failure nothing is left behind (context reference
+    included). The VMM calls take no context but need one current: retain ours explicitly (the mapping
+    keeps the reference) rather than rely on torch having made one current, and give the thread back
+    the context it had."""
+    ctx = drv.retain_primary_context(device)
+    holder: Optional[_DeviceRange] = None
+    try:
+        with drv.context_current(ctx):
+            handle = _import_handle(info, fd)
+            holder = _map(info, handle, device, ctx)
+            tensor = dlpack.uint8_tensor(int(holder.va), holder.size, dlpack.KDL_CUDA, device, holder)
+    except BaseException:
+        if holder is None:
+            drv.release_primary_context(device, ctx)
+        else:
+            holder.close()  # it owns the context reference now: it alone releases it
+        raise
+    return CudaMapping(info["pool"], info["epoch"], holder.size, device, tensor)
 
 
 def _import_handle(info: dict[str, Any], fd: Optional[int]) -> Any:
@@ -103,8 +128,9 @@ def _import_handle(info: dict[str, Any], fd: Optional[int]) -> Any:
     return drv.ck("cuMemImportFromShareableHandle", drv.cu.cuMemImportFromShareableHandle(raw, drv.handle_type(kind)))
 
 
-def _map(info: dict[str, Any], handle: Any, device: int) -> CudaMapping:
-    """Reserve VA, map the whole allocation, grant access, release the imported handle."""
+def _map(info: dict[str, Any], handle: Any, device: int, ctx: Any) -> _DeviceRange:
+    """Reserve VA, map the whole allocation, grant access, release the imported handle. The range
+    returned owns the context reference ``ctx``."""
     cu = drv.cu
     size = int(info["size"])
     va = None
@@ -125,9 +151,7 @@ def _map(info: dict[str, Any], handle: Any, device: int) -> CudaMapping:
         raise
     finally:
         cu.cuMemRelease(handle)  # the mapping keeps the memory alive
-    holder = _DeviceRange(va, size, devices)
-    tensor = dlpack.uint8_tensor(int(va), size, dlpack.KDL_CUDA, device, holder)
-    return CudaMapping(info["pool"], info["epoch"], size, device, tensor)
+    return _DeviceRange(va, size, devices, ctx)
 
 
 def _grant_owner_access(va: Any, size: int, info: dict[str, Any], device: int) -> list[int]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 try:  # cuda-bindings 12.8+ and 13.x
     from cuda.bindings import driver as cu
@@ -94,18 +95,59 @@ def attribute(dev: Any, attr: Any) -> int:
 
 
 def retain_primary_context(ordinal: int) -> Any:
-    """Retain the device's primary context and make it current on this thread (VMM calls take no
-    context argument, but need one current)."""
-    ctx = ck("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device(ordinal)))
-    ck("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
-    return ctx
+    """Retain the device's primary context (the one torch's runtime uses) and return it. It is not made
+    current: callers make it current only around their VMM calls (``context_current``), because a
+    thread's current context belongs to its user, whose next runtime call runs in whatever is current."""
+    return ck("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(device(ordinal)))
 
 
-def release_primary_context(ordinal: int) -> None:
-    """Undo retain_primary_context. Unset it first: releasing the last reference destroys the context,
-    and one left current after that breaks the next driver call on this thread."""
-    cu.cuCtxSetCurrent(cu.CUcontext(0))
-    cu.cuDevicePrimaryCtxRelease(device(ordinal))
+def release_primary_context(ordinal: int, ctx: Any = None) -> None:
+    """Undo one retain_primary_context; call it exactly once per retain. Releasing the last reference
+    destroys the context, and with it everything any library in the process had on that device; if
+    that context ``ctx`` is then still current on this thread it is unset, since the thread's next
+    driver call would fail on it. A context someone else still holds stays current."""
+    dev = device(ordinal)
+    cu.cuDevicePrimaryCtxRelease(dev)
+    if ctx is None:
+        return
+    err, now = cu.cuCtxGetCurrent()
+    if err == cu.CUresult.CUDA_SUCCESS and int(now) == int(ctx) and not has_context(ordinal):
+        cu.cuCtxSetCurrent(cu.CUcontext(0))
+
+
+@contextmanager
+def context_current(ctx: Any) -> Iterator[None]:
+    """Make ``ctx`` current on this thread for the block, then restore whatever was current before,
+    as a device guard does (the VMM calls take no context argument, but need one current)."""
+    before = ck("cuCtxGetCurrent", cu.cuCtxGetCurrent())
+    switch = int(before) != int(ctx)
+    if switch:
+        ck("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+    try:
+        yield
+    finally:
+        if switch:
+            cu.cuCtxSetCurrent(before)
+
+
+def has_context(ordinal: int) -> bool:
+    """Whether the device's primary context exists in this process: asking does not create one, while
+    synchronising a device (torch.cuda.synchronize, a retain) would, at hundreds of MiB of HBM."""
+    _flags, active = ck("cuDevicePrimaryCtxGetState", cu.cuDevicePrimaryCtxGetState(device(ordinal)))
+    return bool(active)
+
+
+def synchronize_if_used(ordinal: int) -> None:
+    """Wait for the work queued on the device's primary context, if this process has one; a device it
+    never used has no work to wait for."""
+    if not has_context(ordinal):
+        return
+    ctx = retain_primary_context(ordinal)
+    try:
+        with context_current(ctx):
+            ck("cuCtxSynchronize", cu.cuCtxSynchronize())
+    finally:
+        release_primary_context(ordinal, ctx)
 
 
 def device_uuid(ordinal: int) -> str:

@@ -55,19 +55,19 @@ class CudaVmmPool(Pool):
         self._fd: Optional[int] = None
         self._fabric: Optional[bytes] = None
         self._va: Any = None  # the daemon's own mapping, made only for NIXL (map_for_pulls)
-        self._ctx_retained = False
+        self._ctx: Any = None  # this pool's reference to its GPU's primary context
         try:
             self.uuid = drv.device_uuid(ordinal)
-            drv.retain_primary_context(ordinal)
-            self._ctx_retained = True
-            prop = drv.allocation_prop(ordinal, handle)
-            gran = drv.granularity(prop)
-            self.size = -(-nbytes // gran) * gran
-            self._alloc = drv.ck("cuMemCreate", drv.cu.cuMemCreate(self.size, prop, 0))
-            shared = drv.ck(
-                "cuMemExportToShareableHandle",
-                drv.cu.cuMemExportToShareableHandle(self._alloc, drv.handle_type(handle), 0),
-            )
+            self._ctx = drv.retain_primary_context(ordinal)
+            with drv.context_current(self._ctx):
+                prop = drv.allocation_prop(ordinal, handle)
+                gran = drv.granularity(prop)
+                self.size = -(-nbytes // gran) * gran
+                self._alloc = drv.ck("cuMemCreate", drv.cu.cuMemCreate(self.size, prop, 0))
+                shared = drv.ck(
+                    "cuMemExportToShareableHandle",
+                    drv.cu.cuMemExportToShareableHandle(self._alloc, drv.handle_type(handle), 0),
+                )
             if handle == "fabric":
                 self._fabric = bytes(shared.data)  # CUmemFabricHandle has no buffer protocol
             else:
@@ -82,13 +82,13 @@ class CudaVmmPool(Pool):
 
     def map_for_pulls(self) -> Optional[tuple[int, str, int]]:
         """The pool mapped in the daemon for NIXL to serve peers' READs (VRAM). Made only with a mesh;
-        it takes no HBM beyond the pool's. The primary context is current: VMM calls and the NIXL
-        registration that follows need one."""
+        it takes no HBM beyond the pool's. The pool's context is left current on this (the daemon's)
+        thread: the NIXL registration that follows needs one."""
         if self._alloc is None:
             raise RuntimeError("pool is closed")
         if self._va is None:
             cu = drv.cu
-            drv.retain_primary_context(self.device)  # current on this thread; released in close()
+            drv.ck("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._ctx))
             va = None
             try:
                 gran = drv.granularity(drv.allocation_prop(self.device, self.handle))
@@ -102,7 +102,6 @@ class CudaVmmPool(Pool):
             except BaseException:
                 if va is not None:
                     cu.cuMemAddressFree(va, self.size)
-                drv.release_primary_context(self.device)
                 raise
             self._va = va
         return int(self._va), "VRAM", self.device
@@ -116,18 +115,31 @@ class CudaVmmPool(Pool):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._va is not None:
-            drv.cu.cuCtxSynchronize()  # a transfer NIXL started may still read it
-            drv.cu.cuMemUnmap(self._va, self.size)
-            drv.cu.cuMemAddressFree(self._va, self.size)
-            self._va = None
-            drv.release_primary_context(self.device)
-        if self._alloc is not None:
-            drv.cu.cuMemRelease(self._alloc)
-            self._alloc = None
-        if self._ctx_retained:
-            drv.release_primary_context(self.device)
-            self._ctx_retained = False
+        if self._ctx is None:
+            return
+        err, now = drv.cu.cuCtxGetCurrent()
+        if err == drv.cu.CUresult.CUDA_SUCCESS and int(now) == int(self._ctx):
+            # map_for_pulls left it current for NIXL; the release below may destroy it, and a destroyed
+            # context left current breaks this thread's next driver call.
+            drv.cu.cuCtxSetCurrent(drv.cu.CUcontext(0))
+        try:
+            # This pool's own context, whatever another pool left current: the synchronise must wait
+            # for this GPU's transfers, and the unmap needs a context of this device.
+            with drv.context_current(self._ctx):
+                if self._va is not None:
+                    va, self._va = self._va, None
+                    err, *_ = drv.cu.cuCtxSynchronize()  # a transfer NIXL started may still read it
+                    if err != drv.cu.CUresult.CUDA_SUCCESS:
+                        log.warning("GPU %d: synchronising before the pool's unmap failed (%s); unmapping anyway",
+                                    self.device, drv.CudaError("cuCtxSynchronize", err).name)
+                    drv.cu.cuMemUnmap(va, self.size)
+                    drv.cu.cuMemAddressFree(va, self.size)
+                if self._alloc is not None:
+                    alloc, self._alloc = self._alloc, None
+                    drv.cu.cuMemRelease(alloc)
+        finally:
+            ctx, self._ctx = self._ctx, None
+            drv.release_primary_context(self.device, ctx)
 
 
 def choose_handle(settings: Settings, ordinal: int) -> tuple[str, str]:

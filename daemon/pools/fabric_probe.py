@@ -14,7 +14,6 @@ from typing import Any
 from mmfeat import cuda_driver as drv
 
 
-
 @dataclass(frozen=True)
 class FabricVerdict:
     ok: bool
@@ -50,18 +49,21 @@ def probe_fabric(ordinal: int) -> FabricVerdict:
     checks: list[Any] = [lambda: drv.nvml_fabric_state(ordinal), drv.imex_channel_present, lambda: fabric_cycle_works(ordinal)]
     passed = []
     try:
-        drv.retain_primary_context(ordinal)  # cuMemCreate needs a current context
+        ctx = drv.retain_primary_context(ordinal)
     except drv.CudaError as exc:
         return FabricVerdict(False, f"cannot use CUDA device {ordinal} ({exc.name})")
     try:
-        for check in checks:
-            try:
-                ok, why = check()
-            except Exception as exc:  # a probe must give a verdict, whatever the driver does
-                ok, why = False, f"fabric probe failed: {exc}"
-            if not ok:
-                return FabricVerdict(False, why)
-            passed.append(why)
+        with drv.context_current(ctx):  # cuMemCreate needs a current context
+            for check in checks:
+                try:
+                    ok, why = check()
+                except Exception as exc:  # a probe must give a verdict, whatever the driver does
+                    ok, why = False, f"fabric probe failed: {exc}"
+                if not ok:
+                    return FabricVerdict(False, why)
+                passed.append(why)
         return FabricVerdict(True, ", ".join(passed))
+    except drv.CudaError as exc:
+        return FabricVerdict(False, f"cannot make device {ordinal}'s context current ({exc.name})")
     finally:
-        drv.release_primary_context(ordinal)
+        drv.release_primary_context(ordinal, ctx)

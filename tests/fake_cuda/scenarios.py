@@ -1,0 +1,138 @@
+"""Scenarios run in a child process against the fake libcuda (tests/fake_cuda/__init__.py); each leaves
+its findings in the driver's log as ``=== `` marks.
+
+    LD_LIBRARY_PATH=<fake> STUB_LOG=<log> python tests/fake_cuda/scenarios.py NAME
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent.parent))  # run by path: `tests` is importable
+
+import torch  # noqa: E402
+
+from mmfeat import cuda_driver as drv  # noqa: E402
+
+LOG = os.environ["STUB_LOG"]
+
+
+def mark(text: str) -> None:
+    with open(LOG, "a") as f:
+        f.write(f"=== {text}\n")
+
+
+def current() -> int:
+    return int(drv.ck("cuCtxGetCurrent", drv.cu.cuCtxGetCurrent()))
+
+
+def runtime_context(ordinal: int) -> None:
+    """What torch's runtime does on a device's first use: retain its primary context (and keep it)."""
+    drv.ck("cuDevicePrimaryCtxRetain", drv.cu.cuDevicePrimaryCtxRetain(drv.device(ordinal)))
+
+
+def fake_torch_cuda(device: int) -> None:
+    """The little of torch.cuda the client calls, for torch's CPU build. A synchronize creates the
+    device's context as the runtime would on a device this process never used."""
+    torch.cuda.is_available = lambda: True
+    torch.cuda.current_device = lambda: device
+    torch.cuda.synchronize = lambda d=None: runtime_context(device if d is None else d)
+
+
+def pool_info(owner_phys: int = 0, daemon_ordinal: int = 0) -> dict:
+    uuid = f"GPU-aa000000-0000-0000-0000-0000000000{owner_phys:02x}"
+    return {"pool": 0, "epoch": 1, "size": 64 << 20, "device": daemon_ordinal, "handle": "posix_fd", "fabric": None,
+            "uuid": uuid, "kind": "cuda"}
+
+
+def cpu_dlpack() -> None:
+    """The client's own DLPack wrap, as kDLCPU: torch's CPU build cannot make a CUDA tensor. The memory
+    is never touched."""
+    from mmfeat.client import dlpack
+
+    real = dlpack.uint8_tensor
+    dlpack.uint8_tensor = lambda ptr, n, dt, did, owner: real(ptr, n, dlpack.KDL_CPU, 0, owner)
+
+
+def wrap_fails() -> None:
+    """The DLPack wrap fails after the range is mapped, while the runtime holds its own reference."""
+    from mmfeat.client import cuda_import, dlpack
+
+    fake_torch_cuda(0)
+    runtime_context(0)
+    mark("runtime holds one reference")
+
+    def refuse(*args: object, **kw: object) -> None:
+        raise RuntimeError("torch refused the capsule")
+
+    dlpack.uint8_tensor = refuse
+    try:
+        cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool"))
+    except RuntimeError as exc:
+        mark(f"map_cuda_pool raised: {exc}")
+    gc.collect()
+    mark("end")
+
+
+def restore_current() -> None:
+    """The context current on the calling thread before a mapping and after it, and after its unmap."""
+    from mmfeat.client import cuda_import
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    runtime_context(0)
+    for name, before in (("none current", None), ("runtime's current", 0)):
+        ctx = drv.cu.CUcontext(0) if before is None else drv.cu.cuDevicePrimaryCtxRetain(drv.device(before))[1]
+        if before is not None:
+            drv.cu.cuDevicePrimaryCtxRelease(drv.device(before))  # only its handle was wanted
+        drv.ck("cuCtxSetCurrent", drv.cu.cuCtxSetCurrent(ctx))
+        mark(f"{name}: before {current():#x}")
+        m = cuda_import.map_cuda_pool(name, pool_info(), os.memfd_create("pool"))
+        mark(f"{name}: after map {current():#x}")
+        cuda_import._cache.clear()
+        del m
+        gc.collect()
+        mark(f"{name}: after unmap {current():#x}")
+    mark("end")
+
+
+def owner_never_used() -> None:
+    """This process uses GPU 0; the pool lives on GPU 1, which it grants access to but never used."""
+    from mmfeat.client import cuda_import
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    runtime_context(0)
+    drv.ck("cuCtxSetCurrent", drv.cu.cuCtxSetCurrent(drv.cu.cuDevicePrimaryCtxRetain(drv.device(0))[1]))
+    drv.cu.cuDevicePrimaryCtxRelease(drv.device(0))
+    m = cuda_import.map_cuda_pool("ep", pool_info(owner_phys=1, daemon_ordinal=1), os.memfd_create("pool"))
+    mark(f"mapped for device {m.device}")
+    cuda_import._cache.clear()
+    mark("drop the mapping")
+    del m
+    gc.collect()
+    mark("end")
+
+
+def daemon_two_pools() -> None:
+    """The daemon's pools on GPUs 0 and 1, both mapped for NIXL, then closed one after the other."""
+    from mmfeat.daemon.config import Settings
+    from mmfeat.daemon.pools import cuda_vmm
+
+    pools = cuda_vmm.create_cuda_pools(Settings(devices=[0, 1], nnodes=1, pool_mb=64))
+    for p in pools:
+        p.map_for_pulls()
+    for p in pools:
+        mark(f"close pool {p.pool_id}")
+        p.close()
+    mark("end")
+
+
+SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools)}
+
+if __name__ == "__main__":
+    drv.driver_unavailable_reason()
+    SCENARIOS[sys.argv[1]]()

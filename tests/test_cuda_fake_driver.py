@@ -1,0 +1,70 @@
+"""The GPU path against a logging stand-in for the CUDA driver (tests/fake_cuda): what the daemon and the
+client ask of the driver, call by call, on a machine without a GPU. Skipped, saying why, where the stand-in
+cannot be built or loaded."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from . import fake_cuda
+
+
+@pytest.fixture(scope="module")
+def libdir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fake-libcuda")
+    reason = fake_cuda.build(path)
+    if reason is not None:
+        pytest.skip(f"fake libcuda unavailable: {reason}")
+    return path
+
+
+def _run(libdir: Path, tmp_path: Path, scenario: str, **env: str) -> str:
+    return fake_cuda.run(libdir, tmp_path / f"{scenario}.log", scenario, env)
+
+
+def _calls_with_context(log: str, call: str) -> list[str]:
+    """The context current at each call to ``call`` (the line the fake writes after it)."""
+    return re.findall(rf"^{call}\(.*\n    \[current ctx (\S+)\]", log, re.M)
+
+
+def test_a_failed_wrap_after_the_mapping_releases_the_context_exactly_once(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "wrap_fails")
+    assert "=== map_cuda_pool raised: torch refused the capsule" in log
+    retains = len(re.findall(r"^cuDevicePrimaryCtxRetain\(dev=0\)", log, re.M))
+    releases = len(re.findall(r"^cuDevicePrimaryCtxRelease\(dev=0\)", log, re.M))
+    assert retains == releases + 1, f"{retains} retains, {releases} releases: the runtime's own reference is gone"
+    assert "DESTROYED" not in log, "the context the runtime still uses was destroyed"
+    assert log.count("cuMemUnmap(") == 1 and log.count("cuMemAddressFree(") == 1, "the mapped range leaked"
+
+
+def test_the_daemon_tears_each_pool_down_in_its_own_context(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "daemon_two_pools")
+    for pool, ctx in ((0, "0x1000"), (1, "0x1001")):
+        teardown = fake_cuda.section(log, f"close pool {pool}", f"close pool {pool + 1}" if pool == 0 else "end")
+        for call in ("cuCtxSynchronize", "cuMemUnmap", "cuMemRelease"):
+            assert _calls_with_context(teardown, call) == [ctx], f"pool {pool}'s {call}:\n{teardown}"
+        assert f"cuDevicePrimaryCtxRelease(dev={pool}) refs=0  ** DESTROYED" in teardown
+    assert "destroyed ctx still current" not in log
+
+
+def test_unmapping_creates_no_context_on_a_gpu_this_process_never_used(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "owner_never_used")
+    assert re.search(r"^cuMemSetAccess\(.*dev=1, ", log, re.M), "the pool's own GPU was not granted access"
+    drop = fake_cuda.section(log, "drop the mapping", "end")
+    assert "primary ctx dev 1 CREATED" not in log, "the unmap made a context on GPU 1"
+    assert not re.search(r"^cuDevicePrimaryCtxRetain\(dev=1\)", log, re.M)
+    assert _calls_with_context(drop, "cuCtxSynchronize") == ["0x1000"], drop  # the GPU it used is waited for
+    assert _calls_with_context(drop, "cuMemUnmap") == ["0x1000"], drop
+
+
+def test_mapping_and_unmapping_give_the_thread_back_its_current_context(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "restore_current")
+    for case, ctx in (("none current", "0x0"), ("runtime's current", "0x1000")):
+        for when in ("before", "after map", "after unmap"):
+            assert f"=== {case}: {when} {ctx}\n" in log, f"{case}, {when}:\n{log}"
+    # The VMM calls themselves ran with the mapping's context current.
+    assert set(_calls_with_context(log, "cuMemMap")) == {"0x1000"}
+
