@@ -142,6 +142,7 @@ class DaemonCore:
                     "kind": pool.kind,
                     "device": pool.device,
                     "handle": pool.handle,
+                    "gpu_direct_rdma": pool.rdma,
                     "capacity": alloc.capacity,
                     "used": alloc.used,
                     "free": alloc.free,

@@ -183,14 +183,23 @@ def handle_type(kind: str) -> Any:
     return t.CU_MEM_HANDLE_TYPE_FABRIC if kind == "fabric" else t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
-def allocation_prop(ordinal: int, kind: str) -> Any:
+def allocation_prop(ordinal: int, kind: str, rdma: bool = False) -> Any:
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = ordinal
     # One handle type per allocation: the Python enum rejects POSIX|FABRIC (research/cuda_vmm.md).
     prop.requestedHandleTypes = handle_type(kind)
+    if rdma:
+        # Without it a NIC cannot register the allocation for GPUDirect RDMA (NIXL over InfiniBand).
+        prop.allocFlags.gpuDirectRDMACapable = 1
     return prop
+
+
+def rdma_capable(ordinal: int) -> bool:
+    """Whether the device supports GPUDirect RDMA on VMM allocations (only then may they ask for it)."""
+    attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+    return bool(attribute(device(ordinal), attr))
 
 
 def granularity(prop: Any) -> int:

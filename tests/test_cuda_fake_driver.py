@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from . import fake_cuda
+from .conftest import start_daemon
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +69,21 @@ def test_mapping_and_unmapping_give_the_thread_back_its_current_context(libdir, 
     # The VMM calls themselves ran with the mapping's context current.
     assert set(_calls_with_context(log, "cuMemMap")) == {"0x1000"}
 
+
+def test_pools_ask_for_gpudirect_rdma_where_the_device_supports_it(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "daemon_two_pools", STUB_NO_RDMA_DEV="1")
+    assert re.search(r"^cuMemCreate\(.*dev=0, gpuDirectRDMACapable=1\)", log, re.M), log
+    assert re.search(r"^cuMemCreate\(.*dev=1, gpuDirectRDMACapable=0\)", log, re.M), log
+    assert "=== pool 0 on GPU 0: gpu_direct_rdma=True" in log and "=== pool 1 on GPU 1: gpu_direct_rdma=False" in log
+
+
+def test_stats_say_which_gpu_pools_are_rdma_capable(libdir, runtime_dir, tmp_path) -> None:
+    env = {"LD_LIBRARY_PATH": str(libdir), "STUB_LOG": str(tmp_path / "daemon.log"), "STUB_NO_RDMA_DEV": "1"}
+    d = start_daemon(runtime_dir, "--devices", "0,1", "--pool-mb", "16", backend="cuda_vmm", env=env)
+    try:
+        pools = {p["device"]: p for p in d.stats()["pools"]}
+    finally:
+        rc = d.stop()
+        _, err = d.proc.communicate()
+    assert rc == 0, err
+    assert [(pools[i]["kind"], pools[i]["gpu_direct_rdma"]) for i in (0, 1)] == [("cuda", True), ("cuda", False)]

@@ -20,6 +20,7 @@ class Pool(ABC):
     size: int
     handle: str  # "posix_fd" or "fabric"
     uuid: Optional[str] = None  # the GPU's UUID: ordinals differ between processes, UUIDs do not
+    rdma: bool = False  # allocated GPUDirect RDMA capable: a NIC can register it for direct transfers
 
     @abstractmethod
     def export_fd(self) -> Optional[int]:

@@ -51,6 +51,7 @@ class CudaVmmPool(Pool):
         self.pool_id = pool_id
         self.device = ordinal
         self.handle = handle
+        self.rdma = False
         self._alloc = None
         self._fd: Optional[int] = None
         self._fabric: Optional[bytes] = None
@@ -59,8 +60,10 @@ class CudaVmmPool(Pool):
         try:
             self.uuid = drv.device_uuid(ordinal)
             self._ctx = drv.retain_primary_context(ordinal)
+            # Asked for only where the device supports it: elsewhere cuMemCreate would refuse the flag.
+            self.rdma = drv.rdma_capable(ordinal)
             with drv.context_current(self._ctx):
-                prop = drv.allocation_prop(ordinal, handle)
+                prop = drv.allocation_prop(ordinal, handle, rdma=self.rdma)
                 gran = drv.granularity(prop)
                 self.size = -(-nbytes // gran) * gran
                 self._alloc = drv.ck("cuMemCreate", drv.cu.cuMemCreate(self.size, prop, 0))

@@ -124,6 +124,8 @@ def daemon_two_pools() -> None:
 
     pools = cuda_vmm.create_cuda_pools(Settings(devices=[0, 1], nnodes=1, pool_mb=64))
     for p in pools:
+        mark(f"pool {p.pool_id} on GPU {p.device}: gpu_direct_rdma={p.rdma}")
+    for p in pools:
         p.map_for_pulls()
     for p in pools:
         mark(f"close pool {p.pool_id}")
