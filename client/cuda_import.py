@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,6 +21,22 @@ from . import dlpack
 
 _lock = threading.Lock()
 _cache: dict[tuple[int, str, int, int, int], "CudaMapping"] = {}
+
+# A pool that failed to map fails the same way on the next put (no IMEX channel, no peer access), and
+# each attempt costs an import and its teardown, plus the producer's reserve and release around it. The
+# failure is remembered for this long; after it one put tries again (the operator may have fixed it).
+MAP_RETRY_S = 30.0
+_failed: dict[tuple[int, str, int, int, int], tuple[float, BaseException]] = {}
+_import_failures = 0
+
+
+def import_failures() -> int:
+    """How many times this process tried to map a GPU pool and failed (remembered failures not counted)."""
+    return _import_failures
+
+
+class PoolMapError(RuntimeError):
+    """This GPU pool failed to map in this process recently; the message says why and when it is retried."""
 
 
 class _DeviceRange:
@@ -71,7 +88,9 @@ class CudaMapping:
 
 def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> CudaMapping:
     """The pool described by ``info`` (from hello) mapped for the current CUDA device. Takes ownership
-    of ``fd`` (a POSIX-fd pool) and closes it in every case."""
+    of ``fd`` (a POSIX-fd pool) and closes it in every case. Raises PoolMapError, without trying, while
+    a failure to map the same pool here is younger than MAP_RETRY_S."""
+    global _import_failures
     owned, fd = fd, None  # from here on `owned` is closed exactly once, on every path
     try:
         if not torch.cuda.is_available():
@@ -86,9 +105,22 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> Cud
             hit = _cache.get(key)
             if hit is not None:
                 return hit
-            mapping = _map_uncached(info, owned, device)
+            failed = _failed.get(key)
+            if failed is not None and time.monotonic() - failed[0] < MAP_RETRY_S:
+                left = MAP_RETRY_S - (time.monotonic() - failed[0])
+                raise PoolMapError(f"GPU pool {info['pool']} failed to map on device {device} ({failed[1]}); "
+                                   f"tried again in {left:.0f} s, features go inline until then") from failed[1]
+            try:
+                mapping = _map_uncached(info, owned, device)
+            except (RuntimeError, OSError) as exc:  # CudaError too
+                _import_failures += 1
+                _failed[key] = (time.monotonic(), exc)
+                raise
+            _failed.pop(key, None)
             for old in [k for k in _cache if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info["epoch"])]:
                 del _cache[old]  # a daemon restart: the old pool goes once its last view is gone
+            for old in [k for k in _failed if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info["epoch"])]:
+                del _failed[old]
             _cache[key] = mapping
             return mapping
     finally:

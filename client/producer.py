@@ -59,6 +59,13 @@ class Producer:
         try:
             session = self._connect()
             pool = self._pool_for(session, device)
+            if pool["kind"] == "cuda":
+                # Mapped (or known not to map) before any lease exists: a pool that cannot be mapped here
+                # costs no reserve and release round trip per put.
+                try:
+                    self._pool_tensor(session, pool["pool"], device)
+                except (RuntimeError, OSError) as exc:  # CudaError and PoolMapError too
+                    return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.MAP_FAILED, exc)
             desc = self._put_in_arena(session, pool, device, tensors, specs, nbytes, consumers, many)
             if desc is not None:
                 return desc
@@ -76,7 +83,7 @@ class Producer:
                                 lease["offset"])
         try:
             try:
-                pool_tensor = self._pool_tensor(session, desc, device)
+                pool_tensor = self._pool_tensor(session, desc.pool, device)
             except (RuntimeError, OSError) as exc:  # CudaError too: no IMEX channel, no peer access, ...
                 self._release_quietly(session, desc)
                 return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.MAP_FAILED, exc)
@@ -102,7 +109,7 @@ class Producer:
         token = os.urandom(TOKEN_BYTES)
         desc = self._descriptor(session, pool["pool"], specs, nbytes, many, placed.slot, placed.gen, token, placed.offset)
         try:
-            pool_tensor = self._pool_tensor(session, desc, device)
+            pool_tensor = self._pool_tensor(session, desc.pool, device)
         except (RuntimeError, OSError):
             arenas.abandon(placed)
             return None  # the reserve path meets the same failure and falls back, saying why
@@ -129,12 +136,12 @@ class Producer:
         return Descriptor.checked(pool["kind"], tuple(specs), nbytes, many, session.node, self._channel.endpoint,
                                   pool["device"], pool_id, session.epoch, lease, gen, token, offset, None)
 
-    def _pool_tensor(self, session: Session, desc: Descriptor, device: Optional[int]) -> torch.Tensor:
+    def _pool_tensor(self, session: Session, pool_id: int, device: Optional[int]) -> torch.Tensor:
         """The whole pool as a uint8 tensor; a GPU pool mapped (once) on the producer tensor's device."""
         if device is None:
-            return session.mapping(desc.pool).tensor
+            return session.mapping(pool_id).tensor
         with torch.cuda.device(device):
-            return session.mapping(desc.pool, device).tensor
+            return session.mapping(pool_id, device).tensor
 
     def _reserve(self, session: Session, pool: dict[str, Any], nbytes: int, consumers: int) -> tuple[Session, dict[str, Any]]:
         """The reserve reply and the session it was made in (a new one if the daemon restarted)."""

@@ -87,3 +87,17 @@ def test_stats_say_which_gpu_pools_are_rdma_capable(libdir, runtime_dir, tmp_pat
         _, err = d.proc.communicate()
     assert rc == 0, err
     assert [(pools[i]["kind"], pools[i]["gpu_direct_rdma"]) for i in (0, 1)] == [("cuda", True), ("cuda", False)]
+
+
+def test_a_pool_that_failed_to_map_is_not_imported_again_until_the_retry(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "map_failure_remembered", STUB_IMPORT_FAIL_TYPE="1")
+    first, later = log.split("=== after the wait\n", 1)
+    assert first.count("cuMemImportFromShareableHandle(") == 1, first
+    assert "=== put 0: CudaError: cuMemImportFromShareableHandle failed" in first
+    for i in (1, 2):
+        assert re.search(rf"=== put {i}: PoolMapError: GPU pool 0 failed to map on device 0 \(.*\); tried again", first)
+    assert "=== fds left open: 0; import failures: 1" in first
+    assert later.count("cuMemImportFromShareableHandle(") == 1 and "=== import failures: 2" in later
+    # Each failed attempt gave back its context reference.
+    retains, releases = (len(re.findall(rf"^cuDevicePrimaryCtx{c}", log, re.M)) for c in ("Retain", "Release"))
+    assert retains == releases

@@ -133,7 +133,33 @@ def daemon_two_pools() -> None:
     mark("end")
 
 
-SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools)}
+def map_failure_remembered() -> None:
+    """An import that fails (STUB_IMPORT_FAIL_TYPE=1), asked for three times, then once after the wait."""
+    from mmfeat.client import cuda_import
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    fds = []
+    for i in range(3):
+        fd = os.memfd_create("pool")
+        fds.append(fd)
+        try:
+            cuda_import.map_cuda_pool("ep", pool_info(), fd)
+        except RuntimeError as exc:
+            mark(f"put {i}: {type(exc).__name__}: {exc}")
+    open_fds = [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+    mark(f"fds left open: {len(open_fds)}; import failures: {cuda_import.import_failures()}")
+    cuda_import.MAP_RETRY_S = 0.0
+    mark("after the wait")
+    try:
+        cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool"))
+    except RuntimeError as exc:
+        mark(f"retry: {type(exc).__name__}")
+    mark(f"import failures: {cuda_import.import_failures()}")
+
+
+SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools,
+                                      map_failure_remembered)}
 
 if __name__ == "__main__":
     drv.driver_unavailable_reason()
