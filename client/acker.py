@@ -2,7 +2,10 @@
 sends the ack once the consumer's GPU work is done; a ``wait=False`` ack whose fd channel is full (the
 daemon is behind) is handed over here too, so the caller never blocks.
 
-The thread sends on the client's fd channel, like every background ack.
+The GPU work is waited for in a blocking event's ``synchronize()`` (acks.py records one): the thread
+sleeps in the driver until the GPU signals the event, so it neither spins a core nor polls, and the
+ack goes out as soon as the thread wakes. The thread sends on the client's fd channel, like every
+background ack.
 """
 
 from __future__ import annotations
@@ -19,18 +22,6 @@ from mmfeat.protos.errors import MmfeatError
 from .async_failures import AsyncFailures
 
 log = logging.getLogger("mmfeat.client")
-
-
-def _wait_for(event: Any) -> None:
-    """Until ``event`` completes, without spinning a core: a blocking event sleeps in synchronize(); a
-    caller's own (busy-waiting) event is polled with a growing sleep."""
-    if getattr(event, "blocking", False):
-        event.synchronize()
-        return
-    delay = 0.00005
-    while not event.query():
-        time.sleep(delay)
-        delay = min(delay * 2, 0.002)
 
 
 Send = Callable[[dict[str, Any], int, bytes], None]
@@ -50,7 +41,8 @@ class Acker:
         self._thread.start()
 
     def submit(self, fields: dict[str, Any], count: int, ack_id: bytes, event: Optional[Any]) -> None:
-        """``fields``: the ack request's lease (and owner node, for another node's feature)."""
+        """``fields``: the ack request's lease (and owner node, for another node's feature); ``event``:
+        a blocking CUDA event that completes when the work to wait for is done, or None."""
         with self._cond:
             self._pending += 1
         self._queue.put((fields, count, ack_id, event))
@@ -60,7 +52,7 @@ class Acker:
             fields, count, ack_id, event = item
             try:
                 if event is not None:
-                    _wait_for(event)  # the consumer's GPU work that read the feature is done
+                    event.synchronize()  # sleeps until the GPU work that read the feature is done
                 self._send(fields, count, ack_id)
             except MmfeatError as exc:
                 code = exc.code.value if exc.code is not None else "UNAVAILABLE"

@@ -2,9 +2,10 @@
 
 By default an ack is a compare-and-swap on the feature's ack word in the lease table: no message, no
 round trip; the daemon applies it on its next sweep. ``wait=True`` sends it on the fd channel instead
-and returns the daemon's answer. ``after=`` (a CUDA stream or event) hands it to a thread that adds it
-once the GPU work is done. Where the table cannot take it (the daemon offers no arenas, no libatomic,
-or the feature already ended and the daemon should say so), it goes as a message. Another node's
+and returns the daemon's answer. ``after=`` (a CUDA stream or event) records a blocking event behind
+that work and hands the ack to a thread that sleeps on the event and adds the ack when it wakes.
+Where the table cannot take it (the daemon offers no arenas, no libatomic, or the feature already
+ended and the daemon should say so), it goes as a message. Another node's
 feature is acked through this node's daemon, which relays the ack to the owner (batched).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -128,13 +130,34 @@ def _table_ack(session: Session, fields: dict[str, Any], count: int) -> bool:
     return session.table.add_acks(lease["lease"], lease["gen"], lease["pool"], lease["offset"], lease["nbytes"], count)
 
 
-def _completion_event(after: Any) -> Optional[Any]:
-    """An event that completes when the work queued on ``after`` so far is done."""
-    if isinstance(after, torch.cuda.Event):
-        return after
+_side_streams: dict[int, torch.cuda.Stream] = {}
+_side_lock = threading.Lock()
+
+
+def _side_stream(device: int) -> torch.cuda.Stream:
+    with _side_lock:
+        stream = _side_streams.get(device)
+        if stream is None:
+            stream = _side_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+
+def _completion_event(after: Any) -> Optional[torch.cuda.Event]:
+    """A blocking event that completes when the work queued on ``after`` so far is done (None: nothing
+    to wait for). Blocking, so that the acker thread sleeps in its synchronize() until the GPU signals:
+    torch's events busy-wait there by default, spinning a core, and polling one adds its sleep to the
+    ack's delay."""
     if isinstance(after, torch.cuda.Stream):
-        # blocking: the acker thread sleeps in synchronize() instead of spinning a core on it.
-        event = torch.cuda.Event(blocking=True)
-        event.record(after)
-        return event
-    raise TypeError(f"after must be a torch.cuda.Stream or torch.cuda.Event, not {type(after).__name__}")
+        stream = after
+    elif isinstance(after, torch.cuda.Event):
+        if after.query():
+            return None  # complete, or never recorded
+        # The caller's event was made as the caller chose: a side stream waits for it on the GPU (any
+        # device's stream may wait on an event) and a blocking event of ours follows it there.
+        stream = _side_stream(torch.cuda.current_device())
+        stream.wait_event(after)
+    else:
+        raise TypeError(f"after must be a torch.cuda.Stream or torch.cuda.Event, not {type(after).__name__}")
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event

@@ -265,28 +265,38 @@ def test_any_openable_imex_channel_counts(tmp_path) -> None:
     assert ok and "channel7" in why
 
 
-def test_the_acker_waits_on_a_busy_waiting_event_without_spinning() -> None:
+def test_the_acker_sleeps_on_the_event_and_acks_when_it_wakes() -> None:
+    import threading
     import time
 
-    from mmfeat.client.acker import _wait_for
+    from mmfeat.client.acker import Acker
 
-    class SlowEvent:  # what a caller's torch.cuda.Event() (not blocking) looks like to the acker
-        blocking = False
-        queries = 0
-
+    class GpuWork:  # what ack(after=) hands the acker: a blocking torch.cuda.Event (no `blocking` attribute)
         def __init__(self) -> None:
-            self.done_at = time.monotonic() + 0.3
+            self.done = threading.Event()
+            self.queries = 0
+
+        def synchronize(self) -> None:
+            self.done.wait(30)
 
         def query(self) -> bool:
-            SlowEvent.queries += 1
-            return time.monotonic() >= self.done_at
+            self.queries += 1
+            return self.done.is_set()
 
-    cpu0 = time.process_time()
-    _wait_for(SlowEvent())
-    # A spin would query millions of times and burn the whole 0.3 s; polling with a growing sleep
-    # queries a few hundred times at most.
-    assert SlowEvent.queries < 500, SlowEvent.queries
-    assert time.process_time() - cpu0 < 0.15
+    sent: list[int] = []
+    acker = Acker(lambda fields, count, ack_id: sent.append(count), lambda timeout: True)
+    work = GpuWork()
+    try:
+        acker.submit({"lease": {"lease": 1}}, 2, b"\0" * 8, work)
+        time.sleep(0.2)
+        assert not sent, "acked before the GPU work was done"
+        work.done.set()
+        assert acker.flush(30.0)
+        # Slept in synchronize() and acked when it returned: polling would add its sleep to the delay.
+        assert sent == [2] and work.queries == 0, work.queries
+    finally:
+        work.done.set()
+        acker.close(5.0)
 
 
 def test_gpu_pools_are_matched_by_uuid_not_ordinal() -> None:

@@ -149,3 +149,34 @@ def test_a_put_and_a_staged_get_behind_a_long_kernel_sleep_instead_of_spinning(g
             assert torch.equal(got, x)
             c.ack(desc, wait=True)
             assert cpu < 0.25 * waited, f"the {step} spun a core while it waited"
+
+
+def test_an_ack_after_gpu_work_leaves_soon_after_the_work_ends(gpu_daemon) -> None:
+    """From the end of the kernel an ``ack(after=)`` waits for to the acker thread having sent it, for a
+    stream and for a caller's own (busy-waiting) event: the thread sleeps on a blocking event until then."""
+    torch.cuda.set_device(0)
+    delays: dict[str, list[float]] = {"stream": [], "event": []}
+    with gpu_daemon.client(inline_threshold=0, fallback="error") as producer, gpu_daemon.client() as consumer:
+        for kind, found in delays.items():
+            for _ in range(20):
+                desc = producer.put(torch.ones(1 << 16, device="cuda:0"), consumers=1)
+                stream = torch.cuda.Stream(0)
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(int(2e7))  # milliseconds of GPU time before the work ends
+                    end = torch.cuda.Event()
+                    end.record(stream)
+                consumer.ack(desc, after=stream if kind == "stream" else end)
+                acker = consumer._acks._acker
+                while not end.query():  # this thread spins to see the end as it happens
+                    pass
+                t_end = time.perf_counter()
+                while acker._pending:
+                    pass
+                found.append(time.perf_counter() - t_end)
+            assert consumer.flush(30.0)
+    for kind, found in delays.items():
+        found.sort()
+        median, worst = found[len(found) // 2], found[-1]
+        print(f"ack(after={kind}): the ack left {median * 1e6:.0f} µs (median; worst {worst * 1e6:.0f} µs) "
+              "after the work ended")
+        assert median <= 200e-6, f"ack(after={kind}) left {median * 1e6:.0f} µs after the work ended"
