@@ -270,6 +270,7 @@ def test_the_acker_sleeps_on_the_event_and_acks_when_it_wakes() -> None:
     import time
 
     from mmfeat.client.acker import Acker
+    from mmfeat.client.async_failures import AsyncFailures
 
     class GpuWork:  # what ack(after=) hands the acker: a blocking torch.cuda.Event (no `blocking` attribute)
         def __init__(self) -> None:
@@ -284,7 +285,7 @@ def test_the_acker_sleeps_on_the_event_and_acks_when_it_wakes() -> None:
             return self.done.is_set()
 
     sent: list[int] = []
-    acker = Acker(lambda fields, count, ack_id: sent.append(count), lambda timeout: True)
+    acker = Acker(lambda fields, count, ack_id: sent.append(count), lambda timeout: True, AsyncFailures())
     work = GpuWork()
     try:
         acker.submit({"lease": {"lease": 1}}, 2, b"\0" * 8, work)
