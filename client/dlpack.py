@@ -116,3 +116,23 @@ def live_capsules() -> int:
     """Tensors torch has not freed yet (tests check that views release their owner)."""
     with _lock:
         return len(_live)
+
+
+def keep_alive(t: torch.Tensor, owner: Any) -> torch.Tensor:
+    """``t`` again, over the same memory, in a storage of its own that keeps ``owner`` alive until torch
+    frees it, and with it every view, slice or reshape made from the result. An empty ``t`` views no
+    memory and is returned as it is."""
+    if t.numel() == 0:
+        return t
+    if any(s < 0 for s in t.stride()):
+        raise ValueError("keep_alive needs non-negative strides")
+    # The bytes from the first element to the end of the last one, whatever the strides.
+    nbytes = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    if t.is_cuda:
+        kind, ordinal = KDL_CUDA, t.device.index if t.device.index is not None else torch.cuda.current_device()
+    elif t.device.type == "cpu":
+        kind, ordinal = KDL_CPU, 0
+    else:
+        raise ValueError(f"keep_alive works on CPU and CUDA tensors, not {t.device.type}")
+    base = uint8_tensor(t.data_ptr(), nbytes, kind, ordinal, owner)
+    return base.view(t.dtype).as_strided(t.shape, t.stride())

@@ -24,6 +24,7 @@ import torch
 from mmfeat.protos.descriptor import Descriptor, DescriptorError
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
+from . import dlpack
 from .client import Client
 
 FORMAT = 1
@@ -92,7 +93,12 @@ def loads(data: bytes, *, client: Optional[Client] = None, device: Any = None) -
             raise MmfeatError(ErrorCode.BAD_REQUEST, str(exc)) from None
         got = client.get(desc, device=device)
         tensors = got if isinstance(got, list) else [got]
-    parcel = Parcel(_unpickle(payload, tensors), client, desc, payload, tensors)
+    lease = _Lease(client, desc, tensors)
+    if desc is not None and not desc.is_inline and device is None:
+        # Pool views: each gets a storage that keeps the lease, so the feature lives as long as any
+        # tensor made from it, not as long as the Parcel (which `loads(data).value` drops at once).
+        tensors = [dlpack.keep_alive(t, lease) for t in tensors]
+    parcel = Parcel(_unpickle(payload, tensors), lease, payload, tensors)
     if device is not None:
         parcel.ack()  # private copies, complete when get returned: the pool's bytes are not needed
     return parcel
@@ -108,31 +114,63 @@ def _unpickle(payload: bytes, tensors: list[torch.Tensor]) -> Any:
     return _Unpickler(io.BytesIO(payload)).load()
 
 
-class Parcel:
-    """An object from ``loads`` and the pool feature its tensors view. ``with loads(data) as obj:``
-    acks on exit. A Parcel collected without an ack acks then, and warns (once per process), so a
-    forgotten ack costs memory for a moment, not for ``ack_ttl``."""
+class _Lease:
+    """A Parcel's feature and whether it was acked. The Parcel and every pool tensor from it keep it
+    alive; once the last of them is freed, an unacked feature is acked here and a warning says so (once
+    per process), so a forgotten ack costs memory for a moment, not for ``ack_ttl``."""
 
-    def __init__(self, value: Any, client: Client, desc: Optional[Descriptor], payload: bytes,
-                 tensors: list[torch.Tensor]) -> None:
-        self.value = value
+    def __init__(self, client: Client, desc: Optional[Descriptor], sources: list[torch.Tensor]) -> None:
         self._client = client
         self._desc = desc
-        self._payload = payload
-        self._tensors = tensors
+        self._sources = sources  # the views get returned: their storage keeps the pool mapped
         self._lock = threading.Lock()
         self.acked = desc is None
 
     def ack(self, after: Any = None, count: int = 1) -> None:
-        """Done with the tensors (views must not be read after this). Once; again is a no-op.
-        ``after`` (a CUDA stream or event) acks once the GPU work queued there is done. ``count`` acks
-        for that many consumers: the one rank that encodes an image for its group acks for the group."""
         with self._lock:
             if self.acked:
                 return
             self.acked = True
         assert self._desc is not None
         self._client.ack(self._desc, count=count, after=after)
+
+    def __del__(self) -> None:
+        # Runs where torch frees the last tensor's storage (any thread), or where the Parcel goes.
+        if getattr(self, "acked", True):
+            return
+        global _warned_unacked
+        if not _warned_unacked:
+            _warned_unacked = True
+            warnings.warn("an mmfeat Parcel and its tensors were collected without ack(); acked now. Ack each "
+                          "Parcel (or use `with loads(data) as obj:`) once its tensors are used", ResourceWarning,
+                          stacklevel=2)
+        try:
+            self.ack()
+        except Exception:
+            pass  # interpreter shutdown or a gone daemon: the feature expires by ack_ttl
+
+
+class Parcel:
+    """An object from ``loads`` and the pool feature its tensors view. ``with loads(data) as obj:``
+    acks on exit, as ``ack()`` does; after either, the tensors must not be read (the producer may reuse
+    their memory at once). Without an ack the feature lives as long as the Parcel or any tensor from it
+    (so ``loads(data).value`` is safe to read), and is acked once the last of them is freed."""
+
+    def __init__(self, value: Any, lease: _Lease, payload: bytes, tensors: list[torch.Tensor]) -> None:
+        self.value = value
+        self._lease = lease
+        self._payload = payload
+        self._tensors = tensors
+
+    @property
+    def acked(self) -> bool:
+        return self._lease.acked
+
+    def ack(self, after: Any = None, count: int = 1) -> None:
+        """Done with the tensors (views must not be read after this). Once; again is a no-op.
+        ``after`` (a CUDA stream or event) acks once the GPU work queued there is done. ``count`` acks
+        for that many consumers: the one rank that encodes an image for its group acks for the group."""
+        self._lease.ack(after, count)
 
     def copy(self) -> Any:
         """The object again, with private copies of the pooled tensors: valid after the ack."""
@@ -143,19 +181,6 @@ class Parcel:
 
     def __exit__(self, *exc: object) -> None:
         self.ack()
-
-    def __del__(self) -> None:
-        if getattr(self, "acked", True):
-            return
-        global _warned_unacked
-        if not _warned_unacked:
-            _warned_unacked = True
-            warnings.warn("an mmfeat Parcel was collected without ack(); acked now. Ack each Parcel (or use "
-                          "`with loads(data) as obj:`) once its tensors are used", ResourceWarning, stacklevel=2)
-        try:
-            self.ack()
-        except Exception:
-            pass  # interpreter shutdown or a gone daemon: the feature expires by ack_ttl
 
 
 class Pooled:

@@ -64,3 +64,23 @@ def from_queue(runtime_dir: str, q: Any, results: Any) -> None:
 
     default_client().flush()
     results.put(ok)
+
+
+def keeps_only_the_value(runtime_dir: str, inbox: Any, outbox: Any) -> None:
+    """``loads(data).value``: the Parcel goes at once, the tensors stay. Reads them after the producer has
+    put over whatever space an ack would have given back, then drops them."""
+    import gc
+
+    from mmfeat.client import Client, loads
+
+    with Client(runtime_dir) as c:
+        value = loads(inbox.get(timeout=60), client=c).value
+        gc.collect()
+        c.flush()  # any ack this process made is applied before the producer looks
+        outbox.put("held")
+        assert inbox.get(timeout=60) == "overwritten"
+        outbox.put(all(bool((t == 7).all()) for t in value["pixel_values"]))
+        del value
+        gc.collect()
+        c.flush()
+        outbox.put("dropped")

@@ -123,3 +123,32 @@ def test_a_multiprocessing_queue_moves_pooled_objects_through_the_pool(daemon, m
         s = daemon.stats()
         assert s["counters"]["publishes"] == 1 and s["leases"]["PUBLISHED"] == 0
     assert os.environ["MMFEAT_RUNTIME_DIR"] == str(daemon.runtime_dir)
+
+
+def test_tensors_from_a_dropped_parcel_keep_their_feature_until_they_die(daemon, children) -> None:
+    """``loads(data).value`` drops the Parcel at once; its tensors still read the producer's bytes after
+    the producer has put over every range an early ack would have freed, and the ack comes when they die."""
+    inbox, outbox = children.Queue(), children.Queue()
+    consumer = children.Process(target=w.keeps_only_the_value, args=(str(daemon.runtime_dir), inbox, outbox))
+    consumer.start()
+    try:
+        with daemon.client() as c:
+            shape = (3, 64, 512)  # 384 KiB each: above the inline threshold
+            inbox.put(dumps({"pixel_values": [torch.full(shape, 7.0) for _ in range(2)]}, client=c))
+            assert outbox.get(timeout=120) == "held"
+            s = daemon.stats()
+            assert s["leases"]["PUBLISHED"] == 1 and s["counters"]["acks"] == 0, s  # not acked while read
+            for _ in range(64):  # rings around every arena; a freed feature's range is written over
+                c.ack(c.put(torch.full(shape, float(0xEE))))
+            assert c.flush()
+            inbox.put("overwritten")
+            assert outbox.get(timeout=60) is True, "a tensor read bytes another feature wrote"
+            assert outbox.get(timeout=60) == "dropped"
+            s = daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the ack once the tensors died")
+            assert s["counters"]["acks"] == 65
+        consumer.join(30)
+        assert consumer.exitcode == 0
+        daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the pool back to empty")
+    finally:
+        if consumer.is_alive():
+            consumer.kill()
