@@ -233,6 +233,36 @@ def test_dlpack_view_has_no_copy_and_keeps_its_owner_until_the_last_view() -> No
     assert released and dlpack.live_capsules() == before
 
 
+def test_keep_alive_views_the_same_bytes_and_holds_its_owner_until_the_last_view() -> None:
+    import gc
+
+    import torch
+
+    from mmfeat.client import dlpack
+
+    released = []
+
+    class Owner:
+        def __del__(self) -> None:
+            released.append(True)
+
+    pool = torch.arange(4096, dtype=torch.int32)
+    for t in (pool[8:1032].view(4, 256).t(), pool[16:32].view(torch.float32), pool[:64].view(torch.bool)[1::3]):
+        released.clear()
+        held = dlpack.keep_alive(t, Owner())
+        assert held.data_ptr() == t.data_ptr() and held.stride() == t.stride() and held.dtype == t.dtype
+        assert torch.equal(held, t) if t.dtype != torch.float32 else torch.equal(held.view(torch.int32), pool[16:32])
+        part = held[:2]
+        del held
+        gc.collect()
+        assert not released, "the owner went while a view of the tensor still used it"
+        del part
+        gc.collect()
+        assert released
+    empty = torch.empty(0, 3)
+    assert dlpack.keep_alive(empty, Owner()) is empty
+
+
 def test_a_view_alive_at_interpreter_exit_does_not_crash_it() -> None:
     """The first GPU run's consumers died of SIGSEGV at exit: Python freed the DLPack struct (held in a
     module dict) before a tensor that pointed at it, and torch's deleter call read freed memory. Here a
