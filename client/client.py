@@ -48,9 +48,16 @@ class Client:
         inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
         fallback: str = "inline",
         name: str = "",
+        readonly: bool = False,
     ) -> None:
+        """``readonly=True`` is for processes that only consume: the pool is mapped read-only, so an
+        in-place write into a tensor from ``get`` kills this process (SIGSEGV) instead of changing what
+        other consumers read, and ``put`` raises FORBIDDEN."""
         if fallback not in ("inline", "error"):
             raise ValueError("fallback must be 'inline' or 'error'")
+        if not isinstance(readonly, bool):
+            raise TypeError(f"readonly must be True or False, not {readonly!r}")
+        self.readonly = readonly
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
         self.endpoint = endpoint or control_endpoint(self.runtime_dir)
         self.timeout = timeout
@@ -135,7 +142,7 @@ class Client:
                 # Closing our copies is safe after a fork too: the parent keeps its own.
                 self._session.close()
                 self._session = None
-            self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout)
+            self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout, self.readonly)
             return self._session
 
     def _reconnect(self, stale: Session) -> Session:
@@ -150,13 +157,20 @@ class Client:
 
     def put(self, tensor: torch.Tensor, consumers: int = 1) -> Descriptor:
         """Place one tensor in the pool for ``consumers`` consumers; returns its descriptor."""
+        self._check_writable()
         return self._producer.put([tensor], consumers, many=False)
 
     def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1) -> Descriptor:
         """Place several tensors in one lease (one descriptor, one ack per consumer)."""
         if not tensors:
             raise ValueError("put_many needs at least one tensor")
+        self._check_writable()
         return self._producer.put(list(tensors), consumers, many=True)
+
+    def _check_writable(self) -> None:
+        if self.readonly:
+            raise MmfeatError(ErrorCode.FORBIDDEN, "this Client maps the pool read-only (readonly=True) and cannot "
+                                                   "put; producers use a Client without readonly")
 
     def release(self, desc: DescLike) -> None:
         """Producer only: cancel a feature that was never dispatched to its consumers."""
@@ -171,9 +185,11 @@ class Client:
     ) -> Union[torch.Tensor, list[torch.Tensor]]:
         """The tensor (or list, for put_many) a descriptor names.
 
-        Zero-copy by default: a view into the shared pool, valid until this consumer acks. ``copy=True``
-        returns private tensors. ``device`` (a CUDA device) stages a private copy into that device's own
-        memory on its current stream. ``verify`` checks that the lease is still live, so a descriptor that
+        Zero-copy by default: a view into the shared pool, valid until this consumer acks. It is the
+        pool itself: an in-place op on it changes what every consumer reads (with ``readonly=True`` it
+        kills this process instead), so work in place on ``copy=True`` tensors, which are private.
+        ``device`` (a CUDA device) stages a private copy into that device's own memory on its current
+        stream. ``verify`` checks that the lease is still live, so a descriptor that
         outlived its lease raises STALE or NOT_FOUND instead of reading reused memory. The check reads the
         daemon's lease table (shared memory): a live lease costs no round trip, and only a lease the
         table calls gone is looked up, for the reason.

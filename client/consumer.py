@@ -73,7 +73,7 @@ class Consumer:
             # The owner's GPU is on another node: a UUID no local GPU has keeps the import from granting
             # a local GPU of the same ordinal access as if it were the owner's.
             info = {**reply["fabric"], "kind": "cuda", "uuid": f"remote:{desc.node}"}
-            pool = map_cuda_pool(f"mesh:{info['node']}", info, None).tensor
+            pool = map_cuda_pool(f"mesh:{info['node']}", info, None, session.readonly).tensor
             out = [tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors]
             return _finish(out, desc.many, copy, device)
         local = dataclasses.replace(desc, node=session.node, **{k: reply["lease"][k] for k in

@@ -20,13 +20,13 @@ from mmfeat import cuda_driver as drv
 from . import dlpack
 
 _lock = threading.Lock()
-_cache: dict[tuple[int, str, int, int, int], "CudaMapping"] = {}
+_cache: dict[tuple[int, str, int, int, int, bool], "CudaMapping"] = {}
 
 # A pool that failed to map fails the same way on the next put (no IMEX channel, no peer access), and
 # each attempt costs an import and its teardown, plus the producer's reserve and release around it. The
 # failure is remembered for this long; after it one put tries again (the operator may have fixed it).
 MAP_RETRY_S = 30.0
-_failed: dict[tuple[int, str, int, int, int], tuple[float, BaseException]] = {}
+_failed: dict[tuple[int, str, int, int, int, bool], tuple[float, BaseException]] = {}
 _import_failures = 0
 
 
@@ -86,8 +86,9 @@ class CudaMapping:
     tensor: torch.Tensor  # uint8 over the whole pool, on ``device``
 
 
-def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> CudaMapping:
-    """The pool described by ``info`` (from hello) mapped for the current CUDA device. Takes ownership
+def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int], readonly: bool = False) -> CudaMapping:
+    """The pool described by ``info`` (from hello) mapped for the current CUDA device, with read-only
+    access where ``readonly``. Takes ownership
     of ``fd`` (a POSIX-fd pool) and closes it in every case. Raises PoolMapError, without trying, while
     a failure to map the same pool here is younger than MAP_RETRY_S."""
     global _import_failures
@@ -100,7 +101,7 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> Cud
             raise RuntimeError(f"cannot map GPU pool {info['pool']}: {reason}")
         device = torch.cuda.current_device()
         # Keyed by pid too: a forked child must import the pool itself, not reuse the parent's mapping.
-        key = (os.getpid(), endpoint, info["pool"], info["epoch"], device)
+        key = (os.getpid(), endpoint, info["pool"], info["epoch"], device, readonly)
         with _lock:
             hit = _cache.get(key)
             if hit is not None:
@@ -111,7 +112,7 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> Cud
                 raise PoolMapError(f"GPU pool {info['pool']} failed to map on device {device} ({failed[1]}); "
                                    f"tried again in {left:.0f} s, features go inline until then") from failed[1]
             try:
-                mapping = _map_uncached(info, owned, device)
+                mapping = _map_uncached(info, owned, device, readonly)
             except (RuntimeError, OSError) as exc:  # CudaError too
                 _import_failures += 1
                 _failed[key] = (time.monotonic(), exc)
@@ -128,7 +129,7 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int]) -> Cud
             os.close(owned)  # cuMemImportFromShareableHandle does not take ownership of the fd
 
 
-def _map_uncached(info: dict[str, Any], fd: Optional[int], device: int) -> CudaMapping:
+def _map_uncached(info: dict[str, Any], fd: Optional[int], device: int, readonly: bool) -> CudaMapping:
     """Import and map the pool for ``device``; on failure nothing is left behind (context reference
     included). The VMM calls take no context but need one current: retain ours explicitly (the mapping
     keeps the reference) rather than rely on torch having made one current, and give the thread back
@@ -138,7 +139,7 @@ def _map_uncached(info: dict[str, Any], fd: Optional[int], device: int) -> CudaM
     try:
         with drv.context_current(ctx):
             handle = _import_handle(info, fd)
-            holder = _map(info, handle, device, ctx)
+            holder = _map(info, handle, device, ctx, readonly)
             tensor = dlpack.uint8_tensor(int(holder.va), holder.size, dlpack.KDL_CUDA, device, holder)
     except BaseException:
         if holder is None:
@@ -160,7 +161,7 @@ def _import_handle(info: dict[str, Any], fd: Optional[int]) -> Any:
     return drv.ck("cuMemImportFromShareableHandle", drv.cu.cuMemImportFromShareableHandle(raw, drv.handle_type(kind)))
 
 
-def _map(info: dict[str, Any], handle: Any, device: int, ctx: Any) -> _DeviceRange:
+def _map(info: dict[str, Any], handle: Any, device: int, ctx: Any, readonly: bool) -> _DeviceRange:
     """Reserve VA, map the whole allocation, grant access, release the imported handle. The range
     returned owns the context reference ``ctx``."""
     cu = drv.cu
@@ -173,8 +174,8 @@ def _map(info: dict[str, Any], handle: Any, device: int, ctx: Any) -> _DeviceRan
         va = drv.ck("cuMemAddressReserve", cu.cuMemAddressReserve(size, gran, 0, 0))
         drv.ck("cuMemMap", cu.cuMemMap(va, size, 0, handle, 0))  # whole allocation at offset 0
         mapped = True
-        drv.ck("cuMemSetAccess", cu.cuMemSetAccess(va, size, [drv.access_desc(device)], 1))
-        devices = [device] + _grant_owner_access(va, size, info, device)
+        drv.ck("cuMemSetAccess", cu.cuMemSetAccess(va, size, [drv.access_desc(device, readonly)], 1))
+        devices = [device] + _grant_owner_access(va, size, info, device, readonly)
     except BaseException:
         if mapped:
             cu.cuMemUnmap(va, size)
@@ -186,7 +187,7 @@ def _map(info: dict[str, Any], handle: Any, device: int, ctx: Any) -> _DeviceRan
     return _DeviceRange(va, size, devices, ctx)
 
 
-def _grant_owner_access(va: Any, size: int, info: dict[str, Any], device: int) -> list[int]:
+def _grant_owner_access(va: Any, size: int, info: dict[str, Any], device: int, readonly: bool) -> list[int]:
     """Best effort: also let the pool's own GPU reach this mapping, so that work queued on it can read
     the pool. The owner is found by UUID among this process's GPUs (ordinals differ between processes).
     Returns the extra local ordinals granted."""
@@ -194,7 +195,7 @@ def _grant_owner_access(va: Any, size: int, info: dict[str, Any], device: int) -
     if owner is None or owner == device:
         return []
     try:
-        drv.ck("cuMemSetAccess", drv.cu.cuMemSetAccess(va, size, [drv.access_desc(owner)], 1))
+        drv.ck("cuMemSetAccess", drv.cu.cuMemSetAccess(va, size, [drv.access_desc(owner, readonly)], 1))
     except drv.CudaError:
         return []  # no peer access between the two: staged copies go through the consumer's own device
     return [owner]

@@ -18,16 +18,17 @@ class HostMapping:
 
 
 _lock = threading.Lock()
-_cache: dict[tuple[str, int, int], Any] = {}
+_cache: dict[tuple[str, int, int, bool], Any] = {}  # endpoint, pool, epoch, read-only
 
 
-def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int) -> HostMapping:
-    """Map the pool behind ``fd`` (closing ``fd`` either way) unless this process already has it."""
+def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int, readonly: bool = False) -> HostMapping:
+    """Map the pool behind ``fd`` (closing ``fd`` either way) unless this process already has it.
+    ``readonly`` maps it ``PROT_READ`` only, through a read-only fd: a write into it faults (SIGSEGV)."""
     import torch
 
     try:
         with _lock:
-            hit = _cache.get((endpoint, pool_id, epoch))
+            hit = _cache.get((endpoint, pool_id, epoch, readonly))
             if hit is not None:
                 return hit
             # A new epoch for this endpoint means the daemon restarted: forget the old pool. Its memory
@@ -37,10 +38,28 @@ def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int) -
             if os.fstat(fd).st_size < size:
                 raise ValueError(f"pool fd is {os.fstat(fd).st_size} B, daemon said {size} B")
             # MAP_POPULATE: take the page faults here, once, not on the hot path.
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            if readonly:
+                mm = _map_read_only(fd, size, flags)
+            else:
+                mm = mmap.mmap(fd, size, flags=flags)
             tensor = torch.frombuffer(mm, dtype=torch.uint8)
             mapping = HostMapping(pool_id, epoch, size, tensor)
-            _cache[(endpoint, pool_id, epoch)] = mapping
+            _cache[(endpoint, pool_id, epoch, readonly)] = mapping
             return mapping
     finally:
         os.close(fd)
+
+
+def _map_read_only(fd: int, size: int, flags: int) -> mmap.mmap:
+    # Through a fd reopened read-only, not the daemon's read-write one: the kernel then refuses to make
+    # the pages writable again (mprotect), so no library in this process can turn the mapping writable.
+    # Without /proc the mapping is still PROT_READ.
+    try:
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    try:
+        return mmap.mmap(ro, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(ro)  # the mmap object holds its own duplicate

@@ -53,6 +53,7 @@ class Session:
         table: LeaseTableView,
         timeout: float,
         failures: AsyncFailures,
+        readonly: bool = False,
     ) -> None:
         self.token: bytes = hello["session"]
         self.epoch: int = hello["epoch"]
@@ -65,6 +66,7 @@ class Session:
         self.table = table
         self.timeout = timeout
         self.failures = failures
+        self.readonly = readonly  # pools mapped read-only: this process only consumes
         self._sock = fd_sock
         self._readable = select.poll()
         self._readable.register(fd_sock, select.POLLIN)
@@ -271,7 +273,8 @@ class Session:
                 fd = self.fds.pop(pool_id, None)
                 if fd is None:
                     raise MmfeatError(ErrorCode.INTERNAL, f"daemon sent no fd for host pool {pool_id}")
-                self.mappings[key] = mapping_cache.map_host_pool(self.endpoint, pool_id, info["epoch"], fd, info["size"])
+                self.mappings[key] = mapping_cache.map_host_pool(
+                    self.endpoint, pool_id, info["epoch"], fd, info["size"], self.readonly)
             return self.mappings[key]
         if device is None:
             import torch
@@ -282,7 +285,8 @@ class Session:
             from .cuda_import import map_cuda_pool
 
             fd = self.fds.get(pool_id)
-            self.mappings[key] = map_cuda_pool(self.endpoint, info, os.dup(fd) if fd is not None else None)
+            self.mappings[key] = map_cuda_pool(self.endpoint, info, os.dup(fd) if fd is not None else None,
+                                               self.readonly)
         return self.mappings[key]
 
     def close(self) -> None:
@@ -302,8 +306,10 @@ def _wait(sock: socket.socket, event: int, timeout: float) -> bool:
     return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
-def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float) -> Session:
-    """hello, the fd channel handshake (which checks who serves it), the lease table and the host pools."""
+def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float,
+                 readonly: bool = False) -> Session:
+    """hello, the fd channel handshake (which checks who serves it), the lease table and the host pools
+    (read-only with ``readonly``)."""
     sent = time.monotonic()
     hello = channel.call("hello", name=name[:128], pid=os.getpid())
     # Same kernel, same CLOCK_MONOTONIC (unless a time namespace shifts it): then deadlines mean the same.
@@ -319,7 +325,7 @@ def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout:
         for fd in fds.values():
             os.close(fd)
         raise
-    session = Session(hello, channel.endpoint, fd_sock, fds, table, timeout, channel.failures)
+    session = Session(hello, channel.endpoint, fd_sock, fds, table, timeout, channel.failures, readonly)
     session.send_deadlines = channel.send_deadlines
     try:
         for pool_id, info in session.pools.items():

@@ -207,11 +207,12 @@ def granularity(prop: Any) -> int:
     return int(ck("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, flags)))
 
 
-def access_desc(ordinal: int) -> Any:
+def access_desc(ordinal: int, readonly: bool = False) -> Any:
     d = cu.CUmemAccessDesc()
     d.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     d.location.id = ordinal
-    d.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    flags = cu.CUmemAccess_flags
+    d.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     return d
 
 

@@ -190,6 +190,7 @@ def test_every_driver_name_the_cuda_paths_use_exists() -> None:
     assert int(drv.allocation_prop(0, "posix_fd").requestedHandleTypes) == 1
     desc = drv.access_desc(2)
     assert desc.location.id == 2 and desc.flags == drv.cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    assert drv.access_desc(2, readonly=True).flags == drv.cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
 
 
 def test_every_nvml_name_the_fabric_checks_use_exists() -> None:

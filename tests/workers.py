@@ -80,3 +80,20 @@ def reserve_and_hang(runtime_dir: str, n: int, nbytes: int, ready_q: Any) -> Non
         c.request("reserve", session=session.token, nbytes=nbytes, consumers=1)
     ready_q.put(os.getpid())
     time.sleep(600)
+
+
+def write_in_place(runtime_dir: str, blob: bytes, readonly: bool, result_q: Any) -> None:
+    """A consumer that divides its zero-copy view in place, as image preprocessing might."""
+    c = Client(runtime_dir, readonly=readonly)
+    v = c.get(blob)
+    result_q.put(("read", float(v.max())))
+    v /= 255
+    result_q.put(("wrote", float(v.max())))
+    c.close()
+
+
+def read_max(runtime_dir: str, blob: bytes, result_q: Any) -> None:
+    with Client(runtime_dir, readonly=True) as c:
+        result_q.put(("read", float(c.get(blob).max()), float(c.get(blob).min())))
+        c.ack(blob)
+        c.flush()

@@ -90,6 +90,28 @@ def test_staged_copy_is_complete_before_a_plain_ack(gpu_daemon) -> None:
             assert torch.equal(mine, src), f"round {k}: the staged copy read a reused range"
 
 
+def test_a_read_only_consumers_write_in_place_cannot_change_a_gpu_feature(gpu_daemon) -> None:
+    """Client(readonly=True) maps a GPU pool with read-only access: the kernel that writes faults (the
+    child dies or raises) and the feature keeps the producer's bytes."""
+    import subprocess
+    import sys
+
+    torch.cuda.set_device(0)
+    code = ("import sys, torch; from mmfeat.client import Client; torch.cuda.set_device(0)\n"
+            "c = Client(sys.argv[1], readonly=True); v = c.get(bytes.fromhex(sys.argv[2]))\n"
+            "print('read', float(v.max()), flush=True); v /= 255; torch.cuda.synchronize()\n"
+            "print('wrote', flush=True)\n")
+    with gpu_daemon.client(inline_threshold=0, fallback="error") as c:
+        d = c.put(torch.full((1 << 20,), 255.0, device="cuda:0"), consumers=1)
+        out = subprocess.run([sys.executable, "-c", code, str(gpu_daemon.runtime_dir), d.to_bytes().hex()],
+                             capture_output=True, text=True, timeout=120)
+        print(f"a read-only consumer's write in place: exit {out.returncode}, stderr tail {out.stderr[-300:]!r}")
+        assert "read 255.0" in out.stdout, out.stderr
+        assert "wrote" not in out.stdout and out.returncode != 0
+        assert float(c.get(d).min()) == 255.0, "the read-only consumer's write reached the feature"
+        c.ack(d, wait=True)
+
+
 def test_hbm_taken_by_the_daemons_cuda_context(gpu_daemon) -> None:
     pynvml = pytest.importorskip("pynvml")
     pynvml.nvmlInit()
