@@ -67,6 +67,23 @@ class Acks:
             self._acked.remember(desc)
         return reply
 
+    def ack_in_finalizer(self, session: Optional[Session], desc: Descriptor) -> None:
+        """One ack from a finaliser, which may run wherever a garbage collection or a tensor's release
+        happens, this client's own locked sections included: the table's compare-and-swap (lock-free)
+        where it takes the ack, else a message from the background thread, never a lock taken here."""
+        if desc.is_inline:
+            return
+        if session is None or session.pid != os.getpid():
+            self.ack(desc, 1, None, False)  # no session of this process: nothing of ours can be held
+            return
+        fields: dict[str, Any] = {"lease": desc.lease_ref()}
+        if desc.node != session.node:
+            fields["node"] = desc.node
+        elif desc.epoch == session.epoch and session.table.add_acks(desc.lease, desc.gen, desc.pool, desc.offset,
+                                                                    desc.nbytes, 1):
+            return
+        self._background().submit(fields, 1, os.urandom(8), None)
+
     def _send_now(self, session: Session, fields: dict[str, Any], count: int) -> None:
         """The ack without waiting: in the table if it takes it, else a quiet message."""
         if _table_ack(session, fields, count):

@@ -216,6 +216,10 @@ class Client:
         """
         return self._acks.ack(_as_descriptor(desc), count, after, wait)
 
+    def _ack_in_finalizer(self, desc: Descriptor) -> None:
+        """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs)."""
+        self._acks.ack_in_finalizer(self._session, desc)
+
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the daemon has applied every ack this client made; False on timeout."""
         return self._acks.flush(self.timeout if timeout is None else timeout, self._session)

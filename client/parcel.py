@@ -59,16 +59,8 @@ def dumps(obj: Any, *, consumers: int = 1, client: Optional[Client] = None) -> b
     pooled: list[torch.Tensor] = []
     threshold = max(1, client.inline_threshold)
 
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, o: Any) -> Optional[int]:
-            if (type(o) is torch.Tensor and o.layout is torch.strided and not o.requires_grad and not o.is_quantized
-                    and o.device.type in ("cpu", "cuda") and o.numel() * o.element_size() >= threshold):
-                pooled.append(o)
-                return len(pooled) - 1
-            return None
-
     buf = io.BytesIO()
-    _Pickler(buf, protocol=5).dump(obj)
+    _Pickler(buf, pooled, threshold).dump(obj)
     desc = client.put_many(pooled, consumers=consumers).to_bytes() if pooled else None
     return msgpack.packb([FORMAT, desc, buf.getvalue()], use_bin_type=True)
 
@@ -104,14 +96,36 @@ def loads(data: bytes, *, client: Optional[Client] = None, device: Any = None) -
     return parcel
 
 
-def _unpickle(payload: bytes, tensors: list[torch.Tensor]) -> Any:
-    class _Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> torch.Tensor:
-            if type(pid) is not int or not 0 <= pid < len(tensors):
-                raise pickle.UnpicklingError(f"no pooled tensor {pid!r}")
-            return tensors[pid]
+# Module-level classes that hold the tensors in attributes: a class made inside the function would hold
+# them in its closure, and a class sits in reference cycles, so they lived until a garbage collection,
+# and with them the feature a Parcel's tensors keep.
+class _Pickler(pickle.Pickler):
+    def __init__(self, buf: io.BytesIO, pooled: list[torch.Tensor], threshold: int) -> None:
+        super().__init__(buf, protocol=5)
+        self._pooled = pooled
+        self._threshold = threshold
 
-    return _Unpickler(io.BytesIO(payload)).load()
+    def persistent_id(self, o: Any) -> Optional[int]:
+        if (type(o) is torch.Tensor and o.layout is torch.strided and not o.requires_grad and not o.is_quantized
+                and o.device.type in ("cpu", "cuda") and o.numel() * o.element_size() >= self._threshold):
+            self._pooled.append(o)
+            return len(self._pooled) - 1
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, payload: bytes, tensors: list[torch.Tensor]) -> None:
+        super().__init__(io.BytesIO(payload))
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        if type(pid) is not int or not 0 <= pid < len(self._tensors):
+            raise pickle.UnpicklingError(f"no pooled tensor {pid!r}")
+        return self._tensors[pid]
+
+
+def _unpickle(payload: bytes, tensors: list[torch.Tensor]) -> Any:
+    return _Unpickler(payload, tensors).load()
 
 
 class _Lease:
@@ -135,9 +149,11 @@ class _Lease:
         self._client.ack(self._desc, count=count, after=after)
 
     def __del__(self) -> None:
-        # Runs where torch frees the last tensor's storage (any thread), or where the Parcel goes.
+        # Runs where torch frees the last tensor's storage or the Parcel goes: any thread, and inside
+        # whatever that thread was doing (a garbage collection can free them in the client's own code).
         if getattr(self, "acked", True):
             return
+        self.acked = True  # nothing else holds this object now: no other thread can ack it
         global _warned_unacked
         if not _warned_unacked:
             _warned_unacked = True
@@ -145,7 +161,7 @@ class _Lease:
                           "Parcel (or use `with loads(data) as obj:`) once its tensors are used", ResourceWarning,
                           stacklevel=2)
         try:
-            self.ack()
+            self._client._ack_in_finalizer(self._desc)
         except Exception:
             pass  # interpreter shutdown or a gone daemon: the feature expires by ack_ttl
 

@@ -84,3 +84,19 @@ def keeps_only_the_value(runtime_dir: str, inbox: Any, outbox: Any) -> None:
         gc.collect()
         c.flush()
         outbox.put("dropped")
+
+
+def drops_the_last_tensor_inside_the_clients_lock(runtime_dir: str, inbox: Any, outbox: Any) -> None:
+    """The last tensor freed while this thread holds the client's fd-channel lock, as when a garbage
+    collection runs inside the client's own code: the automatic ack must not wait for that lock."""
+    import time
+
+    from mmfeat.client import Client, loads
+
+    with Client(runtime_dir) as c:
+        x = loads(inbox.get(timeout=60), client=c).value["x"]
+        session = c.session
+        time.sleep(0.01)  # past alive()'s read interval, so that an ack through it would take the lock
+        with session._read_lock:
+            del x
+        outbox.put(c.flush())

@@ -152,3 +152,21 @@ def test_tensors_from_a_dropped_parcel_keep_their_feature_until_they_die(daemon,
     finally:
         if consumer.is_alive():
             consumer.kill()
+
+
+def test_the_automatic_ack_takes_no_lock_the_freeing_thread_may_hold(daemon, children) -> None:
+    inbox, outbox = children.Queue(), children.Queue()
+    consumer = children.Process(target=w.drops_the_last_tensor_inside_the_clients_lock,
+                                args=(str(daemon.runtime_dir), inbox, outbox))
+    consumer.start()
+    try:
+        with daemon.client() as c:
+            inbox.put(dumps({"x": torch.ones(300_000)}, client=c))
+            consumer.join(60)
+            assert consumer.exitcode == 0, "the consumer hung acking under its own lock"
+            assert outbox.get(timeout=10) is True
+            daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the automatic ack")
+    finally:
+        if consumer.is_alive():
+            consumer.kill()
+            consumer.join(10)
