@@ -112,6 +112,25 @@ def test_a_read_only_consumers_write_in_place_cannot_change_a_gpu_feature(gpu_da
         c.ack(d, wait=True)
 
 
+def test_a_parcels_cuda_tensors_keep_their_feature_until_they_die(gpu_daemon) -> None:
+    """``loads(data).value`` on a GPU pool: the tensors hold the feature (DLPack on kDLCUDA), so puts
+    that reuse freed ranges cannot reach them, and the ack comes once they are gone."""
+    from mmfeat.client import dumps, loads
+
+    torch.cuda.set_device(0)
+    with gpu_daemon.client(inline_threshold=0, fallback="error") as p, gpu_daemon.client() as c:
+        src = torch.full((1 << 20,), 7.0, device="cuda:0")
+        x = loads(dumps({"x": src}, client=p), client=c).value["x"]
+        assert x.device == torch.device("cuda", 0)
+        for _ in range(64):
+            p.ack(p.put(torch.full((1 << 20,), 238.0, device="cuda:0")), wait=True)
+        assert torch.equal(x, src), "a Parcel's tensor read bytes a later put wrote"
+        assert gpu_daemon.stats()["leases"]["PUBLISHED"] == 1
+        del x
+        assert c.flush()
+        gpu_daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the ack once the tensor died")
+
+
 def test_hbm_taken_by_the_daemons_cuda_context(gpu_daemon) -> None:
     pynvml = pytest.importorskip("pynvml")
     pynvml.nvmlInit()
