@@ -47,7 +47,8 @@ HELP: dict[str, str] = {
     "drain_timeout": "seconds SIGTERM waits for published leases to be acknowledged",
     "node_id": "name of this node in descriptors; default: the host name",
     "listen": "tcp://ADDRESS:PORT where this daemon meets the daemons of other nodes (CURVE); empty: no mesh",
-    "mesh_secret_file": "this node's CURVE secret key (mmfeatd --gen-keys); default: $CREDENTIALS_DIRECTORY/mesh.secret",
+    "mesh_secret_file": "this node's CURVE secret key (mmfeatd --gen-keys; relative: beside the config file); "
+                        "default: systemd's credential, else mesh.secret beside the config file",
     "peers": "the other nodes' daemons: a list of {endpoint = \"tcp://...\", public_key = \"...\"}; no other key gets in",
 }
 
@@ -194,6 +195,8 @@ def load_settings(
         if value is not None:
             values[name] = value
             sources[name] = "flag"
+    if config_file is not None:
+        _secret_next_to(Path(config_file), values, sources, environ)
     try:
         settings = Settings(**values)
     except ValidationError as exc:
@@ -204,6 +207,28 @@ def load_settings(
             lines.append(f"invalid setting {where} (from {sources.get(name, 'default')}): {err['msg']}")
         raise ConfigError("; ".join(lines)) from None
     return settings, sources
+
+
+def _secret_next_to(config_file: Path, values: dict[str, Any], sources: dict[str, str],
+                    environ: Mapping[str, str]) -> None:
+    """The key files ``mmfeatd --gen-keys DIR`` writes are looked for where the config is: a relative
+    ``mesh_secret_file`` in the file names one beside it, and with none set, ``mesh.secret`` beside the
+    config is used unless systemd handed the daemon one (a copy it can read; the file beside the config
+    may be root's alone)."""
+    from .mesh_keys import credential
+
+    here = config_file.parent
+    name = values.get("mesh_secret_file")
+    if name is not None:
+        if sources["mesh_secret_file"].startswith("file ") and not Path(name).is_absolute():
+            values["mesh_secret_file"] = here / name
+        return
+    if not values.get("listen") or credential(environ) is not None:
+        return
+    beside = here / "mesh.secret"
+    if beside.exists():
+        values["mesh_secret_file"] = beside
+        sources["mesh_secret_file"] = f"beside file {config_file}"
 
 
 def render_config(settings: Settings, sources: Mapping[str, str]) -> str:

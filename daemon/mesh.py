@@ -30,7 +30,7 @@ from mmfeat.protos.mesh import (
 
 from .config import MeshConfigError, Peer, Settings
 from .connection_cap import ConnectionCap, IsOurs
-from .mesh_keys import SECRET_FILE, KeyFileError, load_secret
+from .mesh_keys import SECRET_FILE, KeyFileError, credential, load_secret
 
 log = logging.getLogger("mmfeatd.mesh")
 
@@ -87,14 +87,19 @@ class _KeyList:
 
 
 def secret_file(settings: Settings, environ: Optional[dict[str, str]] = None) -> Path:
-    """Where this node's secret key is: the setting, else systemd's credentials directory."""
+    """Where this node's secret key is: the setting (which a config file's directory fills in), else
+    what systemd handed over in its credentials directory."""
     if settings.mesh_secret_file is not None:
         return settings.mesh_secret_file
-    credentials = (environ if environ is not None else os.environ).get("CREDENTIALS_DIRECTORY")
-    if credentials:
-        return Path(credentials) / SECRET_FILE
-    raise MeshConfigError("listen is set but no mesh secret key is: set mesh_secret_file (make one with "
-                          "mmfeatd --gen-keys DIR) or pass it with systemd's LoadCredential=mesh.secret:PATH")
+    environ = os.environ if environ is None else environ
+    handed = credential(environ)
+    if handed is not None:
+        return handed
+    if environ.get("CREDENTIALS_DIRECTORY"):
+        return Path(environ["CREDENTIALS_DIRECTORY"]) / SECRET_FILE
+    raise MeshConfigError("listen is set but no mesh secret key is: run mmfeatd --gen-keys DIR in the config "
+                          "file's directory, set mesh_secret_file, or under systemd install deploy/mmfeatd-mesh.conf "
+                          "as the unit's drop-in (LoadCredential=mesh.secret:PATH)")
 
 
 class Mesh:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Mapping, Optional
 
 import zmq
 from zmq.utils import z85
@@ -38,13 +39,26 @@ def generate(directory: Path) -> tuple[Path, Path]:
     return public_path, secret_path
 
 
+def credential(environ: Mapping[str, str]) -> Optional[Path]:
+    """The secret key systemd handed this process in $CREDENTIALS_DIRECTORY, if it handed one."""
+    directory = environ.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return None
+    path = Path(directory) / SECRET_FILE  # LoadCredential=mesh.secret:PATH (deploy/mmfeatd-mesh.conf)
+    return path if path.is_file() else None
+
+
 def load_secret(path: Path) -> tuple[bytes, bytes]:
     """(public, secret) from a secret key file that only its owner can read."""
     try:
         st = path.stat()
         text = path.read_text().strip()
     except OSError as exc:
-        raise KeyFileError(f"cannot read the mesh secret key {path}: {exc.strerror}; make one with mmfeatd --gen-keys DIR") from None
+        if isinstance(exc, PermissionError):
+            raise KeyFileError(f"cannot read the mesh secret key {path}: {exc.strerror}; under systemd install "
+                               "deploy/mmfeatd-mesh.conf as the unit's drop-in, which hands the daemon a copy") from None
+        raise KeyFileError(f"cannot read the mesh secret key {path}: {exc.strerror}; make one with "
+                           "mmfeatd --gen-keys DIR") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyFileError(f"the mesh secret key {path} is readable by others (mode {st.st_mode & 0o777:04o}); chmod 0600 it")
     secret = text.encode()

@@ -380,6 +380,15 @@ def test_the_systemd_unit_verifies(tmp_path) -> None:
     out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     complaints = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode == 0 and not complaints, complaints
+    # The mesh's drop-in, where the README says to install it (verify reads drop-ins beside the unit).
+    dropin = DEPLOY / "mmfeatd-mesh.conf"
+    (tmp_path / "mmfeatd.service.d").mkdir()
+    (tmp_path / "mmfeatd.service.d" / "mesh.conf").write_text(dropin.read_text())
+    out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    complaints = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 0 and not complaints, complaints
+    assert "LoadCredential=mesh.secret:/etc/mmfeat/mesh.secret" in dropin.read_text()
+    assert "\nLoadCredential" not in unit.read_text()  # a node without a mesh has no key to load
 
 
 def test_kubernetes_manifests_match_their_schemas() -> None:
