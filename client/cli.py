@@ -98,10 +98,18 @@ def _health(args: argparse.Namespace) -> int:
     c = _channel(args)
     try:
         reply = c.call("ping")
+        mesh = c.call("stats").get("mesh") or {}
     finally:
         c.close()
+    where = f"node {reply['node']} epoch {reply['epoch']}"
+    if mesh and not mesh.get("transport"):
+        # A meshed daemon that cannot pull answers every get of another node's feature with an error:
+        # it serves its own node, but not as its configuration says it should.
+        print(f"mmfeatd unhealthy: {where}: it meshes with other nodes but cannot pull from them: "
+              f"{mesh.get('transport_error')}", file=sys.stderr)
+        return 1
     state = "draining" if reply.get("draining") else "ok"
-    print(f"mmfeatd {state}: node {reply['node']} epoch {reply['epoch']}")
+    print(f"mmfeatd {state}: {where}")
     return 0
 
 
@@ -121,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", action="store_true", help="redraw the table in place")
     s.add_argument("--interval", type=float, default=1.0)
     s.set_defaults(func=_stats)
-    h = sub.add_parser("health", help="exit 0 when the daemon answers")
+    h = sub.add_parser("health", help="exit 0 when the daemon answers and, when meshed, can pull from other nodes")
     h.set_defaults(func=_health)
     b = sub.add_parser("bench", help="measure the handoff against the alternatives, in one run")
     from .bench.cli import add_bench_args

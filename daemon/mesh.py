@@ -5,6 +5,9 @@ encrypts both and a ZAP handler lets in only the listed public keys (each refusa
 message's sender is known by the key it proved, never by what it says. Each side sends a hello (node,
 epoch, pools with their FABRIC handle bytes) when it connects and whenever the other asks for it, and
 a ping every HEARTBEAT_S; a peer silent for DOWN_AFTER_S is marked down and what it said is dropped.
+Two conditions that would otherwise look like a peer forever ``connecting`` or a mesh of STALE answers
+are states of their own, logged once per peer: ``auth_failed`` (the peer's ZAP refused our key, which
+a monitor of our DEALER reports) and ``node_id_conflict`` (the peer announces our own node id).
 
 This is the membership layer; what travels over it for features (checks after pulls, relayed acks,
 ended notices) is daemon/remote.py's, which the mesh hands every other request and reply to. Every
@@ -23,6 +26,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from mmfeat.protos.mesh import (
     MAX_MESH_FRAME, MESH_REPLIES, MESH_REQUESTS, MeshError, MeshHello, MeshPing, MeshPong, decode_mesh, encode_mesh,
@@ -38,6 +42,9 @@ HEARTBEAT_S = 1.0
 DOWN_AFTER_S = 3.5  # three heartbeats missed, and a little slack
 ZAP_DOMAIN = "mmfeat-mesh"
 HANDSHAKE_MS = 3000
+# libzmq does not reconnect after a peer refused our key; the peer's list may be fixed (and the peer
+# restarted) meanwhile, so the DEALER connects again this often, each attempt counted.
+AUTH_RETRY_S = 5.0
 # Messages queued per peer and direction: heartbeats, checks and ack batches; a peer that does not
 # read loses what is past this (a check then times out, acks fall to the owner's ack_ttl).
 _HWM = 1024
@@ -59,7 +66,8 @@ class PeerHandler(Protocol):
 class PeerState:
     config: Peer
     dealer: zmq.Socket
-    state: str = "connecting"  # connecting (never heard from), up, down
+    monitor: Optional[zmq.Socket] = None  # the DEALER's handshake events
+    state: str = "connecting"  # connecting (never heard from), up, down, auth_failed, node_id_conflict
     hello: Optional[MeshHello] = None
     last_seen: float = 0.0
     next_ping: float = 0.0
@@ -67,6 +75,10 @@ class PeerState:
     sent_at: dict[int, float] = field(default_factory=dict)
     rtt_s: Optional[float] = None
     messages: int = 0
+    auth_failures: int = 0  # handshakes the peer refused our key in
+    retry_at: float = 0.0  # when to connect again after a refusal; 0: not waiting to
+    conflict: Optional[str] = None  # the node id it announced, when that is ours: nothing it says counts
+    logged: set[str] = field(default_factory=set)  # problems logged already, so each is logged once
 
 
 class _KeyList:
@@ -109,6 +121,7 @@ class Mesh:
         except KeyFileError as exc:
             raise MeshConfigError(str(exc)) from None
         self.listen = settings.listen
+        self.node_id = settings.node_id
         self.public_key = public.decode()
         self._hello_body = hello_body
         if self.public_key in {p.public_key for p in settings.peers}:
@@ -146,8 +159,10 @@ class Mesh:
             dealer.curve_serverkey = peer.public_key.encode()
             dealer.curve_secretkey, dealer.curve_publickey = secret, public
             self._limit(dealer)
+            # Without this, a peer whose ZAP refuses our key looks like one that never answers.
+            monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             dealer.connect(peer.endpoint)
-            state = PeerState(peer, dealer)
+            state = PeerState(peer, dealer, monitor)
             self.peers[peer.public_key] = state
             self._send(state, "hello", hello_body())  # queued until the connection is up
         log.info("mesh: listening on %s as %s with %d peer(s)", settings.listen, self.public_key, len(self.peers))
@@ -195,9 +210,16 @@ class Mesh:
         if op not in MESH_REQUESTS:
             self._bad(peer, f"{op} is not sent to a listener")
             return
+        if isinstance(body, MeshHello) and body.node == self.node_id:
+            self._conflict(peer, body.node, now)
+        elif isinstance(body, MeshHello) and peer.conflict is not None:
+            peer.conflict = None  # renamed: welcome, and a later clash is logged again
+            peer.logged.discard("conflict")
         self._seen(peer, now)
         identity = frames[0].bytes
-        if isinstance(body, MeshHello):
+        if isinstance(body, MeshHello) and peer.conflict is not None:
+            pass  # refused: its features would carry our name, and every get of ours would go to it
+        elif isinstance(body, MeshHello):
             changed = peer.hello is None or peer.hello.epoch != body.epoch or peer.hello.nixl != body.nixl
             if peer.hello is not None and peer.hello.epoch != body.epoch:
                 log.warning("mesh: peer %s (%s) restarted: epoch %d -> %d", body.node, peer.config.endpoint,
@@ -237,10 +259,25 @@ class Mesh:
         if body.need_hello:
             self._send(peer, "hello", self._hello_body())
 
+    def _conflict(self, peer: PeerState, node: str, now: float) -> None:
+        if peer.hello is not None and self.handler is not None:  # it was another node until now
+            peer.hello = None
+            self.handler.on_peer_change(peer, now)
+        peer.conflict, peer.hello, peer.state = node, None, "node_id_conflict"
+        self._log_once(peer, "conflict", "mesh: refused peer %s: it announces node_id %r, which is this node's own; "
+                       "give every node its own node_id (cloned hosts share a host name)", peer.config.endpoint, node)
+
+    def _log_once(self, peer: PeerState, problem: str, msg: str, *args: Any) -> None:
+        if problem not in peer.logged:
+            peer.logged.add(problem)
+            log.error(msg, *args)
+
     def _seen(self, peer: PeerState, now: float) -> None:
         peer.last_seen = now
         peer.messages += 1
-        if peer.state != "up":
+        if peer.conflict is not None:
+            peer.state = "node_id_conflict"
+        elif peer.state != "up":
             log.info("mesh: peer %s is up", peer.config.endpoint)
             peer.state = "up"
 
@@ -249,9 +286,36 @@ class Mesh:
         if self.bad_messages & (self.bad_messages - 1) == 0:
             log.warning("mesh: refused a message from %s: %s (%d so far)", peer.config.endpoint, why, self.bad_messages)
 
+    def _handshakes(self, peer: PeerState, now: float) -> None:
+        """The DEALER's handshake events: a refused key is a state of the peer's, counted and logged once."""
+        for _ in range(64):
+            try:
+                event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                peer.auth_failures += 1
+                peer.retry_at = now + AUTH_RETRY_S
+                if peer.state != "up":
+                    peer.state = "auth_failed"
+                self._log_once(peer, "auth", "mesh: peer %s refused this node's key (%s): list it in that node's "
+                               "peers, with this public key", peer.config.endpoint, self.public_key)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and peer.state == "auth_failed":
+                peer.state = "connecting"
+                peer.logged.discard("auth")
+
     def tick(self, now: float) -> None:
         """Heartbeats out; peers silent for too long marked down and forgotten."""
         for peer in self.peers.values():
+            if peer.monitor is not None:
+                self._handshakes(peer, now)
+            if peer.retry_at and now >= peer.retry_at:
+                peer.retry_at = 0.0
+                try:
+                    peer.dealer.disconnect(peer.config.endpoint)
+                except zmq.ZMQError:
+                    pass  # libzmq dropped the endpoint already
+                peer.dealer.connect(peer.config.endpoint)
             if now >= peer.next_ping:
                 peer.seq += 1
                 peer.sent_at = {s: t for s, t in peer.sent_at.items() if now - t < DOWN_AFTER_S}
@@ -302,6 +366,7 @@ class Mesh:
                     "endpoint": p.config.endpoint,
                     "public_key": p.config.public_key,
                     "state": p.state,
+                    "auth_failures": p.auth_failures,
                     "node": p.hello.node if p.hello else None,
                     "epoch": p.hello.epoch if p.hello else None,
                     "pools": [pool.model_dump(exclude={"fabric", "addr"})
@@ -323,6 +388,9 @@ class Mesh:
 
     def close(self) -> None:
         for peer in getattr(self, "peers", {}).values():
+            if peer.monitor is not None:
+                peer.dealer.disable_monitor()
+                peer.monitor.close(0)
             peer.dealer.close(0)
         self._cap.unwatch(self.router)
         self.router.close(0)

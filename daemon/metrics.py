@@ -107,6 +107,7 @@ _PEER_COUNTERS = (
     ("acks_relayed", "mmfeat_mesh_acks_relayed", "Acks of a peer's features relayed to it"),
     ("acks_received", "mmfeat_mesh_acks_received", "Acks of this node's features a peer relayed"),
     ("acks_dropped", "mmfeat_mesh_acks_dropped", "Acks that could not be relayed (peer down); its ack_ttl frees those"),
+    ("auth_failures", "mmfeat_mesh_auth_failures", "Handshakes in which a peer refused this node's key (not in its peers)"),
 )
 
 
@@ -114,7 +115,7 @@ def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
     if not mesh:
         return
     states = GaugeMetricFamily("mmfeat_mesh_peers", "Listed peer daemons by state", labels=["state"])
-    for state in ("connecting", "up", "down"):
+    for state in ("connecting", "up", "down", "auth_failed", "node_id_conflict"):
         states.add_metric([state], sum(p["state"] == state for p in mesh["peers"]))
     yield states
     rtt = GaugeMetricFamily("mmfeat_mesh_rtt_seconds", "Last heartbeat round trip to a peer that is up", labels=["peer"])
@@ -128,6 +129,8 @@ def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
             if key in p:
                 family.add_metric([p["node"] or p["endpoint"]], p[key])
         yield family
+    yield GaugeMetricFamily("mmfeat_mesh_transport_up", "1 when this daemon can pull other nodes' features (NIXL "
+                            "started), 0 when it cannot: mmfeat health fails then", value=1 if mesh.get("transport") else 0)
     yield GaugeMetricFamily("mmfeat_mesh_copy_bytes", "Bytes of other nodes' features pulled into this pool, live now",
                             value=mesh.get("copy_bytes", 0))
     yield CounterMetricFamily("mmfeat_mesh_refused", "Mesh connections refused for an unlisted public key", value=mesh["refused"])

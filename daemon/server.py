@@ -115,8 +115,9 @@ class Server:
         fd_limit = self._fd_limit = raise_fd_limit()
         clients = client_budget(fd_limit, self.settings.max_clients)
         self._ctx = zmq.Context()
-        # The daemon's own sockets only (connections are not sockets): a few, and one per mesh peer.
-        self._ctx.set(zmq.MAX_SOCKETS, 64 + len(self.settings.peers))
+        # The daemon's own sockets only (connections are not sockets): a few, and per mesh peer its DEALER
+        # and the two ends of that DEALER's monitor.
+        self._ctx.set(zmq.MAX_SOCKETS, 64 + 3 * len(self.settings.peers))
         self._fds = FdChannel(
             fd_socket_path(runtime), self.settings.socket_mode, self.core.authorize_fds, self._on_fd_close,
             lambda session, frame: dispatch(self.core, frame, session=session), clients,

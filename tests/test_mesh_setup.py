@@ -1,5 +1,6 @@
-"""A mesh set up as the README says starts: the key files mmfeatd --gen-keys writes are found beside the
-config, or where systemd hands them over."""
+"""A mesh set up wrong says so: the README's example starts as written, and a peer that refuses our key,
+a peer with our own node id and a daemon whose NIXL cannot start each show as a state in stats, a
+metric and one log line, not as a peer forever ``connecting`` or a healthy daemon that cannot pull."""
 
 from __future__ import annotations
 
@@ -8,12 +9,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import pytest
+
+from mmfeat.daemon.metrics import _mesh_metrics
 
 from .cluster import _free_port, _gen_keys
 from .conftest import Daemon, start_daemon
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
+
+
+def _samples(mesh: dict) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in _mesh_metrics(mesh) for s in f.samples}
 
 
 def _stop(d: Daemon) -> str:
@@ -63,3 +73,60 @@ def test_the_readmes_mesh_example_starts_a_daemon_as_written(tmp_path) -> None:
     d = start_daemon(runtime, "--config", str(etc / "mmfeatd.toml"), "--pool-mb", "8")
     assert d.stats()["mesh"]["public_key"] == (etc / "mesh.public").read_text().strip()
     _stop(d)
+
+
+def test_a_peer_with_this_nodes_own_node_id_is_refused_loudly(cluster, tmp_path) -> None:
+    cluster.node("a")
+    cluster.node("b")
+    a = cluster.start("a", ["b"], log=tmp_path / "a.log")
+    b = cluster.start("b", ["a"], env={"MMFEAT_NODE_ID": "a"}, log=tmp_path / "b.log")  # a cloned host
+    for d in (a, b):
+        s = d.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "node_id_conflict", timeout=20,
+                       what="the clone refused")
+        peer = s["mesh"]["peers"][0]
+        assert peer["node"] is None and peer["epoch"] is None  # nothing it said counts
+        assert _samples(s["mesh"])[("mmfeat_mesh_peers", (("state", "node_id_conflict"),))] == 1
+    time.sleep(2.5)  # more hellos: it stays refused, and the log says it once
+    assert a.stats()["mesh"]["peers"][0]["state"] == "node_id_conflict"
+    cluster.stop("a")
+    cluster.stop("b")
+    for name in ("a", "b"):
+        log = (tmp_path / f"{name}.log").read_text()
+        assert log.count("announces node_id 'a', which is this node's own") == 1, log[-3000:]
+
+
+def test_a_peer_that_refuses_this_nodes_key_is_reported_not_connecting_forever(cluster, tmp_path) -> None:
+    cluster.node("a")
+    cluster.node("b")
+    b = cluster.start("b", [])  # lists nobody: a's key is refused at b's door
+    a = cluster.start("a", ["b"], log=tmp_path / "a.log")
+    # libzmq gives up on a refused key; the daemon connects again (the peer's list may get fixed), and
+    # counts every refusal.
+    s = a.wait_for(lambda s: s["mesh"]["peers"][0]["auth_failures"] >= 2, timeout=30, what="two refusals")
+    assert s["mesh"]["peers"][0]["state"] == "auth_failed"
+    samples = _samples(s["mesh"])
+    assert samples[("mmfeat_mesh_peers", (("state", "auth_failed"),))] == 1
+    assert samples[("mmfeat_mesh_auth_failures_total", (("peer", cluster.endpoint("b")),))] >= 2
+    assert b.stats()["mesh"]["refused"] >= 2
+    cluster.stop("a")
+    log = (tmp_path / "a.log").read_text()
+    assert log.count(f"peer {cluster.endpoint('b')} refused this node's key") == 1, log[-3000:]
+
+
+def test_a_meshed_daemon_whose_nixl_cannot_start_is_unhealthy(cluster) -> None:
+    pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed: make setup installs mmfeat[mesh]")
+    cluster.node("a")
+    cluster.node("b")
+    a = cluster.start("a", ["b"])
+    b = cluster.start("b", ["a"], env={"UCX_NET_DEVICES": "no-such-nic0"})
+    s = b.stats()["mesh"]
+    assert s["transport"] is None and s["transport_error"], s
+    assert _samples(s)[("mmfeat_mesh_transport_up", ())] == 0
+    health = [sys.executable, "-m", "mmfeat.client", "--timeout", "10"]
+    r = subprocess.run([*health, "--runtime-dir", str(b.runtime_dir), "health"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "cannot pull" in r.stderr and s["transport_error"] in r.stderr, (r.stdout, r.stderr)
+    r = subprocess.run([*health, "--runtime-dir", str(a.runtime_dir), "health"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("mmfeatd ok"), r.stderr
+    assert _samples(a.stats()["mesh"])[("mmfeat_mesh_transport_up", ())] == 1
