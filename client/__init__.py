@@ -6,13 +6,14 @@ stats`` and other torch-free users do not pay for importing torch.
 
 from typing import TYPE_CHECKING, Any
 
-from mmfeat.protos import DaemonUnavailableError, Descriptor, ErrorCode, MmfeatError
+from mmfeat.protos import DaemonUnavailableError, Descriptor, ErrorCode, MmfeatError, PeerUnavailableError
 
 if TYPE_CHECKING:
     from .client import Client
     from .parcel import Parcel, Pooled, dumps, loads
 
-__all__ = ["Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "MmfeatError", "Parcel", "Pooled", "dumps", "loads"]
+__all__ = ["Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "MmfeatError", "Parcel", "PeerUnavailableError",
+           "Pooled", "dumps", "loads"]
 
 
 def __getattr__(name: str) -> Any:

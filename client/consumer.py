@@ -8,7 +8,7 @@ from typing import Any, Callable, Union
 import torch
 
 from mmfeat.protos.descriptor import Descriptor
-from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 from . import tensors as tz
 from .channel import ControlChannel
@@ -60,13 +60,8 @@ class Consumer:
     def _remote(self, session: Session, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
         """Another node's feature: this node's daemon pulls it into its own pool (and gives the copy's
         lease), or relays the owner's FABRIC handle; either way the read is local from then on."""
-        try:
-            reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout,
-                                       **_into_pool(session, device))
-        except MmfeatError as exc:
-            if exc.code is ErrorCode.PEER_UNAVAILABLE:
-                raise DaemonUnavailableError(exc.message) from None
-            raise
+        reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout,
+                                   **_into_pool(session, device))
         if "fabric" in reply:
             from .cuda_import import map_cuda_pool
 

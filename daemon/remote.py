@@ -6,7 +6,9 @@ As the consumer's node (a client here asks for a feature another node's daemon o
   only if it still shows the feature were the bytes read its bytes, and the copy is published here and
   handed to every client waiting for it. Concurrent and later gets of the same feature on this node
   share the copy. It is freed when the owner says the feature ended (every consumer, local or remote,
-  acked it) or by this daemon's ``ack_ttl``.
+  acked it); where the owner cannot say so any more (down, restarted, not reachable when a consumer
+  here acks), as soon as consumers here acked it as often as gets here were handed the copy; else by
+  this daemon's ``ack_ttl``.
 - A FABRIC pool in the same NVLink domain is not pulled: the client gets the relayed handle and maps
   the owner's memory itself, after a ``check``.
 - ``relay_ack`` hands consumers' acks to the owner, batched (mesh_outbox.py).
@@ -57,6 +59,8 @@ class _Copy:
     verified: bool = False  # the pull READs the owner's lease table too: no check message to wait for
     waiters: list[tuple[Respond, float]] = field(default_factory=list)
     deadline: float = 0.0
+    handed: int = 0  # gets here answered with this copy
+    acked: int = 0  # acks of the feature by consumers here
 
 
 @dataclass
@@ -106,6 +110,7 @@ class RemoteFeatures:
         self._by_owner: dict[tuple[str, int, int, int], list[_Copy]] = {}
         self._checks: dict[int, _Check] = {}
         self._pulled_by: dict[tuple[int, int], set[str]] = {}
+        self._node_keys: dict[str, str] = {}  # node -> the key of the peer copies of its features came from
         self.counters: dict[str, PeerCounters] = {}
         self.outbox = MeshOutbox(mesh, core.epoch, self.peer_counters)
         # FABRIC pools here mean this node's probe found a multi-node NVLink domain with IMEX.
@@ -143,6 +148,7 @@ class RemoteFeatures:
                 if self.core.ledger.live_lease(copy.local.lease_id) is copy.local:
                     if respond is not None:
                         self.peer_counters(copy.peer).shared_gets += 1
+                        copy.handed += 1
                         respond(self._copy_reply(copy))
                     return
                 self._forget(copy)  # expired here; pull again
@@ -189,6 +195,7 @@ class RemoteFeatures:
         copy = _Copy(key, peer.config.public_key, node, ref, job, lease, waiters=waiters, deadline=deadline,
                      verified=table is not None)
         self._copies[key] = copy
+        self._node_keys[node] = copy.peer
         self._by_job[job] = copy
         self._by_local[(lease.lease_id, lease.gen)] = copy
         self._by_owner.setdefault((copy.peer, ref.epoch, ref.lease, ref.gen), []).append(copy)
@@ -265,6 +272,7 @@ class RemoteFeatures:
         self.core.ledger.publish(_ref(self.core, copy.local), self.session, now)
         copy.state = "ready"
         reply = self._copy_reply(copy)
+        copy.handed += len(copy.waiters)
         for respond, _ in copy.waiters:
             respond(reply)
         copy.waiters = []
@@ -302,11 +310,18 @@ class RemoteFeatures:
 
     def relay_ack(self, node: str, ref: LeaseRef, count: int, ack_id: Optional[bytes], respond: Optional[Respond],
                   now: float) -> None:
-        peer = self._peer(node)
-        assert peer.hello is not None
-        if ref.epoch != peer.hello.epoch:
-            raise MmfeatError(ErrorCode.STALE, f"the feature is from epoch {ref.epoch} of node {node!r}'s daemon, now "
-                                               f"epoch {peer.hello.epoch}: it restarted, and its features are gone")
+        copies = self._by_owner.get((self._node_keys.get(node, ""), ref.epoch, ref.lease, ref.gen), [])
+        for copy in copies:
+            copy.acked += count
+        try:
+            peer = self._peer(node)
+            assert peer.hello is not None
+            if ref.epoch != peer.hello.epoch:
+                raise MmfeatError(ErrorCode.STALE, f"the feature is from epoch {ref.epoch} of node {node!r}'s daemon, "
+                                                   f"now epoch {peer.hello.epoch}: it restarted, and its features are gone")
+        except MmfeatError:
+            self._drop_read(list(copies), now)  # no owner will say it ended
+            raise
         self.outbox.ack(peer.config.public_key, MeshAck(lease=ref.model_dump(), count=count, ack_id=ack_id), respond, now)
 
     # --- our features, as other nodes see them -------------------------------------------------
@@ -360,6 +375,14 @@ class RemoteFeatures:
                 if copy.state == "ready":
                     self._release(copy, now)
 
+    def _drop_read(self, copies: list[_Copy], now: float) -> None:
+        """Free the copies that no consumer here reads any more (as many acks here as gets were handed them),
+        for features whose owner cannot end them: it is down, restarted or unreachable. A consumer here
+        that acks without reading (a cache hit) counts as done reading, as the owner would count it."""
+        for copy in copies:
+            if copy.state == "ready" and copy.acked >= copy.handed:
+                self._release(copy, now)
+
     def on_free(self, lease: Lease, reason: EndReason, now: float) -> None:
         """The ledger freed ``lease``: a copy of ours is gone, or peers that pulled a feature of ours are told."""
         copy = self._by_local.get((lease.lease_id, lease.gen))
@@ -397,6 +420,8 @@ class RemoteFeatures:
         gone = MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {peer.config.endpoint} went down or restarted")
         for copy in [c for c in self._copies.values() if c.peer == key and c.state != "ready"]:
             self._fail(copy, gone, now)
+        epoch = peer.hello.epoch if peer.state == "up" and peer.hello is not None else None
+        self._drop_read([c for c in self._copies.values() if c.peer == key and c.ref.epoch != epoch], now)
         for req in [r for r, c in self._checks.items() if c.peer == key]:
             check = self._checks.pop(req)
             if check.copy is None:

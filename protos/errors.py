@@ -45,7 +45,10 @@ class MmfeatError(Exception):
             code = ErrorCode(err.get("code"))
         except ValueError:
             code = ErrorCode.INTERNAL
-        return cls(code, str(err.get("message", "no message")))
+        message = str(err.get("message", "no message"))
+        if code is ErrorCode.PEER_UNAVAILABLE:
+            return PeerUnavailableError(message)
+        return cls(code, message)
 
 
 class DaemonUnavailableError(MmfeatError):
@@ -54,4 +57,15 @@ class DaemonUnavailableError(MmfeatError):
     def __init__(self, message: str) -> None:
         Exception.__init__(self, message)
         self.code = None  # type: ignore[assignment]
+        self.message = message
+
+
+class PeerUnavailableError(DaemonUnavailableError):
+    """Another node's daemon that a request needs (the owner of a feature) is not reachable: code
+    PEER_UNAVAILABLE, from every call that meets it (get, ack, prefetch). A DaemonUnavailableError too,
+    as the caller's remedy is the same: retry later, or have the feature sent inline."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, f"{ErrorCode.PEER_UNAVAILABLE.value}: {message}")
+        self.code = ErrorCode.PEER_UNAVAILABLE
         self.message = message

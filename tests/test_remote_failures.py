@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError, PeerUnavailableError
 from mmfeat.protos.mesh import encode_mesh
 
 from .cluster import idle, meshed
@@ -26,11 +26,14 @@ def test_an_unlisted_daemon_can_neither_pull_nor_ack(cluster) -> None:
     a.wait_for(lambda s: s["mesh"]["refused"] > 0, timeout=20, what="a to refuse c")
     with a.client(inline_threshold=0, fallback="error") as producer, c.client(timeout=2) as stranger:
         desc = producer.put(torch.arange(4096), consumers=1)
-        with pytest.raises(DaemonUnavailableError, match="not a peer that is up"):
+        # One condition, one error: the get and the waiting ack raise the same type with the same code (a
+        # DaemonUnavailableError too, as the remedy is the same).
+        with pytest.raises(PeerUnavailableError, match="not a peer that is up") as on_get:
             stranger.get(desc)
-        with pytest.raises(MmfeatError) as refused:
+        with pytest.raises(PeerUnavailableError, match="not a peer that is up") as on_ack:
             stranger.ack(desc, wait=True)
-        assert refused.value.code is ErrorCode.PEER_UNAVAILABLE
+        assert on_get.value.code is on_ack.value.code is ErrorCode.PEER_UNAVAILABLE
+        assert isinstance(on_get.value, DaemonUnavailableError) and str(on_get.value).startswith("PEER_UNAVAILABLE: ")
         assert a.pool()["leases"]["PUBLISHED"] == 1  # untouched
         with b.client() as consumer:
             assert torch.equal(consumer.get(desc), torch.arange(4096))
@@ -74,6 +77,26 @@ def test_when_the_consumers_node_dies_the_owner_frees_by_ack_ttl(cluster) -> Non
         cluster.stop("b", signal.SIGKILL)
         s = idle(a, "a to free b's share by ack_ttl")
     assert s["counters"]["expired"] == 1 and s["counters"]["acks"] == 0
+
+
+def test_copies_of_a_dead_owners_features_go_once_the_consumers_here_acked(cluster) -> None:
+    """No owner will say the features ended: the consumer's node frees each copy as soon as its consumers
+    there are done with it (the ack_ttl here is the default 300 s), whether the ack was relayed or not."""
+    a, b = meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer, b.client(timeout=3) as consumer:
+        early, late = (producer.put(torch.randn(1 << 18), consumers=1) for _ in range(2))
+        consumer.get(early)
+        consumer.get(late)
+        assert b.stats()["mesh"]["copies"] == 2
+        cluster.stop("a", signal.SIGKILL)
+        consumer.ack(early)  # before b knows: the relay may be queued for a peer that never answers
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "down", timeout=20, what="a down")
+        s = b.wait_for(lambda s: s["mesh"]["copies"] == 1, timeout=10, what="the acked copy freed")
+        assert s["pools"][0]["leases"]["PUBLISHED"] == 1  # the other one is still read here
+        with pytest.raises(PeerUnavailableError):
+            consumer.ack(late, wait=True)  # cannot be relayed, and frees the copy all the same
+        s = idle(b, "b to free the copies of a dead owner's features")
+    assert s["counters"]["expired"] == 0 and s["mesh"]["copies"] == 0
 
 
 def test_hostile_feature_messages_from_an_authenticated_peer_leave_the_owner_consistent(cluster) -> None:
