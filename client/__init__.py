@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from .client import Client
     from .parcel import Parcel, Pooled, dumps, loads
 
-__all__ = ["Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "MmfeatError", "Parcel", "PeerUnavailableError",
-           "Pooled", "dumps", "loads"]
+__all__ = ["Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "MmfeatError", "Parcel",
+           "PeerUnavailableError", "Pooled", "dumps", "loads"]
 
 
 def __getattr__(name: str) -> Any:

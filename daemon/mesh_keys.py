@@ -55,8 +55,9 @@ def load_secret(path: Path) -> tuple[bytes, bytes]:
         text = path.read_text().strip()
     except OSError as exc:
         if isinstance(exc, PermissionError):
-            raise KeyFileError(f"cannot read the mesh secret key {path}: {exc.strerror}; under systemd install "
-                               "deploy/mmfeatd-mesh.conf as the unit's drop-in, which hands the daemon a copy") from None
+            raise KeyFileError(f"cannot read the mesh secret key {path}: {exc.strerror}; under systemd "
+                               "install deploy/mmfeatd-mesh.conf as the unit's drop-in, which hands the daemon "
+                               "a copy") from None
         raise KeyFileError(f"cannot read the mesh secret key {path}: {exc.strerror}; make one with "
                            "mmfeatd --gen-keys DIR") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):

@@ -107,7 +107,7 @@ _PEER_COUNTERS = (
     ("acks_relayed", "mmfeat_mesh_acks_relayed", "Acks of a peer's features relayed to it"),
     ("acks_received", "mmfeat_mesh_acks_received", "Acks of this node's features a peer relayed"),
     ("acks_dropped", "mmfeat_mesh_acks_dropped", "Acks that could not be relayed (peer down); its ack_ttl frees those"),
-    ("auth_failures", "mmfeat_mesh_auth_failures", "Handshakes in which a peer refused this node's key (not in its peers)"),
+    ("auth_failures", "mmfeat_mesh_auth_failures", "Handshakes in which a peer refused this node's key"),
 )
 
 
@@ -130,7 +130,8 @@ def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
                 family.add_metric([p["node"] or p["endpoint"]], p[key])
         yield family
     yield GaugeMetricFamily("mmfeat_mesh_transport_up", "1 when this daemon can pull other nodes' features (NIXL "
-                            "started), 0 when it cannot: mmfeat health fails then", value=1 if mesh.get("transport") else 0)
+                            "started); 0: it cannot, and mmfeat health fails",
+                            value=1 if mesh.get("transport") else 0)
     yield GaugeMetricFamily("mmfeat_mesh_copy_bytes", "Bytes of other nodes' features pulled into this pool, live now",
                             value=mesh.get("copy_bytes", 0))
     yield CounterMetricFamily("mmfeat_mesh_refused", "Mesh connections refused for an unlisted public key", value=mesh["refused"])

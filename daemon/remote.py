@@ -317,8 +317,9 @@ class RemoteFeatures:
             peer = self._peer(node)
             assert peer.hello is not None
             if ref.epoch != peer.hello.epoch:
-                raise MmfeatError(ErrorCode.STALE, f"the feature is from epoch {ref.epoch} of node {node!r}'s daemon, "
-                                                   f"now epoch {peer.hello.epoch}: it restarted, and its features are gone")
+                raise MmfeatError(ErrorCode.STALE, f"the feature is from epoch {ref.epoch} of node {node!r}'s "
+                                                   f"daemon, now epoch {peer.hello.epoch}: it restarted, and its "
+                                                   "features are gone")
         except MmfeatError:
             self._drop_read(list(copies), now)  # no owner will say it ended
             raise
