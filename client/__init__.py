@@ -6,14 +6,18 @@ stats`` and other torch-free users do not pay for importing torch.
 
 from typing import TYPE_CHECKING, Any
 
-from mmfeat.protos import DaemonUnavailableError, Descriptor, ErrorCode, MmfeatError, PeerUnavailableError
+from mmfeat.protos import (
+    DaemonUnavailableError, Descriptor, ErrorCode, FdLimitError, MmfeatError, PeerUnavailableError,
+)
 
 if TYPE_CHECKING:
     from .client import Client
     from .parcel import Parcel, Pooled, dumps, loads
 
-__all__ = ["Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "MmfeatError", "Parcel",
-           "PeerUnavailableError", "Pooled", "dumps", "loads"]
+__all__ = [
+    "Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "FdLimitError", "MmfeatError", "Parcel",
+    "PeerUnavailableError", "Pooled", "dumps", "loads",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ from mmfeat.protos.codec import decode, encode
 from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
 from mmfeat.protos.version import PROTOCOL_VERSION
 
+from . import fd_budget
 from .async_failures import AsyncFailures
 
 log = logging.getLogger("mmfeat.client")
@@ -29,6 +30,8 @@ _MAX_ABANDONED = 256
 # The ids of quiet requests sent from here that someone should hear about if they fail: the op's name,
 # so that the error reply says which op failed. A prefetch hint ("hint") is dropped when it fails.
 _QUIET_IDS = ("release",)
+# The process whose ZeroMQ context has started its threads (their fds are then taken).
+_context_started_pid: Optional[int] = None
 
 
 class ControlChannel:
@@ -57,14 +60,7 @@ class ControlChannel:
                 raise DaemonUnavailableError(
                     f"no mmfeatd socket at {self.endpoint[6:]}: start mmfeatd or set MMFEAT_RUNTIME_DIR"
                 )
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.linger = 0
-            # Not ZMQ_IMMEDIATE: with it, a reply still unread when the daemon closes the connection is
-            # dropped (the ack that ends a drain would time out). A call still queued for an absent
-            # daemon reaches its successor past its deadline and is dropped there (TIMED_OUT).
-            sock.sndtimeo = int(self.timeout * 1000)
-            sock.connect(self.endpoint)
-            self._sock, self._pid = sock, os.getpid()
+            self._sock, self._pid = _open_dealer(self.endpoint, self.timeout), os.getpid()
         return self._sock
 
     def call(self, op: str, timeout: Optional[float] = None, **fields: Any) -> dict[str, Any]:
@@ -103,7 +99,7 @@ class ControlChannel:
         with self._lock:
             try:
                 self._socket().send(frame, zmq.NOBLOCK)
-            except zmq.ZMQError:
+            except (zmq.ZMQError, MmfeatError):
                 pass
 
     def send_frame(self, frame: bytes) -> None:
@@ -149,3 +145,32 @@ class ControlChannel:
     def close(self) -> None:
         with self._lock:
             self._reset()
+
+
+def _open_dealer(endpoint: str, timeout: float) -> zmq.Socket:
+    """A DEALER connected to ``endpoint``, or FdLimitError when this process cannot spare its fds. The
+    count comes first: libzmq aborts the process when a context's thread cannot get its epoll fd."""
+    global _context_started_pid
+    started = _context_started_pid == os.getpid()
+    needed = fd_budget.ZMQ_SOCKET_FDS + (0 if started else fd_budget.ZMQ_CONTEXT_FDS)
+    fd_budget.ensure(needed, "a control socket to mmfeatd")
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+    except zmq.ZMQError as exc:
+        if fd_budget.is_exhaustion(exc):
+            raise fd_budget.exhausted(exc, "a control socket to mmfeatd") from None
+        raise
+    _context_started_pid = os.getpid()
+    try:
+        sock.linger = 0
+        # Not ZMQ_IMMEDIATE: with it, a reply still unread when the daemon closes the connection is
+        # dropped (the ack that ends a drain would time out). A call still queued for an absent
+        # daemon reaches its successor past its deadline and is dropped there (TIMED_OUT).
+        sock.sndtimeo = int(timeout * 1000)
+        sock.connect(endpoint)
+    except BaseException as exc:
+        sock.close(linger=0)
+        if isinstance(exc, zmq.ZMQError) and fd_budget.is_exhaustion(exc):
+            raise fd_budget.exhausted(exc, "a control socket to mmfeatd") from None
+        raise
+    return sock

@@ -15,7 +15,7 @@ import threading
 from collections import Counter
 from typing import Optional
 
-from mmfeat.protos.errors import MmfeatError
+from mmfeat.protos.errors import FdLimitError, MmfeatError
 from mmfeat.protos.messages import FallbackReason
 
 from .channel import ControlChannel
@@ -96,6 +96,8 @@ class FallbackTracker:
                     if self._unreported[reason] <= 0:
                         del self._unreported[reason]
             return True
+        except FdLimitError:
+            return False  # this process is short of fds, not the daemon gone: try again next round
         except MmfeatError:
             self._down = True
             return False

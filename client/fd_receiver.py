@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 
 from mmfeat.protos import handshake
-from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
 
 _MAX_FDS = 64
 
@@ -63,7 +63,8 @@ def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.
         except (socket.timeout, ConnectionError, FileNotFoundError) as exc:
             raise DaemonUnavailableError(f"fd channel {path}: {exc}") from None
         if flags & socket.MSG_CTRUNC:
-            raise MmfeatError(ErrorCode.INTERNAL, "pool fds were truncated in transit: raise this process's fd limit (ulimit -n)")
+            raise FdLimitError("the daemon's pool fds did not fit this process's fd limit and were dropped in transit: "
+                               "raise the limit (ulimit -n, LimitNOFILE=) or close fds")
         if not data:
             raise DaemonUnavailableError(f"fd channel {path} closed during the handshake")
         pools = handshake.parse_answer(data, len(fds))

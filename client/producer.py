@@ -8,12 +8,13 @@ the descriptor, when the pool cannot take the feature or the daemon is gone).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
-from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
 from mmfeat.protos.messages import TOKEN_BYTES, FallbackReason
 
 from . import tensors as tz
@@ -28,6 +29,9 @@ _FALLBACK_ERRORS = {
     ErrorCode.DRAINING: FallbackReason.DRAINING,
     ErrorCode.OVER_QUOTA: FallbackReason.OVER_QUOTA,
 }
+# After this process found itself short of fds, puts go inline at once for this long instead of
+# counting its fds (and perhaps saying hello) again on every put.
+_FD_SHORT_S = 1.0
 
 
 class Producer:
@@ -39,6 +43,7 @@ class Producer:
         self._fallbacks = fallbacks
         self.inline_threshold = inline_threshold
         self.fallback = fallback
+        self._fd_short: Optional[tuple[float, FdLimitError]] = None  # until when, and why
 
     def put(self, tensors: list[torch.Tensor], consumers: int, many: bool) -> Descriptor:
         if not 1 <= consumers <= 4096:
@@ -56,6 +61,10 @@ class Producer:
             # notices when it answers again.
             exc = DaemonUnavailableError(f"mmfeatd at {self._channel.endpoint} stopped answering; probing it once a second")
             return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
+        if self._fd_short is not None:
+            if time.monotonic() < self._fd_short[0]:
+                return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.FD_LIMIT, self._fd_short[1])
+            self._fd_short = None
         try:
             session = self._connect()
             pool = self._pool_for(session, device)
@@ -70,6 +79,9 @@ class Producer:
             if desc is not None:
                 return desc
             session, reply = self._reserve(session, pool, nbytes, consumers)
+        except FdLimitError as exc:  # the daemon may be fine: no probing, only a pause
+            self._fd_short = (time.monotonic() + _FD_SHORT_S, exc)
+            return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.FD_LIMIT, exc)
         except DaemonUnavailableError as exc:
             self._fallbacks.mark_down()
             return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)

@@ -27,6 +27,7 @@ from mmfeat.protos.version import PROTOCOL_VERSION
 
 from mmfeat import atomics
 
+from . import fd_budget
 from . import mapping as mapping_cache
 from .arena import ArenaSet
 from .async_failures import AsyncFailures
@@ -309,12 +310,26 @@ def _wait(sock: socket.socket, event: int, timeout: float) -> bool:
 def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float,
                  readonly: bool = False) -> Session:
     """hello, the fd channel handshake (which checks who serves it), the lease table and the host pools
-    (read-only with ``readonly``)."""
+    (read-only with ``readonly``). FdLimitError, before anything is half open, when this process cannot
+    spare the fds that takes."""
+    try:
+        return _open_session(channel, runtime_dir, name, timeout, readonly)
+    except OSError as exc:
+        if fd_budget.is_exhaustion(exc):
+            raise fd_budget.exhausted(exc, "opening a session with mmfeatd") from None
+        raise
+
+
+def _open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float,
+                  readonly: bool) -> Session:
+    # One pool for the count before hello (a daemon has at least one); the exact count once it says.
+    fd_budget.ensure(fd_budget.session_fds(1), "opening a session with mmfeatd")
     sent = time.monotonic()
     hello = channel.call("hello", name=name[:128], pid=os.getpid())
     # Same kernel, same CLOCK_MONOTONIC (unless a time namespace shifts it): then deadlines mean the same.
     clock = hello.get("clock")
     channel.send_deadlines = isinstance(clock, (int, float)) and sent - 1.0 <= clock <= time.monotonic() + 1.0
+    fd_budget.ensure(fd_budget.session_fds(len(hello["pools"])), "opening a session with mmfeatd")
     fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(runtime_dir), hello["session"], timeout)
     try:
         # Writable only where this process will publish and ack in it (SPEC.md, section 9).

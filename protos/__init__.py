@@ -6,7 +6,7 @@ SPEC.md in this folder is the written protocol.
 from .codec import MAX_REQUEST_BYTES, DecodeError, decode, encode
 from .descriptor import HANDLE_KINDS, POOL_KINDS, Descriptor, DescriptorError, TensorSpec
 from .dtypes import DTYPE_SIZES
-from .errors import DaemonUnavailableError, ErrorCode, MmfeatError, PeerUnavailableError
+from .errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError, PeerUnavailableError
 from .messages import REQUEST_MODELS, FallbackReason, LeaseRef
 from .paths import control_endpoint, default_runtime_dir, fd_socket_path
 from .version import PROTOCOL_VERSION
@@ -24,6 +24,7 @@ __all__ = [
     "DescriptorError",
     "ErrorCode",
     "FallbackReason",
+    "FdLimitError",
     "LeaseRef",
     "MmfeatError",
     "PeerUnavailableError",

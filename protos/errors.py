@@ -69,3 +69,8 @@ class PeerUnavailableError(DaemonUnavailableError):
         Exception.__init__(self, f"{ErrorCode.PEER_UNAVAILABLE.value}: {message}")
         self.code = ErrorCode.PEER_UNAVAILABLE
         self.message = message
+
+
+class FdLimitError(DaemonUnavailableError):
+    """This process has too few free file descriptors to reach the daemon (RLIMIT_NOFILE or the system's
+    file table). The daemon may be fine: client side only, and ``put`` sends inline (reason ``fd_limit``)."""

@@ -107,6 +107,7 @@ class FallbackReason(str, Enum):
     DRAINING = "draining"
     OVER_QUOTA = "over_quota"
     MAP_FAILED = "map_failed"
+    FD_LIMIT = "fd_limit"
 
 
 class FallbackRequest(_Message):
