@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import zmq
@@ -23,6 +24,7 @@ from mmfeat.protos.version import PROTOCOL_VERSION
 
 from . import fd_budget
 from .async_failures import AsyncFailures
+from .daemon_lock import gone_daemon
 
 log = logging.getLogger("mmfeat.client")
 
@@ -30,6 +32,9 @@ _MAX_ABANDONED = 256
 # The ids of quiet requests sent from here that someone should hear about if they fail: the op's name,
 # so that the error reply says which op failed. A prefetch hint ("hint") is dropped when it fails.
 _QUIET_IDS = ("release",)
+# A call unanswered this long asks the runtime dir's lock whether a daemon is there at all, so a dead
+# one costs this instead of the whole timeout. A live daemon answers most calls well within it.
+_GONE_CHECK_MS = 100
 # The process whose ZeroMQ context has started its threads (their fds are then taken).
 _context_started_pid: Optional[int] = None
 
@@ -45,6 +50,8 @@ class ControlChannel:
         self._lock = threading.Lock()
         self._sock: Optional[zmq.Socket] = None
         self._pid = os.getpid()
+        # Where the daemon's lock is, for an ipc endpoint; None when there is nothing to ask.
+        self._runtime_dir = Path(endpoint[6:]).parent if endpoint.startswith("ipc://") else None
         # Calls that timed out, by id, so their late replies can be undone (bounded: the oldest go first).
         self._abandoned: dict[int, tuple[str, dict[str, Any]]] = {}
         # Failed requests nobody waits for, here and on the session's fd channel.
@@ -60,6 +67,11 @@ class ControlChannel:
                 raise DaemonUnavailableError(
                     f"no mmfeatd socket at {self.endpoint[6:]}: start mmfeatd or set MMFEAT_RUNTIME_DIR"
                 )
+            if self._runtime_dir is not None:
+                # The lock alone: a live daemon should not see a probe's connection from every new socket.
+                gone = gone_daemon(self._runtime_dir, ask_socket=False)
+                if gone is not None:
+                    raise DaemonUnavailableError(gone)
             self._sock, self._pid = _open_dealer(self.endpoint, self.timeout), os.getpid()
         return self._sock
 
@@ -78,12 +90,21 @@ class ControlChannel:
                 sock.send(encode({**envelope, **fields}))
             except zmq.Again:
                 raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} is not accepting requests ({op})") from None
+            asked_lock = self._runtime_dir is None
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or not sock.poll(left_ms):
+                if left_ms <= 0:
                     # Keep the socket: its late reply is read (and undone, for a reserve) later.
                     self._abandon(req_id, op, fields)
                     raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} did not answer {op} within {timeout:g} s")
+                if not sock.poll(left_ms if asked_lock else min(left_ms, _GONE_CHECK_MS)):
+                    if not asked_lock:
+                        asked_lock = True
+                        gone = gone_daemon(self._runtime_dir)  # type: ignore[arg-type]
+                        if gone is not None:
+                            self._abandon(req_id, op, fields)
+                            raise DaemonUnavailableError(gone)
+                    continue
                 reply = decode(sock.recv())
                 if reply.get("id") == req_id:
                     break

@@ -16,10 +16,17 @@ import fcntl
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-LOCK_FILE = "mmfeatd.lock"
+from mmfeat.protos.paths import LOCK_FILE
+
+# Clients of the daemon's own user take a shared lock on the lock file for an instant to learn whether a
+# daemon holds it; a daemon starting in that instant waits this long before it concludes that one does.
+# The file stays 0600: any process that can open it can flock it, and so keep every later daemon out.
+_PROBE_GRACE_S = 0.5
+_PROBE_RETRY_S = 0.005
 
 
 class RuntimeDirError(Exception):
@@ -67,7 +74,7 @@ class RuntimeDir:
         except OSError as exc:
             raise RuntimeDirError(f"cannot open lock file {lock_path}: {exc.strerror}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_exclusive(fd)
         except OSError as exc:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
@@ -87,6 +94,19 @@ class RuntimeDir:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _lock_exclusive(fd: int) -> None:
+    """flock(LOCK_EX) without blocking on a live daemon, but through clients' momentary shared probes."""
+    deadline = time.monotonic() + _PROBE_GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() >= deadline:
+                raise
+        time.sleep(_PROBE_RETRY_S)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,9 @@ from pathlib import Path
 
 CONTROL_SOCKET = "mmfeatd.sock"
 FD_SOCKET = "mmfeatd.fds.sock"
+# The serving daemon holds an exclusive flock on it for its whole life and writes its pid in it, so a
+# client can tell at once that socket files are a dead daemon's leftovers instead of waiting out a timeout.
+LOCK_FILE = "mmfeatd.lock"
 RUNTIME_DIR_ENV = "MMFEAT_RUNTIME_DIR"
 
 
@@ -30,3 +33,7 @@ def control_endpoint(runtime_dir: Path) -> str:
 
 def fd_socket_path(runtime_dir: Path) -> Path:
     return runtime_dir / FD_SOCKET
+
+
+def lock_path(runtime_dir: Path) -> Path:
+    return runtime_dir / LOCK_FILE

@@ -62,3 +62,86 @@ def test_fd_limit_fallbacks_are_what_a_starved_producer_gets(daemon, children) -
     assert roomy == {"inline": False, "fallbacks": {}, "intact": True}
     connected = _put_short_of_fds(children, daemon.runtime_dir, 0, connect_first=True)
     assert connected == {"inline": False, "fallbacks": {}, "intact": True}
+
+
+def _killed(daemon_factory) -> tuple[Path, int]:
+    d = daemon_factory("--pool-mb", "16")
+    d.proc.kill()
+    d.proc.wait()
+    assert (d.runtime_dir / "mmfeatd.sock").exists(), "the SIGKILLed daemon's socket files stay behind"
+    return d.runtime_dir, d.pid
+
+
+def test_a_killed_daemons_leftover_sockets_are_known_at_once(daemon_factory) -> None:
+    runtime_dir, pid = _killed(daemon_factory)
+    gone = f"no daemon holds {runtime_dir} (pid {pid} is gone)"
+    t = torch.ones(1 << 18)
+    # A 30 s timeout: returning in a fraction of it shows the put did not wait for an answer.
+    with Client(runtime_dir, timeout=30.0, inline_threshold=0, fallback="error") as c:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match=gone.replace("(", r"\(").replace(")", r"\)")):
+            c.put(t)
+        assert time.monotonic() - t0 < 10
+    with Client(runtime_dir, timeout=30.0, inline_threshold=0) as c:
+        t0 = time.monotonic()
+        assert c.put(t).is_inline and c.fallbacks == {"unreachable": 1}
+        assert time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(runtime_dir), "--timeout", "30",
+                        "health"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and gone in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_daemon_killed_under_a_connected_client_is_known_at_once(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "16")
+    with Client(d.runtime_dir, timeout=30.0) as c:
+        c.ping()
+        d.proc.kill()
+        d.proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match=f"pid {d.pid} is gone"):
+            c.stats()
+        assert time.monotonic() - t0 < 10
+
+
+def test_a_client_that_cannot_read_the_lock_asks_the_control_socket(daemon_factory) -> None:
+    """As a client of another user does, whom the daemon's 0600 lock file does not let in."""
+    runtime_dir, _ = _killed(daemon_factory)
+    (runtime_dir / "mmfeatd.lock").unlink()
+    with Client(runtime_dir, timeout=30.0, inline_threshold=0, fallback="error") as c:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match="its control socket refuses connections"):
+            c.put(torch.ones(1 << 18))
+        assert time.monotonic() - t0 < 10
+
+
+def test_a_live_daemon_is_not_mistaken_for_a_dead_one(daemon) -> None:
+    """The probe's connection to the control socket, and its shared lock, leave a live daemon serving."""
+    from mmfeat.client.daemon_lock import gone_daemon
+
+    assert gone_daemon(daemon.runtime_dir) is None
+    os.rename(daemon.runtime_dir / "mmfeatd.lock", daemon.runtime_dir / "lock.aside")
+    try:
+        assert gone_daemon(daemon.runtime_dir) is None
+    finally:
+        os.rename(daemon.runtime_dir / "lock.aside", daemon.runtime_dir / "mmfeatd.lock")
+    with daemon.client(inline_threshold=0) as c:
+        desc = c.put(torch.ones(1 << 18))
+        assert not desc.is_inline and c.get(desc).sum().item() == 1 << 18
+        c.ack(desc)
+
+
+def test_a_daemon_starts_through_a_clients_momentary_probe_of_its_lock(daemon_factory) -> None:
+    runtime_dir_of_dead, _ = _killed(daemon_factory)
+    fd = os.open(runtime_dir_of_dead / "mmfeatd.lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # what a client's probe holds, for a moment
+    from mmfeat.daemon.runtime_dir import RuntimeDir
+
+    rd = RuntimeDir(runtime_dir_of_dead)
+    threading.Timer(0.05, fcntl.flock, (fd, fcntl.LOCK_UN)).start()
+    try:
+        rd.acquire()
+    finally:
+        rd.release()
+        os.close(fd)
