@@ -35,6 +35,8 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MMFEAT_TIMEOUT", "5"))
 # reference machine inline still wins at 64 KiB and the pool wins 4-5x at 1 MiB (docs/benchmarks.md,
 # 2026-11-30); 256 KiB keeps messages that carry bytes small.
 DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(256 * 1024)))
+# The largest feature put sends inline when the pool cannot take it; a larger one raises TOO_LARGE.
+DEFAULT_INLINE_MAX = int(os.environ.get("MMFEAT_INLINE_MAX", str(256 << 20)))
 
 DescLike = Union[Descriptor, bytes]
 
@@ -49,6 +51,7 @@ class Client:
         fallback: str = "inline",
         name: str = "",
         readonly: bool = False,
+        inline_max: int = DEFAULT_INLINE_MAX,
     ) -> None:
         """``readonly=True`` is for processes that only consume: the pool is mapped read-only, so an
         in-place write into a tensor from ``get`` kills this process (SIGSEGV) instead of changing what
@@ -58,6 +61,9 @@ class Client:
         if not isinstance(readonly, bool):
             raise TypeError(f"readonly must be True or False, not {readonly!r}")
         self.readonly = readonly
+        for setting, value in (("inline_threshold", inline_threshold), ("inline_max", inline_max)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{setting} must be an int of bytes >= 0, not {value!r}")
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else default_runtime_dir()
         self.endpoint = endpoint or control_endpoint(self.runtime_dir)
         self.timeout = timeout
@@ -66,7 +72,8 @@ class Client:
         self._channel = ControlChannel(self.endpoint, timeout)
         self._session: Optional[Session] = None
         self._connect_lock = threading.Lock()
-        self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold, fallback)
+        self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
+                                  inline_max, fallback)
         self._consumer = Consumer(self._connect, self._channel)
         self._acks = Acks(self._connect, self._channel, timeout)
         # A process that exits (or drops the client) without close() still reports its fallbacks.
@@ -75,6 +82,10 @@ class Client:
     @property
     def inline_threshold(self) -> int:
         return self._producer.inline_threshold
+
+    @property
+    def inline_max(self) -> int:
+        return self._producer.inline_max
 
     @property
     def fallback(self) -> str:

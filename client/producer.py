@@ -36,12 +36,13 @@ _FD_SHORT_S = 1.0
 
 class Producer:
     def __init__(self, connect: Callable[[], Session], reconnect: Callable[[Session], Session], channel: ControlChannel,
-                 fallbacks: FallbackTracker, inline_threshold: int, fallback: str) -> None:
+                 fallbacks: FallbackTracker, inline_threshold: int, inline_max: int, fallback: str) -> None:
         self._connect = connect
         self._reconnect = reconnect
         self._channel = channel
         self._fallbacks = fallbacks
         self.inline_threshold = inline_threshold
+        self.inline_max = inline_max
         self.fallback = fallback
         self._fd_short: Optional[tuple[float, FdLimitError]] = None  # until when, and why
 
@@ -180,6 +181,15 @@ class Producer:
                            reason: FallbackReason, exc: Exception) -> Descriptor:
         if self.fallback == "error":
             raise exc
+        if nbytes > self.inline_max:
+            # Gigabytes in a message would stall every process it passes through, and a server that
+            # sends one after a single warning learns of it from its memory use.
+            raise MmfeatError(
+                ErrorCode.TOO_LARGE,
+                f"a {nbytes} B feature cannot go inline, over inline_max ({self.inline_max} B), and the pool did not "
+                f"take it ({reason.value}: {exc}). Fix that, raise inline_max (Client(inline_max=...) or "
+                "$MMFEAT_INLINE_MAX), or send smaller features",
+            ) from exc
         return self._inline(tensors, specs, nbytes, many, reason, str(exc))
 
     def _inline(self, tensors: list[torch.Tensor], specs: list[TensorSpec], nbytes: int, many: bool,

@@ -145,3 +145,34 @@ def test_a_daemon_starts_through_a_clients_momentary_probe_of_its_lock(daemon_fa
     finally:
         rd.release()
         os.close(fd)
+
+
+def test_a_feature_over_inline_max_raises_instead_of_going_inline(daemon_factory, tmp_path) -> None:
+    assert Client(tmp_path).inline_max == 256 << 20
+    big, small = torch.ones(1 << 19), torch.ones(1 << 17)  # 2 MiB and 512 KiB
+    with Client(tmp_path, timeout=0.5, inline_threshold=0, inline_max=1 << 20) as c:  # no daemon at all
+        with pytest.raises(MmfeatError) as info:
+            c.put(big)
+        assert info.value.code is ErrorCode.TOO_LARGE and "inline_max" in info.value.message
+        assert "unreachable" in info.value.message
+        assert c.put(small).is_inline and c.fallbacks == {"unreachable": 1}
+    d = daemon_factory("--pool-mb", "1")  # refuses a 2 MiB feature: larger than its pool
+    with d.client(inline_threshold=0, inline_max=1 << 20) as c:
+        with pytest.raises(MmfeatError) as info:
+            c.put(big)
+        assert info.value.code is ErrorCode.TOO_LARGE and "inline_max" in info.value.message
+        assert "MMFEAT_INLINE_MAX" in info.value.message and c.fallbacks == {}
+    assert d.pool()["used"] == 0
+
+
+def test_inline_max_is_validated(tmp_path) -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="inline_max"):
+            Client(tmp_path, inline_max=bad)
+
+
+def test_inline_max_comes_from_the_environment(tmp_path) -> None:
+    code = f"from mmfeat.client import Client; print(Client({str(tmp_path)!r}).inline_max)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MMFEAT_INLINE_MAX": str(3 << 20)})
+    assert r.returncode == 0 and r.stdout.strip() == str(3 << 20), r.stderr[-2000:]
