@@ -37,7 +37,8 @@ def put_with_free_fds(runtime_dir: str, free: int, connect_first: bool, out: Any
     try:
         desc = client.put(tensor)
         result = {"inline": desc.is_inline, "fallbacks": dict(client.fallbacks),
-                  "intact": bool(torch.equal(client.get(desc), tensor))}
+                  "intact": bool(torch.equal(client.get(desc, copy=True), tensor))}
+        client.ack(desc)
     except MmfeatError as exc:
         result = {"error": type(exc).__name__, "message": str(exc)}
     out.send(result)
