@@ -26,6 +26,7 @@ from .channel import ControlChannel
 from .consumer import Consumer
 from .fallbacks import FallbackTracker
 from .producer import Producer
+from .reservations import Reservations, ShapeLike, TensorOrList
 from .session import Session, open_session
 
 log = logging.getLogger("mmfeat.client")
@@ -74,6 +75,7 @@ class Client:
         self._connect_lock = threading.Lock()
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
                                   inline_max, fallback)
+        self._reservations = Reservations(self._producer)
         self._consumer = Consumer(self._connect, self._channel)
         self._acks = Acks(self._connect, self._channel, timeout)
         # A process that exits (or drops the client) without close() still reports its fallbacks.
@@ -114,6 +116,7 @@ class Client:
         """Close the sockets. Pool mappings stay cached for the process; tensors already returned stay valid.
         Arenas go back to the pool once the features in them are acked."""
         self._report_at_exit.detach()
+        self._reservations.close()
         self._acks.close()
         self._fallbacks.close(min(self.timeout, 2.0))
         # Publishes went into the lease table or on the fd channel: the daemon reads both before it
@@ -182,6 +185,34 @@ class Client:
         if self.readonly:
             raise MmfeatError(ErrorCode.FORBIDDEN, "this Client maps the pool read-only (readonly=True) and cannot "
                                                    "put; producers use a Client without readonly")
+
+    def reserve(self, shape: ShapeLike, dtype: torch.dtype, consumers: int = 1, device: Any = None) -> torch.Tensor:
+        """An uninitialised tensor over pool memory (on ``device``'s GPU pool, or a host pool) for the
+        producer to fill in place; ``publish(t)`` then dispatches it with no copy. Where put would not
+        use the pool (a small feature, a full pool, no daemon) it is an ordinary tensor and publish puts it.
+        Publish or discard it within reserve_ttl; one dropped unpublished gives its space back."""
+        self._check_writable()
+        return self._reservations.reserve([(shape, dtype)], consumers, device, many=False)[0]
+
+    def reserve_many(self, layout: Sequence[tuple[ShapeLike, torch.dtype]], consumers: int = 1,
+                     device: Any = None) -> list[torch.Tensor]:
+        """Tensors of the given (shape, dtype) pairs in one feature, as put_many packs them; publish the
+        list to dispatch them (one descriptor, one ack per consumer)."""
+        if not layout:
+            raise ValueError("reserve_many needs at least one (shape, dtype)")
+        self._check_writable()
+        return self._reservations.reserve(list(layout), consumers, device, many=True)
+
+    def publish(self, reserved: TensorOrList) -> Descriptor:
+        """Dispatch what reserve (or reserve_many) returned, once filled: the descriptor put would give.
+        From then on the tensor belongs to the consumers: do not write it. On a GPU the writes queued on
+        the device's current stream are finished first. A tensor not reserved by this client, or one
+        published, discarded or closed already, raises BAD_REQUEST or BAD_STATE."""
+        return self._reservations.publish(reserved)
+
+    def discard(self, reserved: TensorOrList) -> None:
+        """Give back what reserve returned without publishing it; the tensor must not be used after."""
+        self._reservations.discard(reserved)
 
     def release(self, desc: DescLike) -> None:
         """Producer only: cancel a feature that was never dispatched to its consumers."""

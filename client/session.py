@@ -59,6 +59,7 @@ class Session:
         self.token: bytes = hello["session"]
         self.epoch: int = hello["epoch"]
         self.node: str = hello["node"]
+        self.reserve_ttl: float = float(hello.get("reserve_ttl", 30.0))
         self.endpoint = endpoint
         self.pools: dict[int, dict[str, Any]] = {p["pool"]: p for p in hello["pools"]}
         self.mappings: dict[tuple[int, int], Any] = {}  # (pool id, device) -> HostMapping or CudaMapping

@@ -1,0 +1,345 @@
+"""Zero-copy production: ``reserve`` hands out a tensor over pool memory, the producer fills it in place
+(an encoder's ``out=``, a processor writing into it), and ``publish`` dispatches it with no copy.
+
+Space comes from where ``put`` would place the feature: the session's arena (no message), else a
+reserved lease (one round trip). Where ``put`` would not use the pool (below the inline threshold,
+pool full, daemon down, no pool on the requested GPU), ``reserve`` returns an ordinary tensor and
+``publish`` hands it to ``put``, so the caller's code is the same either way.
+
+Every reserved tensor is a view of one DLPack tensor made for its reservation alone, whose deleter runs
+when torch frees the last view of it. That is how a reservation dropped without ``publish`` or
+``discard`` is noticed: its arena space comes back at once, its reserved lease is released.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from mmfeat.protos.descriptor import Descriptor, TensorSpec
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.messages import TOKEN_BYTES
+
+from . import dlpack
+from . import tensors as tz
+from .arena import Placement
+from .producer import _FALLBACK_ERRORS, Producer
+from .session import Session
+from .stream_wait import wait_for_current_stream
+
+ShapeLike = Union[int, Sequence[int], torch.Size]
+TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+_ATTR = "_mmfeat_reservation"
+OPEN, PUBLISHED, DISCARDED, CLOSED, DROPPED = "open", "published", "discarded", "closed", "dropped"
+_ENDED_BY = {PUBLISHED: "was published already", DISCARDED: "was discarded",
+             CLOSED: "belonged to a Client that was closed", DROPPED: "was dropped"}
+
+
+class Reservation:
+    """One reserved feature: where its bytes are and what publishing it takes.
+
+    ``kind`` is "arena" (a placement in an arena), "lease" (a reserved lease) or "plain" (an ordinary
+    tensor that ``publish`` puts)."""
+
+    def __init__(self, owner: "Reservations", kind: str, specs: list[TensorSpec], nbytes: int, many: bool,
+                 consumers: int, device: Optional[int]) -> None:
+        self.owner = owner
+        self.kind = kind
+        self.specs = specs
+        self.nbytes = nbytes
+        self.many = many
+        self.consumers = consumers
+        self.device = device  # local CUDA ordinal of the memory, None on the host
+        self.state = OPEN
+        self.session: Optional[Session] = None
+        self.desc: Optional[Descriptor] = None
+        self.placed: Optional[Placement] = None
+        self.reserved_at = time.monotonic()
+        # Weak: a reservation must not keep its tensors, or a dropped one would never be noticed.
+        self.refs: list[weakref.ref] = []
+
+
+class _Lifetime:
+    """Kept alive by torch for as long as any view of a reservation's memory exists."""
+
+    def __init__(self, reservation: Reservation) -> None:
+        self.reservation = reservation
+
+    def __del__(self) -> None:
+        try:
+            self.reservation.owner._dropped(self.reservation)
+        except Exception:
+            pass  # interpreter exit: the daemon reclaims the session's space when the process is gone
+
+
+class Reservations:
+    """A Client's open reservations. Safe to share between threads."""
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+        self._lock = threading.Lock()
+        self._open: dict[int, Reservation] = {}
+        self._closed = False
+
+    # --- reserve -------------------------------------------------------------------------------
+
+    def reserve(self, layout: Sequence[tuple[ShapeLike, torch.dtype]], consumers: int, device: Any,
+                many: bool) -> list[torch.Tensor]:
+        if self._closed:
+            raise MmfeatError(ErrorCode.BAD_STATE, "reserve on a closed Client: open a new Client")
+        if not isinstance(consumers, int) or isinstance(consumers, bool) or not 1 <= consumers <= 4096:
+            raise ValueError("consumers must be an int between 1 and 4096")
+        target = _device(device)
+        metas = [torch.empty(_shape(shape), dtype=_dtype(dtype), device="meta") for shape, dtype in layout]
+        specs, nbytes = tz.layout(metas)
+        ordinal = target.index if target.type == "cuda" else None
+        r = self._in_pool(specs, nbytes, many, consumers, ordinal)
+        if r is None:
+            r = Reservation(self, "plain", specs, nbytes, many, consumers, ordinal)
+            base = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=target)
+        else:
+            base = self._pool_bytes(r)
+        return self._hand_out(r, base)
+
+    def _in_pool(self, specs: list[TensorSpec], nbytes: int, many: bool, consumers: int,
+                 device: Optional[int]) -> Optional[Reservation]:
+        """A reservation in the pool, as ``put`` would place the feature; None where put would not."""
+        p = self._producer
+        if nbytes == 0 or nbytes < p.inline_threshold:
+            return None
+        if p._fallbacks.daemon_down:
+            if p.fallback == "error":
+                raise DaemonUnavailableError(f"mmfeatd at {p._channel.endpoint} stopped answering; probing it "
+                                             "once a second")
+            return None
+        try:
+            session = p._connect()
+            pool = p._pool_for(session, device)
+            if device is not None and pool["kind"] != "cuda":
+                return None  # no pool on that GPU: a device tensor, which publish puts into a host pool
+            r = self._in_arena(session, pool, specs, nbytes, many, consumers, device)
+            if r is not None:
+                return r
+            session, reply = p._reserve(session, pool, nbytes, consumers)
+        except DaemonUnavailableError:
+            p._fallbacks.mark_down()
+            if p.fallback == "error":
+                raise
+            return None
+        except MmfeatError as exc:
+            if exc.code not in _FALLBACK_ERRORS or p.fallback == "error":
+                raise
+            return None
+        lease = reply["lease"]
+        r = Reservation(self, "lease", specs, nbytes, many, consumers, device)
+        r.session = session
+        r.desc = p._descriptor(session, lease["pool"], specs, nbytes, many, lease["lease"], lease["gen"],
+                               lease["token"], lease["offset"])
+        return r
+
+    def _in_arena(self, session: Session, pool: dict[str, Any], specs: list[TensorSpec], nbytes: int, many: bool,
+                  consumers: int, device: Optional[int]) -> Optional[Reservation]:
+        arenas = session.arenas
+        if arenas is None:
+            return None
+        placed = arenas.place(pool["pool"], pool["device"] if pool["kind"] == "cuda" else None, nbytes)
+        if placed is None:
+            return None
+        token = os.urandom(TOKEN_BYTES)
+        r = Reservation(self, "arena", specs, nbytes, many, consumers, device)
+        r.session, r.placed = session, placed
+        r.desc = self._producer._descriptor(session, pool["pool"], specs, nbytes, many, placed.slot, placed.gen,
+                                            token, placed.offset)
+        return r
+
+    def _pool_bytes(self, r: Reservation) -> torch.Tensor:
+        """A uint8 tensor over the reservation's bytes in the pool, its own DLPack tensor. A pool that
+        cannot be mapped gives the space back and makes the reservation plain."""
+        assert r.session is not None and r.desc is not None
+        try:
+            pool = self._producer._pool_tensor(r.session, r.desc, r.device)
+        except (RuntimeError, OSError):  # CudaError too: no IMEX channel, no peer access
+            self._give_back(r)
+            r.kind, r.session, r.desc, r.placed = "plain", None, None, None
+            target = torch.device("cuda", r.device) if r.device is not None else torch.device("cpu")
+            return torch.empty(max(r.nbytes, 1), dtype=torch.uint8, device=target)
+        if r.desc.offset + r.nbytes > pool.numel():
+            self._give_back(r)
+            raise MmfeatError(ErrorCode.INTERNAL, f"the daemon placed {r.nbytes} B at {r.desc.offset} of a "
+                              f"{pool.numel()}-byte pool")
+        return pool[r.desc.offset: r.desc.offset + r.nbytes]
+
+    def _hand_out(self, r: Reservation, memory: torch.Tensor) -> list[torch.Tensor]:
+        """The caller's tensors over ``memory``, one DLPack tensor whose last view's end ends ``r``."""
+        kind, dev = (dlpack.KDL_CUDA, memory.device.index) if memory.is_cuda else (dlpack.KDL_CPU, 0)
+        try:
+            base = dlpack.uint8_tensor(memory.data_ptr(), memory.numel(), kind, dev, (memory, _Lifetime(r)))
+        except BaseException:
+            self._give_back(r)
+            raise
+        out = [_view(base, spec) for spec in r.specs]
+        for t in out:
+            setattr(t, _ATTR, r)
+        r.refs = [weakref.ref(t) for t in out]
+        with self._lock:
+            self._open[id(r)] = r
+        return out
+
+    # --- publish and discard -------------------------------------------------------------------
+
+    def publish(self, tensors: TensorOrList) -> Descriptor:
+        r, given = self._take(tensors, "publish")
+        p = self._producer
+        if r.kind == "plain":
+            return p.put(given, r.consumers, r.many)
+        session, desc = r.session, r.desc
+        assert session is not None and desc is not None
+        if not session.alive() or session is not p._connect():
+            # The daemon restarted or went away since the reservation: the bytes are still mapped here,
+            # so put carries them as it can (a new pool, or inline).
+            self._give_back(r)
+            return p.put(given, r.consumers, r.many)
+        try:
+            _ready_for_consumers(r)
+        except BaseException:
+            self._give_back(r)  # an unpublished placement would hold its arena's ring
+            raise
+        if r.kind == "arena":
+            assert r.placed is not None and session.arenas is not None
+            session.arenas.publish(r.placed, r.nbytes, r.consumers, desc.token)
+            return desc
+        if time.monotonic() - r.reserved_at < session.reserve_ttl / 2:
+            session.publish(desc.lease_ref())  # as put does: in the daemon's socket buffer on return
+            return desc
+        # Near or past reserve_ttl the lease may have expired, and another feature may own the bytes
+        # now: wait for the daemon's word rather than hand out a descriptor of something else.
+        try:
+            session.call("publish", lease=desc.lease_ref())
+        except MmfeatError as exc:
+            if isinstance(exc, DaemonUnavailableError):
+                raise
+            raise MmfeatError(exc.code, f"the reservation was not published: {exc.message}. Fill and publish a "
+                              f"reservation within reserve_ttl ({session.reserve_ttl:g} s)") from None
+        return desc
+
+    def discard(self, tensors: TensorOrList) -> None:
+        r, _ = self._take(tensors, "discard", DISCARDED)
+        self._give_back(r)
+
+    def close(self) -> None:
+        """Give back every open reservation (before the session closes: a release still reaches it)."""
+        self._closed = True
+        with self._lock:
+            pending = list(self._open.values())
+            self._open.clear()
+            for r in pending:
+                r.state = CLOSED
+        for r in pending:
+            self._give_back(r)
+
+    def _take(self, tensors: TensorOrList, op: str, state: str = PUBLISHED) -> tuple[Reservation, list[torch.Tensor]]:
+        """The open reservation ``tensors`` are exactly the tensors of, now ended as ``state``."""
+        many = not isinstance(tensors, torch.Tensor)
+        given = list(tensors) if many else [tensors]
+        r = getattr(given[0], _ATTR, None) if given and isinstance(given[0], torch.Tensor) else None
+        if r is None or r.owner is not self:
+            whose = "another Client's reserve" if r is not None else "Client.reserve or reserve_many"
+            raise MmfeatError(ErrorCode.BAD_REQUEST, f"{op}: not a tensor from {whose} (a view, copy or slice of "
+                              f"one is not either): {op} exactly what reserve returned")
+        if r.many != many or len(given) != len(r.refs) or any(ref() is not t for ref, t in zip(r.refs, given)):
+            what = "the list reserve_many returned, all of it, in order" if r.many else "the tensor reserve returned"
+            raise MmfeatError(ErrorCode.BAD_REQUEST, f"{op}: pass {what}")
+        with self._lock:
+            if r.state != OPEN:
+                raise MmfeatError(ErrorCode.BAD_STATE, f"{op}: this reservation {_ENDED_BY[r.state]}; reserve "
+                                  "again for another feature")
+            r.state = state
+            self._open.pop(id(r), None)
+        return r, given
+
+    # --- giving space back ---------------------------------------------------------------------
+
+    def _dropped(self, r: Reservation) -> None:
+        """torch freed the last view of ``r``'s memory. Runs wherever torch frees it, a garbage
+        collection inside any of our calls included, so it takes no lock and waits for nothing."""
+        if r.state != OPEN:
+            return
+        r.state = DROPPED
+        self._open.pop(id(r), None)
+        if r.kind == "arena" and r.placed is not None:
+            r.placed.abandoned = True  # the ring takes the space back on its next placement
+        elif r.kind == "lease":
+            self._release(r, wait=False)
+
+    def _give_back(self, r: Reservation) -> None:
+        if r.kind == "arena" and r.placed is not None and r.session is not None and r.session.arenas is not None:
+            r.session.arenas.abandon(r.placed)
+        elif r.kind == "lease":
+            self._release(r, wait=True)
+
+    def _release(self, r: Reservation, wait: bool) -> None:
+        session, desc = r.session, r.desc
+        if session is None or desc is None or session.pid != os.getpid():
+            return
+        try:
+            if wait:
+                session.send("release", lease=desc.lease_ref())
+            else:
+                session.try_send("release", lease=desc.lease_ref())  # a full buffer: reserve_ttl frees it
+        except MmfeatError:
+            pass  # the session is gone: the daemon freed its reserved leases with it
+        except OSError:
+            pass  # closed under us
+
+
+def _ready_for_consumers(r: Reservation) -> None:
+    """The producer's writes must be complete before the feature is visible. On a GPU that is the
+    current stream of the memory's device, synchronised here; an interprocess event that the consumer's
+    stream waits on would take this host wait out of the producer and belongs here."""
+    if r.device is not None:
+        wait_for_current_stream(torch.device("cuda", r.device))
+
+
+def _view(base: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    # Every tensor, an empty one too, is a view of ``base``: the reservation lives as long as any does.
+    flat = base[spec.offset: spec.offset + spec.extent].view(tz.torch_dtype(spec.dtype))
+    return flat.as_strided(spec.shape, spec.strides)
+
+
+def _shape(shape: ShapeLike) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+    try:
+        out = tuple(dims)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {type(shape).__name__}") from None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in out):
+        raise ValueError(f"shape must hold non-negative ints, got {out!r}")
+    return out
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    tz.dtype_name(dtype)  # raises TypeError for a dtype mmfeat cannot carry
+    return dtype
+
+
+def _device(device: Any) -> torch.device:
+    try:
+        target = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be None, 'cpu', 'cuda:N', an int or a torch.device, got {device!r}") from None
+    if target.type not in ("cpu", "cuda"):
+        raise ValueError(f"reserve places features in host or CUDA memory, not {target.type}")
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this process sees no CUDA device")
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+    return target
