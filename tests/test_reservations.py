@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from mmfeat.client import Client
+from mmfeat.client import Client, dlpack
 from mmfeat.protos import DaemonUnavailableError, ErrorCode, MmfeatError
 
 from . import reservation_workers, workers
@@ -55,7 +55,9 @@ def test_filled_in_place_and_read_right_by_two_consumer_processes(daemon_factory
 
 def test_a_dropped_reservation_gives_its_space_back(daemon) -> None:
     """Dropping a reserved tensor unpublished gives its arena space back at once (the next reserve
-    gets the same range) and releases its reserved lease; a view still alive keeps the reservation."""
+    gets the same range) and releases its reserved lease; a view still alive keeps the reservation.
+    No DLPack header outlives the tensors over it."""
+    headers = dlpack.live_capsules()
     with daemon.client(inline_threshold=0, fallback="error") as c:
         warm = c.reserve((1024,), torch.float32)  # the arena is granted here
         c.discard(warm)
@@ -76,6 +78,9 @@ def test_a_dropped_reservation_gives_its_space_back(daemon) -> None:
         daemon.wait_for(lambda s: s["leases"]["RESERVED"] == 0, timeout=10, what="the dropped lease's release")
     s = daemon.wait_for(_no_features, what="nothing left")
     assert s["pools"][0]["used"] == 0 and s["counters"]["expired"] == 0
+    del warm  # discarded, still referenced here
+    gc.collect()
+    assert dlpack.live_capsules() == headers
 
 
 def test_publish_and_discard_refuse_what_is_not_an_open_reservation(daemon) -> None:
@@ -88,7 +93,8 @@ def test_publish_and_discard_refuse_what_is_not_an_open_reservation(daemon) -> N
         with pytest.raises(MmfeatError) as info:
             c.publish(t)
         assert info.value.code is ErrorCode.BAD_STATE and "published already" in info.value.message
-        foreign = [torch.zeros(256, dtype=torch.int32), c.reserve((8, 8), torch.float32)[0], other.reserve((4,), torch.int8)]
+        foreign = [torch.zeros(256, dtype=torch.int32), c.reserve((8, 8), torch.float32)[0],
+                   other.reserve((4,), torch.int8)]
         for bad in foreign:
             with pytest.raises(MmfeatError) as info:
                 c.publish(bad)
@@ -119,7 +125,8 @@ def test_bad_arguments_are_refused(daemon) -> None:
     with daemon.client() as c:
         for shape, dtype, kw, exc in [((-1,), torch.float32, {}, ValueError), ((2.5,), torch.float32, {}, ValueError),
                                       ("x", torch.float32, {}, ValueError), ((4,), "float32", {}, TypeError),
-                                      ((4,), torch.quint8, {}, TypeError), ((4,), torch.float32, {"consumers": 0}, ValueError),
+                                      ((4,), torch.quint8, {}, TypeError),
+                                      ((4,), torch.float32, {"consumers": 0}, ValueError),
                                       ((4,), torch.float32, {"device": "meta"}, ValueError)]:
             with pytest.raises(exc):
                 c.reserve(shape, dtype, **kw)
@@ -151,7 +158,8 @@ def test_a_daemon_gone_between_reserve_and_publish_sends_the_bytes_inline(daemon
         small.fill_(1.5)
         big.fill_(9)
         assert d.stop() == 0
-        for t, expect in ((small, torch.full((64, 64), 1.5, dtype=torch.float64)), (big, torch.full(BIG, 9, dtype=torch.uint8))):
+        expected = (torch.full((64, 64), 1.5, dtype=torch.float64), torch.full(BIG, 9, dtype=torch.uint8))
+        for t, expect in zip((small, big), expected):
             desc = c.publish(t)
             assert desc.is_inline and torch.equal(Client(d.runtime_dir, timeout=1.0).get(desc), expect)
 

@@ -1,0 +1,44 @@
+"""On a GPU: reserve a tensor in the GPU pool, fill it with a kernel, publish it with no copy."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from ..conftest import start_daemon
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def gpu_daemon(runtime_dir):
+    d = start_daemon(runtime_dir, "--pool-mb", "256", backend="cuda_vmm")
+    yield d
+    rc = d.stop()
+    _, err = d.proc.communicate()
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("numel", [1 << 18, 40 << 20], ids=["arena", "reserved_lease"])
+def test_a_kernel_fills_a_reserved_gpu_tensor_and_publish_waits_for_it(gpu_daemon, numel: int) -> None:
+    """The reserved tensor is the GPU pool's memory on the producer's device; publish returns once the
+    kernel queued on the current stream (behind a long sleep) has written it, so a consumer reads it all."""
+    torch.cuda.set_device(0)
+    with gpu_daemon.client(inline_threshold=0, fallback="error") as producer, gpu_daemon.client() as consumer:
+        t = producer.reserve((numel,), torch.uint8, device="cuda:0")
+        assert t.device == torch.device("cuda", 0)
+        torch.cuda._sleep(int(5e8))
+        torch.add(torch.full((numel,), 6, dtype=torch.uint8, device="cuda:0"), 1, out=t)
+        desc = producer.publish(t)
+        pool = producer.session.mapping(desc.pool, 0).tensor
+        assert desc.kind == "cuda" and t.data_ptr() == pool.data_ptr() + desc.offset + desc.tensors[0].offset
+        got = consumer.get(desc, copy=True)
+        assert int((got == 7).sum()) == numel, "publish did not wait for the kernel that filled the tensor"
+        consumer.ack(desc)
+        dropped = producer.reserve((numel,), torch.uint8, device=0)
+        del dropped, t
+        gc.collect()
+    s = gpu_daemon.wait_for(lambda s: s["leases"] == {"RESERVED": 0, "PUBLISHED": 0}, what="every lease ended")
+    assert all(pool["used"] == 0 for pool in s["pools"]) and s["counters"]["fallbacks"] == {}
