@@ -197,7 +197,11 @@ class Reservations:
         r, given = self._take(tensors, "publish")
         p = self._producer
         if r.kind == "plain":
-            return p.put(given, r.consumers, r.many)
+            try:
+                return p.put(given, r.consumers, r.many)
+            except BaseException:
+                self._reopen(r)  # nothing was sent: the caller may publish again or discard
+                raise
         session, desc = r.session, r.desc
         assert session is not None and desc is not None
         if not session.alive() or session is not p._connect():
@@ -262,6 +266,14 @@ class Reservations:
             r.state = state
             self._open.pop(id(r), None)
         return r, given
+
+    def _reopen(self, r: Reservation) -> None:
+        with self._lock:
+            if self._closed:
+                r.state = CLOSED
+            else:
+                r.state = OPEN
+                self._open[id(r)] = r
 
     # --- giving space back ---------------------------------------------------------------------
 
