@@ -163,7 +163,7 @@ class Reservations:
         cannot be mapped gives the space back and makes the reservation plain."""
         assert r.session is not None and r.desc is not None
         try:
-            pool = self._producer._pool_tensor(r.session, r.desc, r.device)
+            pool = self._producer._pool_tensor(r.session, r.desc.pool, r.device)
         except (RuntimeError, OSError):  # CudaError too: no IMEX channel, no peer access
             self._give_back(r)
             r.kind, r.session, r.desc, r.placed = "plain", None, None, None
