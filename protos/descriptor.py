@@ -192,7 +192,8 @@ class Descriptor:
     epoch: int = 0
     lease: int = 0
     gen: int = 0
-    token: bytes = b""
+    # Out of repr: the token is what lets a holder of the descriptor ack the lease, and a repr ends up in logs.
+    token: bytes = field(default=b"", repr=False)
     offset: int = 0
     inline: Optional[Union[bytes, bytearray]] = field(default=None, repr=False)
 
