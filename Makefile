@@ -26,9 +26,11 @@ BYTECODE := $(BIN)/python -m compileall -q daemon client protos mmfeat_pkg tests
 # took 4.5 minutes, 2 took 2.5-2.7 and 3 take 2.1-2.3 (4: no faster). At most 8: each worker holds a
 # forkserver with torch loaded, and the longest files, not the worker count, bound the time past that.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 < 8 ? n + 1 : 8 )))
+# ARGS goes to pytest: make test ARGS='-k mesh --durations 20'
+ARGS ?=
 test: $(STAMP)
 	$(BYTECODE)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 demo: $(STAMP)
 	$(BYTECODE)

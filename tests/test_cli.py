@@ -48,3 +48,13 @@ def test_second_daemon_on_same_runtime_dir_refuses(daemon) -> None:
     r = _run("-m", "mmfeat.daemon", "--runtime-dir", str(daemon.runtime_dir), "--backend", "host", "--pool-mb", "8")
     assert r.returncode == 1 and "another mmfeatd" in r.stderr and "holds" in r.stderr
     assert daemon.stats()["pools"][0]["capacity"] == 128 << 20
+
+
+def test_make_test_passes_args_to_pytest() -> None:
+    from pathlib import Path
+
+    r = subprocess.run(["make", "-n", "test", "ARGS=-k mesh --durations 20"], capture_output=True, text=True,
+                       timeout=30, cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0, r.stderr
+    (line,) = [line for line in r.stdout.splitlines() if "-m pytest" in line]
+    assert line.endswith("--dist loadfile -k mesh --durations 20"), line
