@@ -39,8 +39,11 @@ def check_owned_dir(path: Path) -> os.stat_result:
         st = os.lstat(path)
     except OSError as exc:
         raise RuntimeDirError(f"runtime_dir {path}: {exc.strerror}") from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise RuntimeDirError(f"runtime_dir {path} is not a directory (a symlink is refused); remove it or choose another")
+    if stat.S_ISLNK(st.st_mode):
+        raise RuntimeDirError(f"runtime_dir {path} is a symlink, and a symlink is refused (it could be swapped); "
+                              "remove it or choose another")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeDirError(f"runtime_dir {path} is not a directory; remove it or choose another")
     if st.st_uid != os.geteuid():
         raise RuntimeDirError(
             f"runtime_dir {path} belongs to uid {st.st_uid}, not to this daemon's uid {os.geteuid()}: another user may "
@@ -65,6 +68,8 @@ class RuntimeDir:
         """Create (0750) and check the directory, then take the lock; RuntimeDirError if either fails."""
         try:
             self.path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # something that is not a directory has the name: the check below says so, not "File exists"
         except OSError as exc:
             raise RuntimeDirError(f"cannot create runtime_dir {self.path}: {exc.strerror}") from None
         check_owned_dir(self.path)

@@ -50,6 +50,14 @@ def test_second_daemon_on_same_runtime_dir_refuses(daemon) -> None:
     assert daemon.stats()["pools"][0]["capacity"] == 128 << 20
 
 
+def test_a_runtime_dir_that_is_a_file_is_called_so(runtime_dir) -> None:
+    path = runtime_dir / "afile"
+    path.write_text("")
+    r = _run("-m", "mmfeat.daemon", "--runtime-dir", str(path), "--backend", "host", "--pool-mb", "8")
+    assert r.returncode == 1 and f"runtime_dir {path} is not a directory" in r.stderr, r.stderr
+    assert "File exists" not in r.stderr
+
+
 def test_make_test_passes_args_to_pytest() -> None:
     from pathlib import Path
 
