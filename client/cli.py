@@ -120,18 +120,23 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmfeat", description="mmfeat client tools")
-    p.add_argument("--runtime-dir", type=Path, default=None, help="daemon runtime dir (default: $MMFEAT_RUNTIME_DIR, ...)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
+    # No prefix matching, here and in each command: an abbreviation would change meaning as flags are added.
+    p = argparse.ArgumentParser(prog="mmfeat", description="mmfeat client tools", allow_abbrev=False)
+    p.add_argument("--runtime-dir", type=Path, default=None,
+                   help="daemon runtime dir (default: $MMFEAT_RUNTIME_DIR, else $RUNTIME_DIRECTORY, "
+                        "else $XDG_RUNTIME_DIR/mmfeat, else /tmp/mmfeat-<uid>)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon (default: %(default)s)")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("stats", help="pool usage, leases and counters")
+    s = sub.add_parser("stats", help="pool usage, leases and counters", allow_abbrev=False)
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", action="store_true", help="redraw the table in place")
-    s.add_argument("--interval", type=float, default=1.0)
+    s.add_argument("--interval", type=float, default=1.0,
+                   help="seconds between redraws of --watch (default: %(default)s)")
     s.set_defaults(func=_stats)
-    h = sub.add_parser("health", help="exit 0 when the daemon answers and, when meshed, can pull from other nodes")
+    h = sub.add_parser("health", help="exit 0 when the daemon answers and, when meshed, can pull from other nodes",
+                       allow_abbrev=False)
     h.set_defaults(func=_health)
-    b = sub.add_parser("bench", help="measure the handoff against the alternatives, in one run")
+    b = sub.add_parser("bench", help="measure the handoff against the alternatives, in one run", allow_abbrev=False)
     from .bench.cli import add_bench_args
 
     add_bench_args(b)

@@ -20,17 +20,32 @@ from .resources import FdLimitError, raise_fd_limit
 from .runtime_dir import RuntimeDir, RuntimeDirError
 from .sd_notify import Notifier
 from .server import Server
+from .settings_help import SettingsParser
 
 log = logging.getLogger("mmfeatd")
 
 
+def _ordinals(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of device ordinals, e.g. 0,1")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmfeatd", description="mmfeat per-node feature pool daemon")
-    p.add_argument("--config", type=Path, help="TOML settings file (section [mmfeatd])")
+    # Settings flags get their help and default from config.py (SettingsParser). No prefix matching: a
+    # mistyped --pool would silently set pool_mb, and a flag added later would change what it means.
+    p = SettingsParser(prog="mmfeatd", allow_abbrev=False,
+                       description="mmfeat per-node feature pool daemon. Settings come from defaults, then --config, "
+                                   "then MMFEAT_<SETTING> environment variables (MMFEAT_POOL_MB=2048), then flags.")
+    p.add_argument("--config", type=Path,
+                   help="TOML settings file, section [mmfeatd]; deploy/mmfeatd.toml lists every setting "
+                        "(default: none)")
     p.add_argument("--runtime-dir", dest="runtime_dir", type=Path)
     p.add_argument("--pool-mb", dest="pool_mb", type=int)
     p.add_argument("--backend", choices=["auto", "host", "cuda_vmm"])
-    p.add_argument("--devices", type=lambda s: [int(x) for x in s.split(",") if x], help="e.g. 0,1")
+    p.add_argument("--devices", type=_ordinals)
     p.add_argument("--nnodes", type=int)
     p.add_argument("--reserve-ttl", dest="reserve_ttl", type=float)
     p.add_argument("--ack-ttl", dest="ack_ttl", type=float)
@@ -45,9 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--metrics-host", dest="metrics_host")
     p.add_argument("--drain-timeout", dest="drain_timeout", type=float)
-    p.add_argument("--listen", help="tcp://ADDRESS:PORT for the daemons of other nodes (needs peers and a key)")
+    p.add_argument("--listen")
     p.add_argument("--mesh-secret-file", dest="mesh_secret_file", type=Path)
-    p.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective settings as TOML, where each came from, and exit")
     p.add_argument("--gen-keys", dest="gen_keys", type=Path, metavar="DIR",
                    help="write this node's mesh keypair (mesh.secret, mode 0600, and mesh.public) into DIR and exit")
     return p

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
@@ -48,6 +50,56 @@ def test_second_daemon_on_same_runtime_dir_refuses(daemon) -> None:
     r = _run("-m", "mmfeat.daemon", "--runtime-dir", str(daemon.runtime_dir), "--backend", "host", "--pool-mb", "8")
     assert r.returncode == 1 and "another mmfeatd" in r.stderr and "holds" in r.stderr
     assert daemon.stats()["pools"][0]["capacity"] == 128 << 20
+
+
+def _options(help_text: str) -> dict[str, str]:
+    """`--help` output as {invocation: its help text}, e.g. {'--pool-mb POOL_MB': 'pool size ... (default: 1024)'}."""
+    options: dict[str, str] = {}
+    current = None
+    for line in help_text.split("options:\n", 1)[1].splitlines():
+        if line.startswith("  -"):
+            invocation, _, text = line.strip().partition("  ")
+            current = invocation
+            options[current] = text.strip()
+        elif line.startswith("    ") and current is not None:
+            options[current] = (options[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    return options
+
+
+@pytest.mark.parametrize("command", [("mmfeat.daemon",), ("mmfeat.client", "bench"), ("mmfeat.client",),
+                                     ("mmfeat.client", "stats")])
+def test_every_flag_says_what_it_does_and_its_default(command) -> None:
+    r = _run("-m", *command, "--help", env={"COLUMNS": "100"})
+    assert r.returncode == 0, r.stderr
+    options = _options(r.stdout)
+    assert len(options) > 2, r.stdout
+    for invocation, text in options.items():
+        assert text, f"{invocation} has no help text"
+        takes_value = not invocation.split()[-1].startswith("-")
+        if takes_value and not text.endswith("and exit"):  # an action (--gen-keys DIR) has no default
+            assert "default" in text, f"{invocation} does not say its default: {text!r}"
+    if command == ("mmfeat.daemon",):
+        from mmfeat.daemon.config import HELP
+
+        flags = {inv.split()[0]: text for inv, text in options.items()}
+        for name, help_text in HELP.items():
+            flag = "--" + name.replace("_", "-")
+            if flag in flags:  # the help comes from config.py, the one place a setting is described
+                assert flags[flag].startswith(" ".join(help_text.split())), (flag, flags[flag])
+        assert "(default: 1024)" in flags["--pool-mb"] and "(default: 64)" in flags["--arena-mb"]
+
+
+def test_a_prefix_of_a_flag_is_not_taken_for_it() -> None:
+    r = _run("-m", "mmfeat.daemon", "--pool", "10", "--print-config")
+    assert r.returncode == 2 and "unrecognized arguments: --pool 10" in r.stderr, r.stderr
+    from mmfeat.client.cli import parser
+
+    for argv in (["--time", "1", "health"], ["stats", "--inter", "2"], ["bench", "--size", "64K"]):
+        with pytest.raises(SystemExit) as info:
+            parser().parse_args(argv)
+        assert info.value.code == 2, argv
 
 
 def test_a_runtime_dir_that_is_a_file_is_called_so(runtime_dir) -> None:

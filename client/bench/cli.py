@@ -16,26 +16,33 @@ from typing import Any, Optional
 from .control import run_control
 from .procs import worker_context
 from .report import MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, render, targets, write_json
+from .remote import REMOTE_MODES
 from .workers import MODES, Job, consumer_main, producer_main, ring_path
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="64K,1M,16M,64M", help="feature sizes, e.g. 64K,1M,16M,64M")
-    p.add_argument("--consumers", default="1,2,4", help="consumer process counts, e.g. 1,2,4")
+    p.add_argument("--sizes", default="64K,1M,16M,64M", help="feature sizes, K, M or G (default: %(default)s)")
+    p.add_argument("--consumers", default="1,2,4", help="consumer process counts (default: %(default)s)")
     p.add_argument("--modes", default=",".join(MODES),
-                   help=f"subset of {','.join(MODES)} (with --remote: of remote,remote_prefetch,remote_premade,local,nixl_read,nixl_read_hot,zmq_tcp)")
-    p.add_argument("--count", type=int, default=None, help="features per run (default: by size)")
-    p.add_argument("--window", type=int, default=4, help="features in flight at most")
+                   help=f"which modes to run, comma-separated (default: all of {', '.join(MODES)}; "
+                        f"with --remote, all of {', '.join(REMOTE_MODES)})")
+    p.add_argument("--count", type=int, default=None,
+                   help="features per run (default: by size, 256 MiB worth, at least 100 and at most 1000)")
+    p.add_argument("--window", type=int, default=4, help="features in flight at most (default: %(default)s)")
     p.add_argument("--rounds", type=_at_least_one, default=1,
                    help="run every size and mode this many times, interleaved, and report medians: on a shared "
-                        "machine one run of a baseline can be off by 2x")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+                        "machine one run of a baseline can be off by 2x (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default: %(default)s)")
     p.add_argument("--ack", choices=("background", "sync"), default="background",
-                   help="consumers ack with wait=False, as a server does (default), or wait for each ack")
-    p.add_argument("--control-clients", default="1,4,16", help="concurrent clients for the control-plane run; '' skips it")
-    p.add_argument("--control-seconds", type=float, default=2.0)
-    p.add_argument("--json", type=Path, help="write one record per row here")
-    p.add_argument("--plot", type=Path, help="write throughput against size here (PNG, needs matplotlib)")
+                   help="background: consumers ack with wait=False, as a server does; sync: they wait for each ack "
+                        "(default: %(default)s)")
+    p.add_argument("--control-clients", default="1,4,16",
+                   help="concurrent clients for the control-plane run; '' skips it (default: %(default)s)")
+    p.add_argument("--control-seconds", type=float, default=2.0,
+                   help="seconds of each control-plane run (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="write one record per row here (default: none)")
+    p.add_argument("--plot", type=Path,
+                   help="write throughput against size here (PNG, needs matplotlib) (default: none)")
     p.add_argument("--use-running", action="store_true", help="measure the daemon at --runtime-dir instead of a private one")
     p.add_argument("--remote", action="store_true",
                    help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "
