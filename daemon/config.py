@@ -204,7 +204,8 @@ def load_settings(
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else "?"
             where = ".".join(str(part) for part in err["loc"]) or "settings"  # peers.0.public_key, not just peers
-            lines.append(f"invalid setting {where} (from {sources.get(name, 'default')}): {err['msg']}")
+            lines.append(f"invalid setting {where} (from {sources.get(name, 'default')}): "
+                         f"{err['msg']}{_unit(name, err)}")
         raise ConfigError("; ".join(lines)) from None
     return settings, sources
 
@@ -231,9 +232,32 @@ def _secret_next_to(config_file: Path, values: dict[str, Any], sources: dict[str
         sources["mesh_secret_file"] = f"beside file {config_file}"
 
 
+# A bound in an error means nothing without its unit: "less than or equal to 4194304" MiB, not bytes.
+_UNITS = {"_mb": "MiB", "_ttl": "seconds", "_timeout": "seconds"}
+_BOUNDS = ("less_than", "less_than_equal", "greater_than", "greater_than_equal")
+
+
+def _unit(name: str, err: Mapping[str, Any]) -> str:
+    unit = next((u for suffix, u in _UNITS.items() if name.endswith(suffix)), None)
+    if unit is None or err.get("type") not in _BOUNDS:
+        return ""
+    return f" {unit}, not {err.get('input')}"
+
+
+def adjusted(settings: Settings) -> dict[str, str]:
+    """Settings the daemon uses at another value than the one given: name -> the value it uses, and why."""
+    notes = {}
+    if settings.arena_mb * 16 > settings.pool_mb:
+        notes["arena_mb"] = (f"{settings.pool_mb / 16:g}, not {settings.arena_mb}: an arena takes at most a "
+                             f"sixteenth of the pool (pool_mb = {settings.pool_mb}), so that a few sessions' "
+                             "arenas cannot fill it")
+    return notes
+
+
 def render_config(settings: Settings, sources: Mapping[str, str]) -> str:
     """The effective settings as TOML, each with its help and where it came from."""
     out = ["[mmfeatd]"]
+    notes = adjusted(settings)
     for name, help_text in HELP.items():
         value = getattr(settings, name)
         if name == "socket_mode":
@@ -252,4 +276,6 @@ def render_config(settings: Settings, sources: Mapping[str, str]) -> str:
             rendered = str(value)
         out.append(f"# {help_text}")
         out.append(f"{name} = {rendered}  # from {sources[name]}")
+        if name in notes:
+            out.append(f"# effective {name}: {notes[name]}")
     return "\n".join(out) + "\n"

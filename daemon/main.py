@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .backends import create_pools
-from .config import HELP, RELOADABLE, ConfigError, MeshConfigError, Settings, load_settings, render_config
+from .config import HELP, RELOADABLE, ConfigError, MeshConfigError, Settings, adjusted, load_settings, render_config
 from .core import DaemonCore
 from . import mesh_keys
 from .logs import setup_logging
@@ -83,6 +83,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.write(render_config(settings, sources))
         return 0
     setup_logging(settings.log_level)
+    for name, note in adjusted(settings).items():
+        # A value someone chose and the daemon does not use is worth a warning; a default is not.
+        log.log(logging.INFO if sources[name] == "default" else logging.WARNING, "%s: %s", name, note)
     runtime = RuntimeDir(settings.runtime_dir)
     try:
         runtime.acquire()

@@ -102,6 +102,30 @@ def test_a_prefix_of_a_flag_is_not_taken_for_it() -> None:
         assert info.value.code == 2, argv
 
 
+def test_print_config_says_the_arena_size_the_daemon_uses_and_why() -> None:
+    r = _run("-m", "mmfeat.daemon", "--pool-mb", "256", "--arena-mb", "1000", "--print-config")
+    assert r.returncode == 0, r.stderr
+    assert "arena_mb = 1000  # from flag" in r.stdout
+    assert ("# effective arena_mb: 16, not 1000: an arena takes at most a sixteenth of the pool (pool_mb = 256)"
+            in r.stdout)
+    r = _run("-m", "mmfeat.daemon", "--pool-mb", "256", "--arena-mb", "16", "--print-config")
+    assert r.returncode == 0 and "effective" not in r.stdout
+
+
+def test_a_daemon_warns_at_start_about_an_arena_size_it_cannot_use(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "16", "--arena-mb", "100")
+    assert d.stop() == 0
+    err = d.proc.communicate()[1]
+    assert "WARNING mmfeatd: arena_mb: 1, not 100: an arena takes at most a sixteenth of the pool" in err, err
+
+
+def test_a_bound_in_an_error_has_its_unit() -> None:
+    r = _run("-m", "mmfeat.daemon", "--pool-mb", "999999999", "--print-config")
+    assert r.returncode == 2 and "less than or equal to 4194304 MiB, not 999999999" in r.stderr, r.stderr
+    r = _run("-m", "mmfeat.daemon", "--ack-ttl", "0", "--print-config")
+    assert r.returncode == 2 and "greater than 0 seconds" in r.stderr, r.stderr
+
+
 def test_a_runtime_dir_that_is_a_file_is_called_so(runtime_dir) -> None:
     path = runtime_dir / "afile"
     path.write_text("")
