@@ -20,7 +20,7 @@ from .resources import FdLimitError, raise_fd_limit
 from .runtime_dir import RuntimeDir, RuntimeDirError
 from .sd_notify import Notifier
 from .server import Server
-from .settings_help import SettingsParser
+from .settings_help import SettingsParser, unknown_env
 
 log = logging.getLogger("mmfeatd")
 
@@ -79,6 +79,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"mmfeatd: {exc}", file=sys.stderr)
         return 2
+    for line in unknown_env(os.environ):
+        print(f"mmfeatd: warning: {line}", file=sys.stderr)
     if args.print_config:
         sys.stdout.write(render_config(settings, sources))
         return 0

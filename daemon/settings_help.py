@@ -1,15 +1,19 @@
 """mmfeatd's flags and environment as a user meets them.
 
 Each setting is described once, in config.py (HELP and the Settings fields): its flag's help text and
-the default it shows come from there.
+the default it shows come from there. MMFEAT_* variables that nothing reads are reported, so that a
+typo is not ignored without a word.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import difflib
+from typing import Any, Mapping
 
-from .config import HELP, Settings
+from mmfeat.protos.env import READ_OUTSIDE_SETTINGS
+
+from .config import ENV_PREFIX, HELP, Settings
 
 # Defaults that depend on the machine or its environment: shown as the rule, not as this machine's value.
 _DEFAULT_RULES = {
@@ -50,3 +54,14 @@ class SettingsParser(argparse.ArgumentParser):
             kwargs["help"] = flag_help(dest)
         return super().add_argument(*args, **kwargs)
 
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """One line per MMFEAT_* variable that neither mmfeatd's settings nor its clients read."""
+    known = {ENV_PREFIX + name.upper() for name in HELP} | READ_OUTSIDE_SETTINGS
+    lines = []
+    for var in sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in known):
+        close = difflib.get_close_matches(var, sorted(known), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        lines.append(f"{var} is set but neither mmfeatd nor its clients read it; {hint}"
+                     f"a setting's variable is {ENV_PREFIX} and its name in capitals, e.g. {ENV_PREFIX}POOL_MB")
+    return lines

@@ -134,6 +134,38 @@ def test_a_runtime_dir_that_is_a_file_is_called_so(runtime_dir) -> None:
     assert "File exists" not in r.stderr
 
 
+TYPO = "MMFEAT_" + "POOLMB"  # spelled in two parts, so that the scan below does not find it
+
+
+def test_an_mmfeat_variable_nothing_reads_is_warned_about() -> None:
+    from mmfeat.protos.env import READ_OUTSIDE_SETTINGS
+
+    read = {var: "1" for var in READ_OUTSIDE_SETTINGS if var != "MMFEAT_RUNTIME_DIR"}
+    r = _run("-m", "mmfeat.daemon", "--print-config", env={TYPO: "2048", "MMFEAT_ACK_TTL": "60", **read})
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, r.stderr  # the client's, the tests' and the settings' names are not flagged
+    assert f"mmfeatd: warning: {TYPO} is set but neither mmfeatd nor its clients read it" in warnings[0]
+    assert "did you mean MMFEAT_POOL_MB?" in warnings[0]
+    assert "pool_mb = 1024  # from default" in r.stdout
+
+
+def test_every_mmfeat_variable_in_the_sources_is_known_to_the_daemon() -> None:
+    """The daemon's warning must not flag a name the client, the shared package or the tests read."""
+    import re
+    from pathlib import Path
+
+    from mmfeat.daemon.config import ENV_PREFIX, HELP
+    from mmfeat.protos.env import READ_OUTSIDE_SETTINGS
+
+    known = {ENV_PREFIX + name.upper() for name in HELP} | READ_OUTSIDE_SETTINGS
+    root = Path(__file__).parent.parent
+    for part in ("client", "daemon", "protos", "mmfeat_pkg", "tests", "examples"):
+        for path in (root / part).rglob("*.py"):
+            for var in set(re.findall(r"\bMMFEAT_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())):
+                assert var in known, f"{path.relative_to(root)} reads {var}: add it to protos/env.py"
+
+
 def test_make_test_passes_args_to_pytest() -> None:
     from pathlib import Path
 

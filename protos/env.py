@@ -1,0 +1,22 @@
+"""The MMFEAT_* environment variables that are not mmfeatd settings, and who reads them.
+
+mmfeatd reads ``MMFEAT_<SETTING>`` for each of its settings and warns about any other ``MMFEAT_*``
+name, since a typo (an underscore left out) would otherwise be ignored without a word. The client and the
+shared top package read the names below; they live here, on the side both ends import, so that the
+daemon's warning never flags them. tests/test_cli.py checks that every MMFEAT_ name in the sources is a
+setting's or one of these.
+"""
+
+from __future__ import annotations
+
+from .paths import RUNTIME_DIR_ENV
+
+READ_OUTSIDE_SETTINGS: frozenset[str] = frozenset({
+    RUNTIME_DIR_ENV,            # the client's runtime dir (protos/paths.py)
+    "MMFEAT_TIMEOUT",           # the client's default call timeout
+    "MMFEAT_INLINE_THRESHOLD",  # the client's inline/pool size threshold
+    "MMFEAT_NNODES",            # the client's transport policy
+    "MMFEAT_ATOMICS",           # mmfeat.atomics: force libatomic for loads and stores
+    "MMFEAT_NO_ATOMICS",        # mmfeat.atomics: run the message path on purpose
+    "MMFEAT_CHAOS_DEVICE",      # tests/chaos: the device its workers use
+})
