@@ -174,3 +174,15 @@ def test_make_test_passes_args_to_pytest() -> None:
     assert r.returncode == 0, r.stderr
     (line,) = [line for line in r.stdout.splitlines() if "-m pytest" in line]
     assert line.endswith("--dist loadfile -k mesh --durations 20"), line
+
+
+def test_plot_without_matplotlib_fails_before_the_bench_runs(tmp_path) -> None:
+    blocker = tmp_path / "no-mpl" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
+    r = _run("-m", "mmfeat.client", "bench", "--sizes", "64K", "--consumers", "1", "--count", "2",
+             "--modes", "pool_view", "--control-clients", "", "--plot", str(tmp_path / "out.png"),
+             env={"PYTHONPATH": os.pathsep.join(filter(None, [str(blocker.parent), os.environ.get("PYTHONPATH")]))},
+             timeout=240)
+    assert r.returncode != 0 and "cannot --plot: matplotlib is not installed" in r.stderr, (r.stdout, r.stderr)
+    assert "bench: 1 consumer" not in r.stderr and "pool_view" not in r.stdout, "the bench ran before the check"

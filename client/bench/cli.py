@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 from .control import run_control
 from .procs import worker_context
-from .report import MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, render, targets, write_json
+from .report import (MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, plot_unavailable, render,
+                     targets, write_json)
 from .remote import REMOTE_MODES
 from .workers import MODES, Job, consumer_main, producer_main, ring_path
 
@@ -42,7 +43,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of each control-plane run (default: %(default)s)")
     p.add_argument("--json", type=Path, help="write one record per row here (default: none)")
     p.add_argument("--plot", type=Path,
-                   help="write throughput against size here (PNG, needs matplotlib) (default: none)")
+                   help="write throughput against size here (PNG, needs matplotlib; not with --remote) (default: none)")
+    p.add_argument("--targets", action="store_true",
+                   help="after the results, compare them with the project's reference goals, which were set for "
+                        "its reference machine (docs/benchmarks.md): a smaller machine may miss them")
     p.add_argument("--use-running", action="store_true", help="measure the daemon at --runtime-dir instead of a private one")
     p.add_argument("--remote", action="store_true",
                    help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "
@@ -201,6 +205,12 @@ def _run_data_plane(
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.plot:  # before anything runs: a bench takes minutes, and then could not draw its plot
+        if args.remote:
+            raise SystemExit("mmfeat bench: --plot draws the local bench only; drop --plot or --remote")
+        why_not = plot_unavailable()
+        if why_not:
+            raise SystemExit(f"mmfeat bench: cannot --plot: {why_not}")
     if args.remote:
         from .remote import run_remote_bench
 
@@ -239,7 +249,7 @@ def run_bench(args: argparse.Namespace) -> int:
         _progress("")
         add_ratios(rows)
         rows = combine_rounds(rows)
-        verdicts = targets(rows, control)
+        verdicts = targets(rows, control) if args.targets else []
         print(f"payloads on {device}; limit: one {'device-to-device' if device != 'cpu' else 'host'} copy; "
               f"consumers ack {'with wait=False' if args.ack == 'background' else 'and wait'}"
               f"{f'; medians of {args.rounds} interleaved rounds (ratios: of each round its own; mmfeatd: the rounds pooled)' if args.rounds > 1 else ''}\n")

@@ -163,7 +163,8 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
                 f" {e['p50_us']:>7.0f} {e['p99_us']:>7.0f} {m['p50_us'] / e['p50_us']:>10.2f}"
             )
     if verdicts:
-        lines += ["", "targets:"]
+        lines += ["", "the project's reference goals (set for its reference machine, docs/benchmarks.md; "
+                      "a smaller or busier machine may miss them):"]
         lines += [f"  {'met   ' if ok else 'MISSED'} {name}: {got}" for name, ok, got in verdicts]
     return "\n".join(lines)
 
@@ -188,15 +189,30 @@ def write_json(path: Path, rows: list[dict[str, Any]], control: list[dict[str, A
     path.write_text(json.dumps(json_records(rows, control), indent=1) + "\n")
 
 
-def plot(path: Path, rows: list[dict[str, Any]]) -> Optional[str]:
-    """Throughput against size, one line per mode, one panel per consumer count. None, or why not."""
-    try:
-        import matplotlib
+def _pyplot() -> Any:
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_unavailable() -> Optional[str]:
+    """None when ``plot`` can draw, else why not."""
+    try:
+        _pyplot()
     except ImportError:
         return "matplotlib is not installed: pip install 'mmfeat[plot]'"
+    return None
+
+
+def plot(path: Path, rows: list[dict[str, Any]]) -> Optional[str]:
+    """Throughput against size, one line per mode, one panel per consumer count. None, or why not."""
+    why_not = plot_unavailable()
+    if why_not:
+        return why_not
+    plt = _pyplot()
     counts = sorted({r["consumers"] for r in rows if r["mode"] != "memcpy"}) or [1]
     fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 4), squeeze=False)
     for ax, n in zip(axes[0], counts):
