@@ -15,6 +15,7 @@ READ_OUTSIDE_SETTINGS: frozenset[str] = frozenset({
     RUNTIME_DIR_ENV,            # the client's runtime dir (protos/paths.py)
     "MMFEAT_TIMEOUT",           # the client's default call timeout
     "MMFEAT_INLINE_THRESHOLD",  # the client's inline/pool size threshold
+    "MMFEAT_INLINE_MAX",        # the client's cap on the inline fallback
     "MMFEAT_NNODES",            # the client's transport policy
     "MMFEAT_ATOMICS",           # mmfeat.atomics: force libatomic for loads and stores
     "MMFEAT_NO_ATOMICS",        # mmfeat.atomics: run the message path on purpose
