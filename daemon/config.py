@@ -49,6 +49,8 @@ HELP: dict[str, str] = {
     "listen": "tcp://ADDRESS:PORT where this daemon meets the daemons of other nodes (CURVE); empty: no mesh",
     "mesh_secret_file": "this node's CURVE secret key (mmfeatd --gen-keys; relative: beside the config file); "
                         "default: systemd's credential, else mesh.secret beside the config file",
+    "data_devices": "network devices NIXL's UCX may use for pulls (UCX_NET_DEVICES, e.g. \"mlx5_0:1,eth1\"); "
+                    "empty: the interface of listen and every RDMA port",
     "peers": "the other nodes' daemons: a list of {endpoint = \"tcp://...\", public_key = \"...\"}; no other key gets in",
 }
 
@@ -102,6 +104,7 @@ class Settings(BaseModel):
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
     listen: str = Field("", pattern=f"^$|{_TCP}")
     mesh_secret_file: Optional[Path] = None
+    data_devices: str = Field("", pattern=r"^$|^all$|^[A-Za-z0-9_.@-]+(:[0-9]+)?(,[A-Za-z0-9_.@-]+(:[0-9]+)?)*$")
     peers: list[Peer] = Field(default_factory=list, max_length=1024)
 
     @field_validator("devices")

@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", dest="drain_timeout", type=float)
     p.add_argument("--listen")
     p.add_argument("--mesh-secret-file", dest="mesh_secret_file", type=Path)
+    p.add_argument("--data-devices", dest="data_devices")
     p.add_argument("--print-config", action="store_true",
                    help="print the effective settings as TOML, where each came from, and exit")
     p.add_argument("--gen-keys", dest="gen_keys", type=Path, metavar="DIR",

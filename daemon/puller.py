@@ -89,12 +89,13 @@ _VRAM_HINT = ("; NIXL's UCX registers GPU memory through the CUDA runtime of its
 
 
 class Puller:
-    def __init__(self, name: str, regions: list[Region], table: Optional[tuple[int, int]] = None) -> None:
+    def __init__(self, name: str, regions: list[Region], table: Optional[tuple[int, int]] = None,
+                 net_devices: Optional[str] = None) -> None:
         """``table``: (address, size) of this daemon's lease table, registered so that pullers can check
-        features in it."""
+        features in it; ``net_devices``: UCX_NET_DEVICES for the agent (daemon/data_plane.py)."""
         api = load_nixl()
         try:
-            self._agent = make_agent(api, name)
+            self._agent = make_agent(api, name, net_devices)
             if "UCX" not in self._agent.backends:
                 raise NixlUnavailable("NIXL has no UCX backend here")
             registered = []

@@ -80,12 +80,15 @@ def preload_cuda_runtime(api: Any) -> Optional[str]:
     return None
 
 
-def make_agent(api: Any, name: str) -> Any:
+def make_agent(api: Any, name: str, net_devices: Optional[str] = None) -> Any:
     """A UCX agent whose progress thread sleeps between events (see PROGRESS_DELAY_US), with UCX_DEFAULTS
-    where the environment sets none (UCX reads its environment when the agent starts its backend), and
-    with the CUDA runtime UCX needs for GPU memory loaded (preload_cuda_runtime)."""
+    where the environment sets none (UCX reads its environment when the agent starts its backend), with
+    ``net_devices`` as UCX_NET_DEVICES if given (where UCX may listen and send), and with the CUDA
+    runtime UCX needs for GPU memory loaded (preload_cuda_runtime)."""
     if not any(key in os.environ for key in UCX_DEFAULTS):
         os.environ.update(UCX_DEFAULTS)
+    if net_devices:
+        os.environ["UCX_NET_DEVICES"] = net_devices
     preload_cuda_runtime(api)
     real = api.nixlBind.nixlAgent
 

@@ -21,6 +21,8 @@ import pytest
 import torch
 import zmq
 
+from mmfeat.daemon.config import MeshConfigError
+from mmfeat.daemon.data_plane import interface_addresses, interface_of, net_devices
 from mmfeat.daemon.mesh_keys import KeyFileError, load_secret
 from mmfeat.protos.mesh import MESH_VERSION, encode_mesh
 
@@ -171,6 +173,7 @@ def test_mesh_settings_that_cannot_work_stop_the_daemon_with_a_reason(tmp_path) 
          f'peers = [{{endpoint = "tcp://127.0.0.1:{port + 1}", public_key = "{mine}"}}]\n', "own public key", {}),
         (f'listen = "tcp://127.0.0.1:{port}"\npeers = [{{endpoint = "tcp://x:1", public_key = "short"}}]\n', "public_key", {}),
         (f'listen = "tcp://127.0.0.1:{port}"\n', "mesh.secret", {"CREDENTIALS_DIRECTORY": str(tmp_path / "none")}),
+        (f'listen = "tcp://127.0.0.1:{port}"\ndata_devices = "eth0; rm -rf"\n', "data_devices", {}),
     ]
     try:
         for body, why, env in cases:
@@ -182,6 +185,25 @@ def test_mesh_settings_that_cannot_work_stop_the_daemon_with_a_reason(tmp_path) 
             assert r.returncode in (1, 2) and why in r.stderr, (body, r.stderr[-2000:])
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_the_data_plane_gets_the_interface_of_listen_unless_told_otherwise() -> None:
+    """UCX_NET_DEVICES for NIXL's agent: the interface that owns listen's address (UCX's TCP transport
+    would otherwise listen on every interface) plus the RDMA ports, which open no TCP socket. What the
+    daemons then listen on: Cluster.check_data_plane in test_remote.py and test_remote_failures.py."""
+    ifaces = {"lo": {"127.0.0.1", "::1"}, "eth0": {"10.0.0.1", "fd00::2"}, "eth1": {"192.168.5.9"}}
+    rdma = ["mlx5_0:1", "mlx5_1:1"]
+    assert net_devices("tcp://10.0.0.1:7400", "", {}, ifaces, rdma) == "mlx5_0:1,mlx5_1:1,eth0"
+    assert net_devices("tcp://[fd00::2]:7400", "", {}, ifaces, []) == "eth0"
+    assert net_devices("tcp://127.0.0.1:7400", "", {}, ifaces, []) == "lo"
+    assert net_devices("tcp://localhost:7400", "", {}, ifaces, []) == "lo"  # a host name: its addresses
+    assert net_devices("tcp://eth1:7400", "", {}, ifaces, []) == "eth1"  # ZeroMQ takes an interface name
+    assert net_devices("tcp://*:7400", "", {}, ifaces, rdma) is None  # a wildcard mesh: every interface
+    assert net_devices("tcp://10.0.0.1:7400", "eth1", {}, ifaces, rdma) == "eth1"  # the setting wins
+    assert net_devices("tcp://10.0.0.1:7400", "", {"UCX_NET_DEVICES": "ib0"}, ifaces, rdma) is None  # the operator's
+    with pytest.raises(MeshConfigError, match="no interface of this node has listen's address '10.9.9.9'"):
+        net_devices("tcp://10.9.9.9:7400", "", {}, ifaces, [])
+    assert interface_of("127.0.0.1", interface_addresses()) == "lo"  # this machine's own interfaces
 
 
 # Connects without blocking: once the daemon stops accepting, a blocking connect waits out SYN
