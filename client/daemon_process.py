@@ -44,10 +44,13 @@ class DaemonStartError(RuntimeError):
     """mmfeatd exited or did not answer in time; the message carries what it printed, if it was piped."""
 
 
-def spawn_daemon(runtime_dir: Path, args: Sequence[str] = (), timeout: float = 20.0, **popen: Any) -> subprocess.Popen:
-    """``python -m mmfeat.daemon --runtime-dir DIR ARGS``, returned once it answers a ping. ``popen``
-    goes to subprocess.Popen (env, stdout, stderr, text, preexec_fn, ...)."""
-    proc = subprocess.Popen([sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), *args], **popen)
+def spawn_daemon(runtime_dir: Path, args: Sequence[str] = (), timeout: float = 20.0, wrap: Sequence[str] = (),
+                 **popen: Any) -> subprocess.Popen:
+    """``python -m mmfeat.daemon --runtime-dir DIR ARGS``, returned once it answers a ping. ``wrap``: a
+    command that execs the daemon in its place (``ip netns exec NS``: the Popen's pid stays the daemon's).
+    ``popen`` goes to subprocess.Popen (env, stdout, stderr, text, preexec_fn, ...)."""
+    proc = subprocess.Popen([*wrap, sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), *args],
+                            **popen)
     deadline = time.monotonic() + timeout
     while not _answers(runtime_dir):
         if proc.poll() is not None:

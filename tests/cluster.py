@@ -1,5 +1,6 @@
 """Nodes for mesh tests: CURVE keys made by mmfeatd's key generator, a port each, and daemons that list each
-other as peers, all on 127.0.0.1."""
+other as peers, all on 127.0.0.1; or, with a NetnsPair, each of two nodes in a network namespace of its own
+with the data plane on TCP over the veth between them, as two machines would be."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mmfeat.daemon import mesh_keys
 from mmfeat.daemon.mesh_keys import load_secret
 
 from .conftest import Daemon, start_daemon
+from .netns import NetnsPair, tcp_listeners
 
 
 def _free_port() -> int:
@@ -31,15 +33,27 @@ def _gen_keys(directory: Path) -> str:
 class Cluster:
     """Nodes with keys and ports; ``start(name, peers)`` runs a daemon that lists those peers."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, netns: NetnsPair | None = None) -> None:
         self.root = root
+        self.netns = netns
         self.keys: dict[str, str] = {}
         self.ports: dict[str, int] = {}
+        self.hosts: dict[str, str] = {}
         self.daemons: dict[str, Daemon] = {}
+        self._veth_rx: dict[str, int] = {}
 
     def node(self, name: str) -> None:
         self.keys[name] = _gen_keys(self.root / f"keys-{name}")
         self.ports[name] = _free_port()
+        if self.netns is None:
+            self.hosts[name] = "127.0.0.1"
+        else:
+            assert len(self.hosts) < 2, "a NetnsPair holds two nodes"
+            self.hosts[name] = self.netns.addrs[len(self.hosts)]
+
+    def _ns_index(self, name: str) -> int:
+        assert self.netns is not None
+        return self.netns.addrs.index(self.hosts[name])
 
     def impersonate(self, ctx: zmq.Context, as_node: str, to_node: str) -> zmq.Socket:
         """A DEALER that holds ``as_node``'s secret key, connected to ``to_node``: an authenticated peer
@@ -53,7 +67,7 @@ class Cluster:
         return sock
 
     def endpoint(self, name: str) -> str:
-        return f"tcp://127.0.0.1:{self.ports[name]}"
+        return f"tcp://{self.hosts[name]}:{self.ports[name]}"
 
     def start(self, name: str, peers: list[str], *args: str, nofile: int | None = None, env: dict | None = None,
               backend: str = "host", runtime: Path | None = None, log: Path | None = None) -> Daemon:
@@ -63,10 +77,32 @@ class Cluster:
         config.write_text(f'[mmfeatd]\nnode_id = "{name}"\nlisten = "{self.endpoint(name)}"\n'
                           f'mesh_secret_file = "{self.root / f"keys-{name}" / "mesh.secret"}"\npeers = [{listed}]\n')
         runtime = runtime or Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
+        wrap: list[str] = []
+        if self.netns is not None:
+            # Without UCX_TLS=tcp, UCX sees one host (shared PID and IPC namespaces) and reads through
+            # cross-memory attach: nothing would cross the veth. The device is left to the daemon, which
+            # finds the interface of its listen address. Clients of the daemon need no namespace: its
+            # control and fd sockets are Unix sockets with paths, reachable from any network namespace.
+            env = {"UCX_TLS": "tcp", **(env or {})}
+            wrap = self.netns.prefix(self._ns_index(name))
+            self._veth_rx.setdefault(name, self.netns.veth_bytes(self._ns_index(name))[0])
         d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args, nofile=nofile, env=env,
-                         backend=backend, log=log)
+                         backend=backend, log=log, wrap=wrap)
         self.daemons[name] = d
         return d
+
+    def check_data_plane(self, pulled_by: str, nbytes: int) -> None:
+        """Every daemon's TCP listeners are on its node's address only (the mesh's and UCX's: no other
+        interface); in namespaces, ``pulled_by``'s end of the veth received at least ``nbytes`` since its
+        node started, so the pulls crossed the network and not cross-memory attach."""
+        for name, d in self.daemons.items():
+            listening = tcp_listeners(d.pid)
+            assert (self.hosts[name], self.ports[name]) in listening, (name, listening)
+            assert len(listening) >= 2, f"{name}: no NIXL/UCX listener next to the mesh's: {listening}"
+            assert {addr for addr, _ in listening} == {self.hosts[name]}, f"{name} listens elsewhere: {listening}"
+        if self.netns is not None:
+            received = self.netns.veth_bytes(self._ns_index(pulled_by))[0] - self._veth_rx[pulled_by]
+            assert received >= nbytes, f"{pulled_by} received {received} B over the veth, pulled {nbytes} B"
 
     def stop(self, name: str, sig: int = signal.SIGTERM, keep_runtime: bool = False) -> None:
         d = self.daemons.pop(name)

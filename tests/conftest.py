@@ -13,13 +13,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import pytest
 
 from mmfeat.client import Client
 from mmfeat.client.bench.procs import worker_context
 from mmfeat.client.daemon_process import spawn_daemon
+
+from .netns import netns_pair  # noqa: F401  (a fixture: the cluster fixture asks for it by name)
 
 
 def anon_bytes(pid: int) -> int:
@@ -104,9 +106,9 @@ class Daemon:
 
 def start_daemon(
     runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True, backend: str = "host", nofile: int | None = None,
-    log: Path | None = None,
+    log: Path | None = None, wrap: Sequence[str] = (),
 ) -> Daemon:
-    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", backend, *args]
+    cmd = [*wrap, sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", backend, *args]
     full_env = {**os.environ, **(env or {})}
 
     def limit_fds() -> None:  # as systemd's LimitNOFILE would
@@ -120,7 +122,7 @@ def start_daemon(
     popen = dict(env=full_env, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=limit_fds)
     if not wait:
         return Daemon(runtime_dir, subprocess.Popen(cmd, **popen), list(args))
-    proc = spawn_daemon(runtime_dir, ["--backend", backend, *args], **popen)
+    proc = spawn_daemon(runtime_dir, ["--backend", backend, *args], wrap=wrap, **popen)
     return Daemon(runtime_dir, proc, list(args))
 
 
@@ -171,11 +173,14 @@ def daemon(daemon_factory) -> Daemon:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator:
-    """Nodes for mesh tests (tests/cluster.py); every daemon still running is stopped afterwards."""
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
+    """Nodes for mesh tests (tests/cluster.py); every daemon still running is stopped afterwards. Made
+    indirect with the parameter "netns", each node is a network namespace of its own (tests/netns.py),
+    removed after its daemons stopped."""
     from .cluster import Cluster
 
-    c = Cluster(tmp_path)
+    netns = request.getfixturevalue("netns_pair") if getattr(request, "param", "host") == "netns" else None
+    c = Cluster(tmp_path, netns)
     yield c
     for name in list(c.daemons):
         c.stop(name)

@@ -63,7 +63,10 @@ def test_a_producer_on_a_feeds_consumers_on_a_and_b_every_byte(cluster, children
     assert fd_count(b.pid) <= fds_b + 2  # UCX may keep a connection to the peer open
 
 
+@pytest.mark.parametrize("cluster", ["host", "netns"], indirect=True)
 def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_owner(cluster) -> None:
+    """As host: two daemons on 127.0.0.1 (UCX reads through cross-memory attach); as netns: each in a
+    network namespace of its own, the 64 MiB pulled over TCP across a veth."""
     a, b = meshed(cluster)
     with a.client(inline_threshold=0, fallback="error") as producer, b.client() as c1, b.client() as c2:
         x = torch.randn(4, 4 << 20)  # 64 MiB: long enough a pull for the second get to find it under way
@@ -98,6 +101,7 @@ def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_ow
     assert a.stats()["counters"]["over_acks"] == 2
     idle(a, "a to free the feature")
     idle(b, "b to drop its copy once a said the feature ended")
+    cluster.check_data_plane("b", 64 << 20)
 
 
 def test_a_prefetch_pulls_ahead_and_the_get_finds_the_copy(cluster) -> None:
