@@ -132,6 +132,22 @@ def test_remote_rounds_take_each_ratio_against_the_nixl_read_of_its_own_round() 
                                                                    "features_per_s": 5, "x_nixl_read": None}]
 
 
+def test_the_remote_verdict_needs_three_rounds_that_agree() -> None:
+    """MET or MISSED only from 3 or more rounds whose ratios to the bare READ lie within 1.5x of each other."""
+    from mmfeat.client.bench.remote_verdict import REMOTE_ROUNDS, verdict
+
+    def row(ratio: float, low: float, high: float, rounds: int = 3) -> dict:
+        return {"x_nixl_read": ratio, "x_nixl_read_min": low, "x_nixl_read_max": high, "rounds": rounds}
+
+    assert verdict("remote", row(0.85, 0.8, 0.9)).startswith("MET 16M: remote >= 0.8x")
+    assert verdict("remote", row(0.7, 0.6, 0.75)).startswith("MISSED 16M: remote")
+    wide = verdict("remote_premade", row(0.85, 0.4, 1.1))  # 2.75x apart: another run could land anywhere
+    assert wide.startswith("SPREAD TOO WIDE TO JUDGE 16M: remote_premade") and "0.40-1.10x" in wide
+    one = verdict("remote", {"x_nixl_read": 0.9})  # a single round's row has no spread
+    assert one.startswith("TOO FEW ROUNDS") and "--rounds 3" in one and REMOTE_ROUNDS >= 3
+    assert verdict("remote", row(0.9, 0.85, 0.95, rounds=2)).startswith("TOO FEW ROUNDS")
+
+
 def test_rounds_below_one_are_refused_before_anything_starts() -> None:
     import argparse
 

@@ -18,6 +18,7 @@ from .procs import worker_context
 from .report import (MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, plot_unavailable, render,
                      targets, write_json)
 from .remote import REMOTE_MODES
+from .remote_verdict import REMOTE_ROUNDS
 from .workers import MODES, Job, consumer_main, producer_main, ring_path
 
 
@@ -30,9 +31,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=None,
                    help="features per run (default: by size, 256 MiB worth, at least 100 and at most 1000)")
     p.add_argument("--window", type=int, default=4, help="features in flight at most (default: %(default)s)")
-    p.add_argument("--rounds", type=_at_least_one, default=1,
+    p.add_argument("--rounds", type=_at_least_one, default=None,
                    help="run every size and mode this many times, interleaved, and report medians: on a shared "
-                        "machine one run of a baseline can be off by 2x (default: %(default)s)")
+                        f"machine one run of a baseline can be off by 2x (default: 1; with --remote, {REMOTE_ROUNDS})")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default: %(default)s)")
     p.add_argument("--ack", choices=("background", "sync"), default="background",
                    help="background: consumers ack with wait=False, as a server does; sync: they wait for each ack "
@@ -215,6 +216,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from .remote import run_remote_bench
 
         return run_remote_bench(args)
+    args.rounds = args.rounds or 1
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     counts = [int(c) for c in args.consumers.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]

@@ -39,6 +39,7 @@ import msgpack
 import zmq
 
 from .procs import worker_context
+from .remote_verdict import REMOTE_ROUNDS, verdict
 from .report import MiB, combine_rounds, human_size, parse_size
 
 REMOTE_MODES = ("remote", "remote_prefetch", "remote_premade", "local", "nixl_read", "nixl_read_hot", "zmq_tcp")
@@ -285,6 +286,7 @@ def ratios_to_nixl_read(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_remote_bench(args: argparse.Namespace) -> int:
+    args.rounds = args.rounds or REMOTE_ROUNDS
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     work = Path(tempfile.mkdtemp(prefix="mmfbr-", dir="/tmp"))
     nodes: dict = {}
@@ -329,15 +331,8 @@ def _render(rows: list[dict[str, Any]], goals: bool = False) -> str:
             verdicts.append(f"{human_size(size)}: a remote get adds {by['remote']['get_p50_us'] - by['local']['get_p50_us']:.0f} "
                             f"us at p50 over a local one")
         if goals and size == 16 * MiB:
-            for mode in ("remote", "remote_prefetch", "remote_premade"):
-                ratio = by.get(mode, {}).get("x_nixl_read")
-                if ratio is not None:
-                    r = by[mode]
-                    spread = (f" (rounds {r['x_nixl_read_min']:.2f}-{r['x_nixl_read_max']:.2f}x)"
-                              if "x_nixl_read_min" in r else "")
-                    goal_lines.append(f"  {'MET' if ratio >= 0.8 else 'MISSED'} 16M: {mode} >= 0.8x the bare NIXL "
-                                      f"READ: "
-                                    f"{ratio:.2f}x{spread}")
+            goal_lines += ["  " + verdict(mode, by[mode]) for mode in ("remote", "remote_prefetch", "remote_premade")
+                           if by.get(mode, {}).get("x_nixl_read") is not None]
     if goal_lines:
         verdicts += ["", "the project's reference goals (set for its reference machine, docs/benchmarks.md):",
                      *goal_lines]
