@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from mmfeat.protos.errors import MmfeatError
 from mmfeat.protos.paths import CONTROL_SOCKET, FD_SOCKET, control_endpoint
@@ -86,12 +86,16 @@ def _stderr(proc: subprocess.Popen) -> Optional[str]:
 
 
 def spawn_mesh(work: Path, names: Sequence[str], args: Sequence[str] = (), timeout: float = 60.0,
+               hosts: Optional[Mapping[str, str]] = None, wraps: Optional[Mapping[str, Sequence[str]]] = None,
                **popen: Any) -> dict[str, tuple[Path, subprocess.Popen]]:
     """One daemon per name, each a "node" of a mesh on 127.0.0.1 (its own runtime dir under ``work``, its
     own CURVE keypair, every other one listed as a peer), returned once every one sees every other up:
-    ``{name: (runtime_dir, process)}``. For the bench and the examples; the caller stops them."""
+    ``{name: (runtime_dir, process)}``. ``hosts``: another address per node than 127.0.0.1; ``wraps``:
+    per node, a command that execs its daemon (see spawn_daemon). For the bench and the examples; the
+    caller stops them."""
     import zmq
 
+    host = {n: (hosts or {}).get(n, "127.0.0.1") for n in names}
     ports = {n: free_tcp_port() for n in names}
     keys = {}
     for n in names:
@@ -104,14 +108,15 @@ def spawn_mesh(work: Path, names: Sequence[str], args: Sequence[str] = (), timeo
     out: dict[str, tuple[Path, subprocess.Popen]] = {}
     try:
         for n in names:
-            listed = ", ".join(f'{{endpoint = "tcp://127.0.0.1:{ports[m]}", public_key = "{keys[m][0]}"}}'
+            listed = ", ".join(f'{{endpoint = "tcp://{host[m]}:{ports[m]}", public_key = "{keys[m][0]}"}}'
                                for m in names if m != n)
             config = work / f"{n}.toml"
-            config.write_text(f'[mmfeatd]\nnode_id = "{n}"\nlisten = "tcp://127.0.0.1:{ports[n]}"\n'
+            config.write_text(f'[mmfeatd]\nnode_id = "{n}"\nlisten = "tcp://{host[n]}:{ports[n]}"\n'
                               f'mesh_secret_file = "{keys[n][1]}"\npeers = [{listed}]\n')
             runtime = work / n
             runtime.mkdir()
-            out[n] = (runtime, spawn_daemon(runtime, ["--config", str(config), *args], timeout=timeout, **popen))
+            out[n] = (runtime, spawn_daemon(runtime, ["--config", str(config), *args], timeout=timeout,
+                                            wrap=(wraps or {}).get(n, ()), **popen))
         deadline = time.monotonic() + timeout
         for n, (runtime, _) in out.items():
             channel = ControlChannel(control_endpoint(runtime), 5.0)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import zmq
 
+from mmfeat.client.bench.netns import TCP_ENV
 from mmfeat.client.daemon_process import free_tcp_port
 from mmfeat.daemon import mesh_keys
 from mmfeat.daemon.mesh_keys import load_secret
@@ -79,11 +80,9 @@ class Cluster:
         runtime = runtime or Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
         wrap: list[str] = []
         if self.netns is not None:
-            # Without UCX_TLS=tcp, UCX sees one host (shared PID and IPC namespaces) and reads through
-            # cross-memory attach: nothing would cross the veth. The device is left to the daemon, which
-            # finds the interface of its listen address. Clients of the daemon need no namespace: its
-            # control and fd sockets are Unix sockets with paths, reachable from any network namespace.
-            env = {"UCX_TLS": "tcp", **(env or {})}
+            # TCP_ENV: see client/bench/netns.py. Clients of the daemon need no namespace: its control
+            # and fd sockets are Unix sockets with paths, reachable from any network namespace.
+            env = {**TCP_ENV, **(env or {})}
             wrap = self.netns.prefix(self._ns_index(name))
             self._veth_rx.setdefault(name, self.netns.veth_bytes(self._ns_index(name))[0])
         d = start_daemon(runtime, "--config", str(config), "--pool-mb", "8", *args, nofile=nofile, env=env,

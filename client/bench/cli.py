@@ -52,6 +52,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote", action="store_true",
                    help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "
                         "and plain ZMQ TCP bytes (needs mmfeat[mesh])")
+    p.add_argument("--netns", action="store_true",
+                   help="with --remote: each node in a network namespace of its own, joined by a veth, UCX on TCP, "
+                        "as two machines without RDMA (needs root and iproute2)")
 
 
 def _at_least_one(text: str) -> int:

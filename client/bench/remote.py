@@ -17,6 +17,12 @@ Two private daemons on 127.0.0.1 play two nodes, meshed over CURVE. In one invoc
   gets the first of them, as a scheduler does with a batch: pulls overlap the consumer's work;
 - local: the same producer and a consumer on node A, for the latency a remote get adds.
 Descriptors travel producer -> consumer over ZeroMQ TCP, as they would in a server's own messages.
+
+With ``--netns`` (root) each node is a network namespace of its own, joined to the other by a veth
+(client/bench/netns.py), and every process of a node runs in its namespace with UCX on TCP: the pulls,
+the bare READ and the ZeroMQ bytes cross the veth as they would cross a network without RDMA (on one
+host UCX otherwise reads through cross-memory attach). Each row then has ``veth_bytes``: what the
+consumer's node received over the veth during it.
 """
 
 from __future__ import annotations
@@ -33,11 +39,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import msgpack
 import zmq
 
+from .netns import TCP_ENV, NetnsPair, make_pair, remove_pair
 from .procs import worker_context
 from .remote_verdict import REMOTE_ROUNDS, verdict
 from .report import MiB, combine_rounds, human_size, parse_size
@@ -63,11 +70,30 @@ def _port() -> int:
     return free_tcp_port()
 
 
-def _nodes(work: Path, pool_mb: int) -> dict[str, tuple[Path, subprocess.Popen]]:
-    """Daemons "bench-a" and "bench-b", each listing the other, both answering, both seeing the other up."""
+# Where a worker runs: None on the host as it is, else (pair, i): in the pair's namespace i.
+Where = Optional[tuple[NetnsPair, int]]
+
+
+def _nodes(work: Path, pool_mb: int, pair: Optional[NetnsPair]) -> dict[str, tuple[Path, subprocess.Popen]]:
+    """Daemons "bench-a" and "bench-b", each listing the other, both answering, both seeing the other up;
+    with a pair, each in its namespace with UCX on TCP."""
     from mmfeat.client.daemon_process import spawn_mesh
 
-    return spawn_mesh(work, ("bench-a", "bench-b"), ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"])
+    args = ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"]
+    if pair is None:
+        return spawn_mesh(work, ("bench-a", "bench-b"), args)
+    names = ("bench-a", "bench-b")
+    return spawn_mesh(work, names, args, hosts=dict(zip(names, pair.addrs)),
+                      wraps={n: pair.prefix(i) for i, n in enumerate(names)}, env={**os.environ, **TCP_ENV})
+
+
+def _enter(where: Where) -> str:
+    """Move this worker into its node's namespace, if any; the node's address."""
+    if where is None:
+        return "127.0.0.1"
+    pair, i = where
+    pair.enter(i)
+    return pair.addrs[i]
 
 
 def _read_every_byte(buf: Any) -> int:
@@ -78,16 +104,17 @@ def _read_every_byte(buf: Any) -> int:
 
 
 def _producer(mode: str, runtime_dir: str, port: int, done_port: int, size: int, count: int, batches: list[int],
-              out: Any) -> None:
+              out: Any, where: Where = None) -> None:
     import torch
 
     from mmfeat.client import Client
 
+    host = _enter(where)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
-    push.bind(f"tcp://127.0.0.1:{port}")
+    push.bind(f"tcp://{host}:{port}")
     done = ctx.socket(zmq.PULL)
-    done.bind(f"tcp://127.0.0.1:{done_port}")
+    done.bind(f"tcp://{host}:{done_port}")
     payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
     client = Client(runtime_dir, inline_threshold=0, fallback="error") if mode in _POOL_MODES else None
     if client is not None:
@@ -116,7 +143,8 @@ def _producer(mode: str, runtime_dir: str, port: int, done_port: int, size: int,
     ctx.term()
 
 
-def _consumer(mode: str, runtime_dir: str, port: int, done_port: int, count: int, batches: list[int], out: Any) -> None:
+def _consumer(mode: str, runtime_dir: str, port: int, done_port: int, count: int, batches: list[int], out: Any,
+              where: Where = None, producer_host: str = "127.0.0.1") -> None:
     import torch  # before the clock starts
 
     torch.set_num_threads(1)
@@ -124,11 +152,12 @@ def _consumer(mode: str, runtime_dir: str, port: int, done_port: int, count: int
     from mmfeat.client import Client
     from mmfeat.protos.descriptor import Descriptor
 
+    _enter(where)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    pull.connect(f"tcp://127.0.0.1:{port}")
+    pull.connect(f"tcp://{producer_host}:{port}")
     done = ctx.socket(zmq.PUSH)
-    done.connect(f"tcp://127.0.0.1:{done_port}")
+    done.connect(f"tcp://{producer_host}:{done_port}")
     client = Client(runtime_dir) if mode in _POOL_MODES else None
     if client is not None:
         client.connect()
@@ -188,9 +217,10 @@ def _finish(client: Any, pull: Any, done: Any, out: Any, elapsed: float, get_s: 
     pull.context.term()
 
 
-def _nixl_owner(size: int, ring: int, meta_q: Any, stop_q: Any) -> None:
+def _nixl_owner(size: int, ring: int, meta_q: Any, stop_q: Any, where: Where = None) -> None:
     from mmfeat.nixl import load_nixl, make_agent
 
+    _enter(where)
     api = load_nixl()
     fd = os.memfd_create("bench")
     os.ftruncate(fd, size * ring)
@@ -205,13 +235,14 @@ def _nixl_owner(size: int, ring: int, meta_q: Any, stop_q: Any) -> None:
     stop_q.get()
 
 
-def _nixl_reader(size: int, ring: int, count: int, meta_q: Any, out: Any) -> None:
+def _nixl_reader(size: int, ring: int, count: int, meta_q: Any, out: Any, where: Where = None) -> None:
     import torch  # before the clock starts
 
     torch.set_num_threads(1)
 
     from mmfeat.nixl import load_nixl, make_agent
 
+    _enter(where)
     api = load_nixl()
     metadata, remote_addr = meta_q.get(timeout=60)
     fd = os.memfd_create("bench")
@@ -241,25 +272,31 @@ def _nixl_reader(size: int, ring: int, count: int, meta_q: Any, out: Any) -> Non
     del view
 
 
-def _run_mode(mode: str, nodes: dict, size: int, count: int, pool_bytes: int) -> dict[str, Any]:
+def _run_mode(mode: str, nodes: dict, size: int, count: int, pool_bytes: int,
+              pair: Optional[NetnsPair] = None) -> dict[str, Any]:
     ctx = worker_context()
     out = ctx.Queue()
     (rt_a, _), (rt_b, _) = nodes["bench-a"], nodes["bench-b"]
+    on_a, on_b = ((pair, 0), (pair, 1)) if pair is not None else (None, None)
+    received = pair.veth_bytes(1)[0] if pair is not None else 0
     if mode in ("nixl_read", "nixl_read_hot"):
         ring = 1 if mode == "nixl_read_hot" else max(1, min(count, _RING_BYTES // size))
         meta_q, stop_q = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=_nixl_owner, args=(size, ring, meta_q, stop_q)),
-                 ctx.Process(target=_nixl_reader, args=(size, ring, count, meta_q, out))]
+        procs = [ctx.Process(target=_nixl_owner, args=(size, ring, meta_q, stop_q, on_a)),
+                 ctx.Process(target=_nixl_reader, args=(size, ring, count, meta_q, out, on_b))]
         for p in procs:
             p.start()
         elapsed, get_s = out.get(timeout=600)
         stop_q.put(None)
     else:
         port, done_port = _port(), _port()
-        consumer_rt = rt_a if mode == "local" else rt_b
+        consumer_rt, consumer_at = (rt_a, on_a) if mode == "local" else (rt_b, on_b)
         batches = _premade_batches(count, size, pool_bytes)
-        procs = [ctx.Process(target=_producer, args=(mode, str(rt_a), port, done_port, size, count, batches, out)),
-                 ctx.Process(target=_consumer, args=(mode, str(consumer_rt), port, done_port, count, batches, out))]
+        producer_host = pair.addrs[0] if pair is not None else "127.0.0.1"
+        procs = [ctx.Process(target=_producer,
+                             args=(mode, str(rt_a), port, done_port, size, count, batches, out, on_a)),
+                 ctx.Process(target=_consumer, args=(mode, str(consumer_rt), port, done_port, count, batches, out,
+                                                     consumer_at, producer_host))]
         for p in procs:
             p.start()
         elapsed, get_s = out.get(timeout=600)
@@ -271,6 +308,8 @@ def _run_mode(mode: str, nodes: dict, size: int, count: int, pool_bytes: int) ->
     row = {"mode": mode, "size": size, "count": timed, "features_per_s": timed / elapsed, "gb_per_s": timed * size / elapsed / 1e9}
     if get_s:
         row["get_p50_us"] = statistics.median(get_s) * 1e6
+    if pair is not None:
+        row["veth_bytes"] = pair.veth_bytes(1)[0] - received
     return row
 
 
@@ -290,20 +329,27 @@ def run_remote_bench(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     work = Path(tempfile.mkdtemp(prefix="mmfbr-", dir="/tmp"))
     nodes: dict = {}
+    pair: Optional[NetnsPair] = None
     try:
+        if getattr(args, "netns", False):
+            try:
+                pair = make_pair()
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise SystemExit(f"mmfeat bench --remote --netns: cannot make two network namespaces and a veth "
+                                 f"(run as root, with iproute2's ip): {exc}") from None
         pool_mb = max(256, 32 * max(sizes) // MiB)
-        nodes = _nodes(work, pool_mb)
+        nodes = _nodes(work, pool_mb, pair)
         rows = []
         modes = [m for m in args.modes.split(",") if m in REMOTE_MODES] or list(REMOTE_MODES)
         for rnd, size, mode in ((rnd, size, mode) for rnd in range(args.rounds) for size in sizes for mode in modes):
             count = WARMUP + (args.count or max(20, min(500, (512 * MiB) // size)))
             print(f"bench --remote: {human_size(size)} {mode}{f', round {rnd + 1}/{args.rounds}' if args.rounds > 1 else ''} ...",
                   flush=True, file=sys.stderr)
-            rows.append({**_run_mode(mode, nodes, size, count, pool_mb * MiB), "round": rnd})
+            rows.append({**_run_mode(mode, nodes, size, count, pool_mb * MiB, pair), "round": rnd})
         rows = ratios_to_nixl_read(rows)
         if args.rounds > 1:
             print(f"medians of {args.rounds} interleaved rounds (ratios: of each round its own)")
-        print(_render(rows, args.targets))
+        print(_render(rows, args.targets, pair is not None))
         if args.json:
             import json
 
@@ -313,20 +359,26 @@ def run_remote_bench(args: argparse.Namespace) -> int:
         for _, proc in nodes.values():
             proc.send_signal(signal.SIGTERM)
             proc.wait(15)
+        if pair is not None:
+            remove_pair(pair)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _render(rows: list[dict[str, Any]], goals: bool = False) -> str:
-    lines = ["two daemons on 127.0.0.1 as nodes; consumers read every byte; window 4",
-             f"{'size':>6} {'mode':<15} {'feat/s':>9} {'GB/s':>7} {'x nixl_read':>12} {'get p50 us':>11}"]
+def _render(rows: list[dict[str, Any]], goals: bool = False, netns: bool = False) -> str:
+    where = ("two daemons in network namespaces joined by a veth, UCX on TCP" if netns
+             else "two daemons on 127.0.0.1 as nodes (UCX: cross-memory attach)")
+    lines = [f"{where}; consumers read every byte; window 4",
+             f"{'size':>6} {'mode':<15} {'feat/s':>9} {'GB/s':>7} {'x nixl_read':>12} {'get p50 us':>11}"
+             + (f" {'veth MiB':>9}" if netns else "")]
     verdicts, goal_lines = [], []
     for size in sorted({r["size"] for r in rows}):
         by = {r["mode"]: r for r in rows if r["size"] == size}
         for r in by.values():
             ratio = f"{r['x_nixl_read']:.2f}x" if r.get("x_nixl_read") is not None else "-"
             p50 = f"{r['get_p50_us']:.0f}" if "get_p50_us" in r else "-"
+            veth = f" {r['veth_bytes'] / MiB:>9.1f}" if netns else ""
             lines.append(f"{human_size(size):>6} {r['mode']:<15} {r['features_per_s']:>9.0f} {r['gb_per_s']:>7.2f} "
-                         f"{ratio:>12} {p50:>11}")
+                         f"{ratio:>12} {p50:>11}{veth}")
         if "remote" in by and "local" in by and "get_p50_us" in by["remote"] and "get_p50_us" in by["local"]:
             verdicts.append(f"{human_size(size)}: a remote get adds {by['remote']['get_p50_us'] - by['local']['get_p50_us']:.0f} "
                             f"us at p50 over a local one")
