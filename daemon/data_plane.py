@@ -13,11 +13,16 @@ import ctypes
 import ctypes.util
 import ipaddress
 import os
+import logging
 import socket
 from pathlib import Path
 from typing import Mapping, Optional
 
+from mmfeat.nixl import NixlUnavailable
+
 from .config import MeshConfigError
+
+log = logging.getLogger("mmfeatd.mesh")
 
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
 _INFINIBAND = Path("/sys/class/infiniband")
@@ -112,3 +117,25 @@ def net_devices(listen: str, configured: str, environ: Mapping[str, str],
     if iface is None:
         return None
     return ",".join([*(rdma_ports() if rdma is None else rdma), iface])
+
+
+def choose_devices(listen: str, configured: str) -> Optional[str]:
+    """net_devices for this daemon, logged; NixlUnavailable when listen's address has no interface."""
+    try:
+        devices = net_devices(listen, configured, os.environ)
+    except MeshConfigError as exc:
+        raise NixlUnavailable(f"the data plane has no interface to listen on: {exc}") from None
+    if devices is None and "UCX_NET_DEVICES" not in os.environ:
+        log.warning("mesh: listen %s is a wildcard: NIXL's UCX listens on every interface (set data_devices to "
+                    "keep it on one)", listen)
+    log.info("mesh: NIXL's UCX uses network devices %s", devices or os.environ.get("UCX_NET_DEVICES", "all"))
+    return devices
+
+
+def explain(exc: NixlUnavailable, devices: Optional[str]) -> NixlUnavailable:
+    """NIXL's own error says only NIXL_ERR_BACKEND when no device it was given exists here."""
+    used = devices or os.environ.get("UCX_NET_DEVICES")
+    if not used or used == "all":
+        return exc
+    return NixlUnavailable(f"{exc} (UCX_NET_DEVICES={used}: a device this node lacks leaves UCX no transport; "
+                           f"check data_devices)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import signal
 import socket
 import time
@@ -160,8 +159,7 @@ class Server:
         """NIXL, with every pool it can register; what a client is told if it cannot start ("" if it did)."""
         from mmfeat.nixl import NixlUnavailable
 
-        from .config import MeshConfigError
-        from .data_plane import net_devices
+        from .data_plane import choose_devices, explain
         from .puller import Puller, Region, agent_name
 
         regions = []
@@ -177,16 +175,12 @@ class Server:
         try:
             if not regions:
                 raise NixlUnavailable("no pool of this daemon can be registered with NIXL")
+            devices = choose_devices(self.settings.listen, self.settings.data_devices)
             try:
-                devices = net_devices(self.settings.listen, self.settings.data_devices, os.environ)
-            except MeshConfigError as exc:
-                raise NixlUnavailable(f"the data plane has no interface to listen on: {exc}") from None
-            if devices is None and "UCX_NET_DEVICES" not in os.environ:
-                log.warning("mesh: listen %s is a wildcard: NIXL's UCX listens on every interface (set data_devices "
-                            "to keep it on one)", self.settings.listen)
-            log.info("mesh: NIXL's UCX uses network devices %s", devices or os.environ.get("UCX_NET_DEVICES", "all"))
-            self._puller = Puller(agent_name(self.settings.node_id, self.core.epoch), regions,
-                                  (self.core.table.address(), self.core.table.size), devices)
+                self._puller = Puller(agent_name(self.settings.node_id, self.core.epoch), regions,
+                                      (self.core.table.address(), self.core.table.size), devices)
+            except NixlUnavailable as exc:
+                raise explain(exc, devices) from None
         except NixlUnavailable as exc:
             log.warning("mesh: features of other nodes cannot be pulled here: %s", exc)
             return f"this daemon cannot pull features from other nodes: {exc}"

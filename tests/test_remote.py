@@ -189,6 +189,16 @@ def test_a_node_without_nixl_says_what_to_install(cluster, tmp_path) -> None:
         assert desc.is_inline and torch.equal(consumer.get(desc), torch.ones(1000))
 
 
+def test_data_devices_this_node_lacks_leave_pulls_off_with_the_reason(cluster) -> None:
+    cluster.node("a")
+    cluster.node("b")
+    cluster.start("a", ["b"])
+    b = cluster.start("b", ["a"], "--data-devices", "nosuchdev9")
+    s = b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up", timeout=20, what="a up")["mesh"]
+    assert s["transport"] is None
+    assert "UCX_NET_DEVICES=nosuchdev9" in s["transport_error"] and "data_devices" in s["transport_error"]
+
+
 def test_a_descriptor_whose_feature_ended_is_stale_on_another_node_never_new_bytes(cluster) -> None:
     a, b = meshed(cluster)
     with a.client(inline_threshold=0, fallback="error") as producer, a.client() as local, b.client() as remote:
