@@ -67,7 +67,8 @@ def driver_unavailable_reason() -> Optional[str]:
         if _init_error is not None:
             return _init_error
         if cu is None:
-            _init_error = "the cuda-python package is not installed (pip install 'mmfeat[cuda]')"
+            _init_error = ("the cuda-python package is not installed "
+                           "(pip install cuda-python nvidia-ml-py: mmfeat's [cuda] extra)")
             return _init_error
         try:
             ck("cuInit", cu.cuInit(0))

@@ -46,8 +46,9 @@ def load_nixl() -> Any:
             return api
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
-    raise NixlUnavailable("NIXL is not installed (pip install 'mmfeat[mesh]', or 'mmfeat[mesh-cu13]' for its CUDA 13 "
-                          "build); " + "; ".join(errors))
+    # Named as an extra of the checkout: mmfeat itself is on no registry.
+    raise NixlUnavailable("NIXL is not installed (pip install './mmfeat[mesh]' from a checkout of mmfeat, or "
+                          "'./mmfeat[mesh-cu13]' for its CUDA 13 build); " + "; ".join(errors))
 
 
 def preload_cuda_runtime(api: Any) -> Optional[str]:

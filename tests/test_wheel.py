@@ -1,4 +1,5 @@
-"""The package as a wheel, outside this checkout: what a node that runs `pip install mmfeat` gets."""
+"""The package as an sdist and a wheel, outside this checkout: what a node that runs `pip install` on a
+checkout, a git URL or a built wheel gets."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ finally:
 @dataclass
 class Installed:
     wheel: Path
+    sdist: Path
     prefix: Path
     site: Path
 
@@ -52,12 +54,23 @@ class Installed:
         return str(self.prefix / "bin" / name)
 
 
+def _fresh_venv(prefix: Path) -> Path:
+    """A venv without mmfeat whose dependencies come from the test environment through a .pth line (the
+    registry is not needed, and torch is not installed twice); that path holds no mmfeat (the checkout is
+    installed editable, through a finder that a plain path line does not run). Returns its site dir."""
+    venv.create(prefix, with_pip=False, symlinks=True)
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(subprocess.run([str(prefix / "bin" / "python"), "-c", purelib], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "test-dependencies.pth").write_text("\n".join(deps) + "\n")
+    return site
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Installed:
-    """The wheel built from a copy of the sources and installed into a fresh venv, as `pip install`
-    would, console scripts included. Its dependencies come from the test environment through a .pth
-    line (the registry is not needed, and torch is not installed twice); that path holds no mmfeat
-    (the checkout is installed editable, through a finder that a plain path line does not run)."""
+    """The wheel built from a copy of the sources and installed into a fresh venv (_fresh_venv), as `pip
+    install` would, console scripts included."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     # A copy of the sources alone: a build/ left in the checkout could put stale modules in the wheel.
@@ -65,17 +78,21 @@ def installed(tmp_path_factory) -> Installed:
                                                              ".pytest_cache", "dist"))
     dist, fresh = tmp / "dist", tmp / "venv"
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)], check=True, timeout=300)
-    wheels = list(dist.glob("mmfeat-*.whl"))
-    assert len(wheels) == 1, wheels
-    venv.create(fresh, with_pip=False, symlinks=True)
-    site = Path(subprocess.run([str(fresh / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               capture_output=True, text=True, check=True).stdout.strip())
-    deps = [p for p in sys.path if p.endswith("site-packages")]
-    (site / "test-dependencies.pth").write_text("\n".join(deps) + "\n")
+    # As README's Install says: an sdist, then the wheel built from that sdist (so the sdist is complete).
+    # --no-isolation: the build tools come from this environment, not from a registry.
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    # Byte-compiling is off wherever PYTHONDONTWRITEBYTECODE is set; any other warning is the project's.
+    warned = [line for line in (built.stdout + built.stderr).splitlines()
+              if re.search(r"warning|deprecat", line, re.I) and "byte-compiling is disabled" not in line]
+    assert not warned, warned
+    wheels, sdists = list(dist.glob("mmfeat-*.whl")), list(dist.glob("mmfeat-*.tar.gz"))
+    assert len(wheels) == 1 and len(sdists) == 1, (wheels, sdists)
+    site = _fresh_venv(fresh)
     subprocess.run([*pip, "--python", str(fresh / "bin" / "python"), "install", "--no-deps", "--no-compile", str(wheels[0])],
                    check=True, timeout=300)
-    return Installed(wheels[0], fresh, site)
+    return Installed(wheels[0], sdists[0], fresh, site)
 
 
 @pytest.fixture
@@ -147,3 +164,43 @@ def test_the_gpu_runs_wheel_slimmer_drops_a_folder_and_its_record_lines(tmp_path
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
                     str(wheel)], check=True, timeout=120)
     assert (target / "demo" / "__init__.py").exists() and not (target / "demo_ep").exists()
+
+
+_RECORD_ARGS = '#!/bin/sh\nprintf "%s\\n" "$(basename "$0") $*" >> "{log}"\n'
+
+
+def test_the_containerfiles_build_steps_run_as_a_script(installed, tmp_path) -> None:
+    """No container engine runs here (and no base image can be pulled): the Containerfile's COPY and RUN
+    steps run as a shell script instead, against a fresh venv standing in for the base image's Python.
+    pip may not reach a registry (--no-index): the requirements it lists must already be met, as the test
+    environment meets them. groupadd and useradd only record their arguments, so the host's users stay
+    as they are."""
+    pytest.importorskip("nixl_cu12", reason="the image installs the [mesh] extra: make setup installs it")
+    steps = (REPO / "deploy" / "container" / "Containerfile").read_text().replace("\\\n", " ").splitlines()
+    copy = next(line.split()[1:] for line in steps if line.startswith("COPY "))
+    run = next(line.split(None, 1)[1] for line in steps if line.startswith("RUN "))
+    staged = tmp_path / "stage"
+    staged.mkdir()
+    assert copy[-1] == "/tmp/mmfeat/" and copy[:-1] == ["mmfeat-*.whl", "requirements.py"], copy
+    shutil.copy(installed.wheel, staged)
+    shutil.copy(REPO / "deploy" / "container" / "requirements.py", staged)
+    tools, log = tmp_path / "bin", tmp_path / "useradd.log"
+    tools.mkdir()
+    image = tmp_path / "image"
+    site = _fresh_venv(image)
+    pip = f'#!/bin/sh\nexec {sys.executable} -m pip --python {image / "bin" / "python"} "$@"\n'
+    recorder = _RECORD_ARGS.format(log=log)
+    for name, text in {"groupadd": recorder, "useradd": recorder, "pip": pip}.items():
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    env = {"PATH": f"{tools}:{image / 'bin'}:/usr/bin:/bin", "PIP_NO_INDEX": "1", "HOME": str(tmp_path)}
+    done = subprocess.run(["sh", "-c", run.replace("/tmp/mmfeat/", f"{staged}/").replace("/tmp/mmfeat", str(staged))],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not staged.exists(), "the build step leaves its staging dir in the image"
+    assert (site / "mmfeat" / "daemon" / "main.py").exists() and (image / "bin" / "mmfeatd").exists()
+    user = next(line.split(None, 1)[1] for line in steps if line.startswith("USER ")).strip()
+    uid, gid = user.split(":")
+    assert log.read_text().splitlines() == [f"groupadd --system --gid {gid} mmfeat",
+                                            f"useradd --system --uid {uid} --gid {gid} --no-create-home --home-dir "
+                                            "/nonexistent --shell /usr/sbin/nologin mmfeat"]

@@ -203,7 +203,7 @@ def plot_unavailable() -> Optional[str]:
     try:
         _pyplot()
     except ImportError:
-        return "matplotlib is not installed: pip install 'mmfeat[plot]'"
+        return "matplotlib is not installed: pip install matplotlib (mmfeat's [plot] extra)"
     return None
 
 
