@@ -2,19 +2,30 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+# The package and torch alone: all that `make demo` and `make run` need, on any machine.
+BASE_STAMP := $(VENV)/.base-stamp
+# Plus what the tests use: the [cuda] and [mesh] code paths, the examples' image processor, pytest.
 STAMP := $(VENV)/.installed-stamp
-# The CPU build of torch; any torch >= 2.1 works, this one installs quickly where it is cached.
+# Any torch >= 2.1 works. Where the registry is PyPI, a plain torch on Linux x86_64 is the CUDA build
+# (gigabytes of nvidia-* wheels); on a machine without a GPU,
+# `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU build instead.
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: setup test demo run chaos image image-engine clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(BASE_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,cuda,examples,mesh]"
-	touch $(STAMP)
+	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(PIP) -e .
+	touch $@
+
+$(STAMP): $(BASE_STAMP)
+	$(PIP) -e ".[test,cuda,examples,mesh]"
+	touch $@
 
 # Where PYTHONDONTWRITEBYTECODE is set (as on this machine and its CI) nothing caches our modules'
 # bytecode, so each of the ~160 daemons and hundreds of workers the suite starts compiled them again:
@@ -32,7 +43,7 @@ test: $(STAMP)
 	$(BYTECODE)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(BYTECODE)
 	$(BIN)/python examples/demo.py
 
@@ -61,7 +72,7 @@ image: image-engine $(STAMP)  # the engine first: no set-up for a build that can
 	cp deploy/container/requirements.py build/image/
 	$(CONTAINER_ENGINE) build $(IMAGE_BUILD_ARGS) -f deploy/container/Containerfile -t $(IMAGE) build/image
 
-run: $(STAMP)
+run: $(BASE_STAMP)
 	$(BIN)/mmfeatd
 
 clean:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,7 +57,16 @@ def consumer(rank: int, runtime_dir: str, q) -> None:
 
 
 def main() -> int:
+    # Under /tmp, not $TMPDIR: a socket path must fit AF_UNIX's 108 bytes.
     runtime_dir = Path(tempfile.mkdtemp(prefix="mmfeat-demo-", dir="/tmp"))
+    print(f"[demo] daemon's runtime dir: {runtime_dir} (removed at the end)", flush=True)
+    try:
+        return _run(runtime_dir)
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _run(runtime_dir: Path) -> int:
     try:
         daemon = spawn_daemon(runtime_dir, ["--pool-mb", "256"])
     except DaemonStartError as exc:
@@ -73,13 +83,21 @@ def main() -> int:
             p.join(120)
         if any(p.exitcode != 0 for p in procs):
             print("demo: a worker failed", file=sys.stderr)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(15)
             return 1
         print()
         subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(runtime_dir), "stats"], check=True)
         return 0
     finally:
         daemon.send_signal(signal.SIGTERM)
-        daemon.wait(15)
+        try:
+            daemon.wait(15)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait(15)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import pickle
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -263,7 +264,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--modes is a list of {MODES}; --tp and --requests are positive")
     if args.nodes > 1 and (args.runtime_dir is not None or args.tp < args.nodes):
         ap.error("--nodes 2 starts its own two daemons (no --runtime-dir) and needs --tp 2 or more")
+    # Under /tmp, not $TMPDIR: a socket path must fit AF_UNIX's 108 bytes. It holds the daemons' sockets
+    # and, with --nodes 2, their mesh secret keys: removed however the run ends.
     work = Path(tempfile.mkdtemp(prefix="mmfeat-server-", dir="/tmp"))
+    print(f"[server] work dir: {work} (removed at the end)", flush=True)
+    try:
+        return _serve(args, modes, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, modes: list[str], work: Path) -> int:
     daemons = []
     try:
         if args.runtime_dir is not None:
