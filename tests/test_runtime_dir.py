@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from .conftest import start_daemon
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
 OTHER_UID, CLIENT_UID = 12345, 54321
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _run_daemon(runtime_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -210,3 +212,81 @@ def test_supplementary_groups_come_from_the_socket_not_from_proc(daemon_factory,
     payload = msgpack.packb({"v": PROTOCOL_VERSION, "session": hello["session"]}).hex()
     accepted, nfds = handshake([4242])  # a member of an allowed group only through a supplementary gid
     assert accepted["ok"] is True and nfds == 2
+
+
+def _daemonset_pod() -> tuple[dict, dict]:
+    import yaml
+
+    docs = list(yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "daemonset.yaml").read_text()))
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    return ds["spec"]["template"]["spec"], cm["data"]
+
+
+def _on_node(argv: list[str], mount: str, host: Path) -> list[str]:
+    """A container's command as the node runs it: the hostPath mount is the test's dir, the CLIs this
+    checkout's."""
+    argv = [a.replace(mount, str(host)) for a in argv]
+    entry = {"mmfeatd": [sys.executable, "-m", "mmfeat.daemon"], "mmfeat": [sys.executable, "-m", "mmfeat.client"]}
+    return [*entry.get(argv[0], argv[:1]), *argv[1:]]
+
+
+@needs_root
+def test_the_daemonset_starts_on_the_runtime_dir_the_kubelet_makes() -> None:
+    """The kubelet makes the hostPath (DirectoryOrCreate) owned by root, 0755; the daemon runs as the pod's
+    uid and refuses a dir it does not own. The init container, as root with only its listed capabilities,
+    hands the dir over (again on a restart), and the daemon as the pod's uid serves the readiness probe."""
+    pod, config = _daemonset_pod()
+    uid, gid = pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]
+    daemon = pod["containers"][0]
+    mount = next(m["mountPath"] for m in daemon["volumeMounts"] if m["name"] == "runtime")
+    node_run = Path(tempfile.mkdtemp(prefix="mmf-node-", dir="/tmp"))  # the node's /run: root's
+    os.chmod(node_run, 0o755)
+    runtime = node_run / "mmfeat"
+    runtime.mkdir(mode=0o755)
+    conf = node_run / "mmfeatd.toml"
+    conf.write_text(config["mmfeatd.toml"])
+    conf.chmod(0o644)
+    daemon_argv = [*_on_node(["mmfeatd", *daemon["args"]], mount, runtime), "--config", str(conf), "--backend", "host",
+                   "--pool-mb", "16", "--metrics-port", "0"]  # later flags win: small, host-only, no port taken
+    # The pod's uid and gid, no other group. DAC_READ_SEARCH only lets it read this test's interpreter
+    # (it may live under root's private home); creating the sockets in a dir of another user needs
+    # DAC_OVERRIDE, which it lacks, as the pod does.
+    as_pod = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=+dac_read_search",
+              "--ambient-caps=+dac_read_search"]
+    proc = None
+    try:
+        refused = subprocess.run([*as_pod, *daemon_argv], capture_output=True, text=True, timeout=60, cwd=node_run)
+        assert refused.returncode != 0, refused.stderr
+        assert f"belongs to uid 0, not to this daemon's uid {uid}" in refused.stderr, refused.stderr
+        inits = [c for c in pod.get("initContainers", []) if any(m["mountPath"] == mount for m in c["volumeMounts"])]
+        assert inits, "no init container prepares the runtime dir the kubelet makes"
+        for _ in range(2):  # the pod's first start, then a restart that finds the dir already the daemon's
+            for init in inits:
+                ctx = init["securityContext"]
+                assert ctx["runAsUser"] == 0 and ctx["capabilities"]["drop"] == ["ALL"]
+                caps = ",".join(["-all", *(f"+{c.lower()}" for c in ctx["capabilities"].get("add", []))])
+                step = _on_node(init["command"], mount, runtime)
+                done = subprocess.run(["setpriv", f"--bounding-set={caps}", "--inh-caps=-all", *step],
+                                      capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, f"{init['name']}: {done.stderr}"
+        st = runtime.stat()
+        assert (st.st_uid, st.st_gid) == (uid, gid) and not st.st_mode & 0o022
+        proc = subprocess.Popen([*as_pod, *daemon_argv], stderr=subprocess.PIPE, text=True, cwd=node_run)
+        probe = _on_node(daemon["readinessProbe"]["exec"]["command"], mount, runtime)
+        deadline = time.monotonic() + 60
+        probe = [*as_pod, *probe]
+        while (r := subprocess.run(probe, capture_output=True, text=True, timeout=60, cwd=node_run)).returncode:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, f"the daemon never answered the readiness probe: {r.stderr}"
+            time.sleep(0.2)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate(timeout=15)
+        subprocess.run(["rm", "-rf", str(node_run)])
+    assert proc.returncode == 0

@@ -367,6 +367,23 @@ def test_kubernetes_and_prometheus_files_match_the_daemon() -> None:
             assert metric in exported, f"alert {r['alert']} uses {metric}, which the daemon does not export"
 
 
+def test_the_kubernetes_files_apply_as_shipped() -> None:
+    """kubectl apply -f deploy/kubernetes/ on an empty cluster: the namespace the objects name is among
+    them, the init step runs the daemon's own image, and each probe gives its CLI more than its --timeout
+    (Kubernetes' default timeoutSeconds is 1 s)."""
+    paths = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+    docs = [d for path in paths for d in yaml.safe_load_all(path.read_text()) if d]
+    namespaces = {d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"}
+    assert {d["metadata"]["namespace"] for d in docs if "namespace" in d["metadata"]} <= namespaces
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert {i["image"] for i in pod["initContainers"]} == {c["image"]}
+    for kind in ("readinessProbe", "livenessProbe"):
+        argv = c[kind]["exec"]["command"]
+        waits = float(argv[argv.index("--timeout") + 1]) if "--timeout" in argv else 3.0
+        assert c[kind].get("timeoutSeconds", 1) >= waits + 5, f"{kind}: the kubelet gives up before the probe does"
+
+
 def test_the_systemd_unit_verifies(tmp_path) -> None:
     """systemd-analyze accepts the shipped unit without a single complaint (an unknown key is only a
     warning to systemd, and a silent no-op in production)."""
