@@ -7,6 +7,7 @@ test_wheel.py runs what the image runs (the wheel, without torch, the daemon and
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -57,3 +58,13 @@ def test_make_image_builds_the_image_the_daemonset_names() -> None:
 def test_make_image_without_an_engine_says_what_it_needs() -> None:
     r = subprocess.run(["make", "image", "CONTAINER_ENGINE="], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "needs podman, buildah or docker" in r.stdout + r.stderr
+
+
+def test_the_docs_name_the_image_the_daemonset_runs() -> None:
+    """The image is a placeholder until an operator pushes one: every doc that names a registry names the
+    one the manifest and `make image` use, so that following either gives the same name."""
+    _, c = _daemonset_container()
+    registry = c["image"].split("/")[0]
+    for doc in (REPO / "README.md", DEPLOY / "kubernetes" / "README.md"):
+        named = set(re.findall(r"registry\.example\.[a-z]+", doc.read_text()))
+        assert named <= {registry}, f"{doc.name} names {named - {registry}}; the DaemonSet runs {c['image']}"

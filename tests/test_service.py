@@ -50,7 +50,7 @@ def test_unit_file_verifies(tmp_path) -> None:
     unit = (DEPLOY / "mmfeatd.service").read_text()
     # verify checks that ExecStart exists: point it at this checkout's mmfeatd.
     mmfeatd = Path(sys.executable).parent / "mmfeatd"
-    unit = unit.replace("/usr/local/bin/mmfeatd", str(mmfeatd))
+    unit = unit.replace("/opt/mmfeat/bin/mmfeatd", str(mmfeatd))
     path = tmp_path / "mmfeatd.service"
     path.write_text(unit)
     r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60)
@@ -384,6 +384,15 @@ def test_the_kubernetes_files_apply_as_shipped() -> None:
         assert c[kind].get("timeoutSeconds", 1) >= waits + 5, f"{kind}: the kubelet gives up before the probe does"
 
 
+def test_the_readme_installs_mmfeatd_where_the_unit_runs_it() -> None:
+    """The unit works as shipped only if the README's steps put mmfeatd at its ExecStart."""
+    execstart = re.search(r"^ExecStart=(\S+)", (DEPLOY / "mmfeatd.service").read_text(), re.M).group(1)
+    readme = (DEPLOY.parent / "README.md").read_text()
+    prefix = Path(execstart).parent.parent
+    assert execstart.endswith("/bin/mmfeatd") and re.search(rf"python3 -m venv {re.escape(str(prefix))}\s", readme)
+    assert f"sudo {prefix}/bin/pip install" in readme
+
+
 def test_the_systemd_unit_verifies(tmp_path) -> None:
     """systemd-analyze accepts the shipped unit without a single complaint (an unknown key is only a
     warning to systemd, and a silent no-op in production)."""
@@ -393,7 +402,7 @@ def test_the_systemd_unit_verifies(tmp_path) -> None:
     mmfeatd = Path(sys.executable).parent / "mmfeatd"
     unit = tmp_path / "mmfeatd.service"
     # The unit names the installed entry point; verify checks that it exists, so point it at ours.
-    unit.write_text((DEPLOY / "mmfeatd.service").read_text().replace("/usr/local/bin/mmfeatd", str(mmfeatd)))
+    unit.write_text((DEPLOY / "mmfeatd.service").read_text().replace("/opt/mmfeat/bin/mmfeatd", str(mmfeatd)))
     out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     complaints = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode == 0 and not complaints, complaints
