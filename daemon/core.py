@@ -164,6 +164,7 @@ class DaemonCore:
             "sessions": len(self.sessions),
             "leases": self.ledger.count_by_state(),
             "timers": self.ledger.timers,
+            "swept_slots": self.ledger.space.swept,
             "pools": pools,
             "counters": self.counters.as_dict(),
             "limits": self.resource_stats(),

@@ -82,6 +82,8 @@ def test_forged_state_words_are_refused_and_put_back(daemon) -> None:
         try:
             # A reserved lease lives in a slot only the daemon writes; so does a free single slot.
             ref = c.request("reserve", session=c.session.token, nbytes=4096, consumers=1)["lease"]
+            # Held above it, so that the sweep still reads ref's slot once it is free.
+            above = c.request("reserve", session=c.session.token, nbytes=4096, consumers=1)["lease"]
             hostile.write(ref["lease"], STATE, state_word(ref["gen"] + 5, PUBLISHED))
             s = daemon.stats()
             assert s["counters"]["bad_table_words"] == 1 and s["counters"]["arena_publishes"] == 0
@@ -90,6 +92,7 @@ def test_forged_state_words_are_refused_and_put_back(daemon) -> None:
             hostile.write(ref["lease"], STATE, state_word(ref["gen"] + 1, PUBLISHED))
             s = daemon.stats()
             assert s["counters"]["bad_table_words"] == 2 and hostile.read(ref["lease"], STATE) == state_word(ref["gen"], 0)
+            c.request("release", session=c.session.token, lease=above)
 
             a = hostile.arena()
             base, slot = a["offset"], a["slot_base"]
