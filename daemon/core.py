@@ -59,6 +59,7 @@ class DaemonCore:
             settings.arena_slots,
             settings.arenas_per_session,
             [quick_observer] if quick_observer is not None else [],
+            max_session_leases=settings.max_session_leases,
         )
         self.sweeper = Sweeper(self.table, self.ledger)
         # Arenas need compare-and-swap in the lease table (clients ack there): without libatomic, every
@@ -79,7 +80,7 @@ class DaemonCore:
         self.settings = settings
         self.ledger.reserve_ttl = settings.reserve_ttl
         self.ledger.ack_ttl = settings.ack_ttl
-        self.ledger.session_quota = settings.max_session_mb << 20
+        self.ledger.books.quota_bytes = settings.max_session_mb << 20
 
     def pool_for(self, device: Optional[int]) -> int:
         if device is None:

@@ -27,6 +27,7 @@ from .arenas import Arena, Arenas
 from .counters import Counters
 from .deadlines import Deadlines
 from .lease_table import LeaseTable
+from .session_books import SessionBooks
 from .slots import SlotSpace
 
 
@@ -104,6 +105,7 @@ class Ledger:
         arena_slots: int = 256,
         arenas_per_session: int = 4,
         quick_observers: Sequence[QuickObserver] = (),
+        max_session_leases: int = 0,
     ) -> None:
         self.allocators = allocators
         self.epoch = epoch
@@ -125,9 +127,7 @@ class Ledger:
         self._deadlines = Deadlines(self._leases)
         self.space = SlotSpace(max_leases, min(arena_slots, max_leases))
         self.arenas = Arenas(allocators, self.space, counters, arena_bytes, arenas_per_session)
-        self._reserved_by_session: dict[bytes, set[int]] = {}
-        self.session_quota = session_quota  # bytes a session's live leases may hold; 0: no limit
-        self._bytes_by_session: dict[bytes, int] = {}
+        self.books = SessionBooks(session_quota, max_session_leases)
         # Per pool and state: live leases and their allocated bytes, kept as they change so that stats
         # (and the metrics refresh) never walk the slot table.
         self._count = {p: {st: 0 for st in LeaseState} for p in allocators}
@@ -155,15 +155,14 @@ class Ledger:
         if self.live >= self.max_leases:
             self.counters.pool_full += 1
             raise MmfeatError(ErrorCode.POOL_FULL, f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
-        if self.session_quota and quota:
-            held = self._bytes_by_session.get(session, 0)
-            if held + align_up(nbytes, alloc.alignment) > self.session_quota:
+        if quota:
+            try:
+                self.books.check_bytes(session, align_up(nbytes, alloc.alignment),
+                                       "send inline, or ack and release features sooner")
+                self.books.check_single(session)
+            except MmfeatError:
                 self.counters.over_quota += 1
-                raise MmfeatError(
-                    ErrorCode.OVER_QUOTA,
-                    f"this session's live leases hold {held} B and max_session_mb allows {self.session_quota} B; "
-                    "send inline, or ack and release features sooner",
-                )
+                raise
         lease_id = self.space.take()
         if lease_id is None:
             self.counters.pool_full += 1
@@ -197,8 +196,8 @@ class Ledger:
         self._account(lease, +1)
         if self._table is not None:
             self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes, consumers, lease.token)
-        self._reserved_by_session.setdefault(session, set()).add(lease_id)
-        self._hold(session, lease.size)
+        self.books.single_taken(session, lease_id)
+        self.books.hold(session, lease.size)
         self._deadlines.push(lease)
         self.counters.reserves += 1
         return lease
@@ -243,7 +242,7 @@ class Ledger:
         self._mirror(lease.lease_id, lease.gen, PUBLISHED)
         lease.published_at = now
         lease.deadline = now + self.ack_ttl
-        self._forget_reserved(lease)
+        self.books.not_reserved(lease.session, lease.lease_id)
         self.counters.publishes += 1
         if lease.remaining == 0:
             # Every consumer acked before this publish arrived (it was pipelined): done already.
@@ -305,7 +304,7 @@ class Ledger:
 
     def reclaim_session(self, session: bytes, now: float) -> int:
         """Free the RESERVED leases of a session whose process is gone; published ones stay for consumers."""
-        ids = self._reserved_by_session.pop(session, set())
+        ids = self.books.pop_reserved(session)
         for lease_id in ids:
             lease = self._leases.get(lease_id)
             if lease is not None:
@@ -337,14 +336,13 @@ class Ledger:
             observe(n)
 
     def grant_arena(self, session: bytes, pool_id: int) -> Arena:
-        if self.session_quota:
-            held = self._bytes_by_session.get(session, 0)
-            if held + self.arenas.size_for(pool_id) > self.session_quota:
-                self.counters.arenas_refused += 1
-                raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {held} B and max_session_mb allows "
-                                  f"{self.session_quota} B; no arena for it")
+        try:
+            self.books.check_bytes(session, self.arenas.size_for(pool_id), "no arena for it")
+        except MmfeatError:
+            self.counters.arenas_refused += 1
+            raise
         arena = self.arenas.grant(session, pool_id)
-        self._hold(session, arena.size)
+        self.books.hold(session, arena.size)
         return arena
 
     def return_arena(self, arena: Arena) -> None:
@@ -352,7 +350,7 @@ class Ledger:
         theirs as each ends."""
         freed = self.arenas.give_back(arena)
         if freed:
-            self._unhold(arena.session, freed)
+            self.books.unhold(arena.session, freed)
 
     def return_session_arenas(self, session: bytes) -> int:
         """The session ended: every arena it held goes back (each once its live features end)."""
@@ -458,26 +456,11 @@ class Ledger:
         self._leases[slot] = lease
         self.gate[slot] = _LIVE_GATE
 
-    def _hold(self, session: bytes, size: int) -> None:
-        self._bytes_by_session[session] = self._bytes_by_session.get(session, 0) + size
-
-    def _unhold(self, session: bytes, size: int) -> None:
-        left = self._bytes_by_session.pop(session) - size
-        if left:
-            self._bytes_by_session[session] = left
-
-    def _forget_reserved(self, lease: Lease) -> None:
-        ids = self._reserved_by_session.get(lease.session)
-        if ids is not None:
-            ids.discard(lease.lease_id)
-            if not ids:
-                del self._reserved_by_session[lease.session]
-
     def _free(self, lease: Lease, reason: EndReason, now: float) -> None:
         slot = lease.lease_id
         assert self._leases.get(slot) is lease
         if lease.state is LeaseState.RESERVED:
-            self._forget_reserved(lease)
+            self.books.not_reserved(lease.session, slot)
         self._account(lease, -1)
         del self._leases[slot]
         self.gate[slot] = lease.gen
@@ -487,10 +470,11 @@ class Ledger:
         if lease.arena is not None:
             freed = self.arenas.feature_ended(lease.arena, lease.offset, lease.size)
             if freed:
-                self._unhold(lease.session, freed)
+                self.books.unhold(lease.session, freed)
         else:
             self.allocators[lease.pool_id].release(lease.offset)
-            self._unhold(lease.session, lease.size)
+            self.books.unhold(lease.session, lease.size)
+            self.books.single_freed(lease.session)
             self.space.give(lease.lease_id)
         self.live -= 1
         self.counters.frees += 1

@@ -4,6 +4,10 @@ slots keep holding words the daemon refuses is cut."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from mmfeat.protos import ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import PUBLISHED, STATE, state_word
 
 from .test_table_attacks import HostileTable
@@ -33,3 +37,26 @@ def test_the_swept_range_shrinks_when_a_session_frees_its_single_slots(daemon) -
             assert daemon.stats()["swept_slots"] == 0
         finally:
             hostile.close()
+
+
+def test_a_session_holds_at_most_max_session_leases_single_slots(daemon_factory) -> None:
+    """Each reserved lease holds a single slot, whose range every sweep reads: past the cap a session's
+    reserve is refused with OVER_QUOTA (its put goes inline), while other sessions still reserve."""
+    daemon = daemon_factory("--pool-mb", "64", "--max-session-leases", "8")
+    with daemon.client() as c, daemon.client() as other:
+        refs = [c.request("reserve", session=c.session.token, nbytes=1, consumers=1)["lease"] for _ in range(8)]
+        with pytest.raises(MmfeatError) as info:
+            c.request("reserve", session=c.session.token, nbytes=1, consumers=1)
+        assert info.value.code is ErrorCode.OVER_QUOTA and "max_session_leases" in info.value.message
+        big = c.put(torch.ones(1 << 20))  # 4 MiB, more than half an arena here: it reserves, and goes inline
+        assert big.is_inline and c.fallbacks.get("over_quota") == 1
+        theirs = other.request("reserve", session=other.session.token, nbytes=1, consumers=1)["lease"]
+        c.request("release", session=c.session.token, lease=refs.pop())
+        refs.append(c.request("reserve", session=c.session.token, nbytes=1, consumers=1)["lease"])
+        s = daemon.stats()
+        arena_slots = 256 * s["pools"][0]["arenas"]["count"]  # the put asked for an arena on its way
+        assert s["counters"]["over_quota"] == 2 and s["swept_slots"] == 9 + arena_slots
+        for ref in refs:
+            c.request("release", session=c.session.token, lease=ref)
+        other.request("release", session=other.session.token, lease=theirs)
+    assert daemon.pool()["used"] == 0

@@ -1,0 +1,69 @@
+"""What each session holds: bytes of the pool, single lease slots, and its RESERVED leases.
+
+The ledger asks here before it gives a session more, so that one session can take neither the pool
+(``max_session_mb``) nor the lease table's single slots, whose range every sweep reads
+(``max_session_leases``; SPEC.md, section 9).
+"""
+
+from __future__ import annotations
+
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+
+
+class SessionBooks:
+    def __init__(self, quota_bytes: int = 0, max_singles: int = 0) -> None:
+        self.quota_bytes = quota_bytes  # bytes a session's live leases and arenas may hold; 0: no limit
+        self.max_singles = max_singles  # single slots a session may hold; 0: no limit
+        self._bytes: dict[bytes, int] = {}
+        self._singles: dict[bytes, int] = {}
+        self._reserved: dict[bytes, set[int]] = {}
+
+    # --- limits ----------------------------------------------------------------------------------
+
+    def check_bytes(self, session: bytes, size: int, what: str) -> None:
+        """Raise OVER_QUOTA if ``size`` more bytes would take the session past max_session_mb."""
+        if not self.quota_bytes:
+            return
+        held = self._bytes.get(session, 0)
+        if held + size > self.quota_bytes:
+            raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {held} B and max_session_mb allows "
+                              f"{self.quota_bytes} B; {what}")
+
+    def check_single(self, session: bytes) -> None:
+        """Raise OVER_QUOTA if the session holds max_session_leases single slots already."""
+        held = self._singles.get(session, 0)
+        if self.max_singles and held >= self.max_singles:
+            raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {held} leases outside arenas, the "
+                              "max_session_leases limit; send inline, or ack and release features sooner")
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+
+    def hold(self, session: bytes, size: int) -> None:
+        self._bytes[session] = self._bytes.get(session, 0) + size
+
+    def unhold(self, session: bytes, size: int) -> None:
+        left = self._bytes.pop(session) - size
+        if left:
+            self._bytes[session] = left
+
+    def single_taken(self, session: bytes, slot: int) -> None:
+        """A RESERVED lease of the session took single slot ``slot``."""
+        self._singles[session] = self._singles.get(session, 0) + 1
+        self._reserved.setdefault(session, set()).add(slot)
+
+    def single_freed(self, session: bytes) -> None:
+        left = self._singles.pop(session) - 1
+        if left:
+            self._singles[session] = left
+
+    def not_reserved(self, session: bytes, slot: int) -> None:
+        """The session's lease in ``slot`` is RESERVED no more (published or freed)."""
+        ids = self._reserved.get(session)
+        if ids is not None:
+            ids.discard(slot)
+            if not ids:
+                del self._reserved[session]
+
+    def pop_reserved(self, session: bytes) -> set[int]:
+        """The slots of the session's RESERVED leases, forgotten here (its process is gone)."""
+        return self._reserved.pop(session, set())
