@@ -164,9 +164,10 @@ class Producer:
         try:
             return session, self._channel.call("reserve", **fields)
         except MmfeatError as exc:
-            if exc.code is not ErrorCode.NOT_FOUND or session.alive():
+            if exc.code is not ErrorCode.SESSION_CUT and (exc.code is not ErrorCode.NOT_FOUND or session.alive()):
                 raise
-        # The daemon restarted between our hello and this reserve: one fresh session, one retry.
+        # The daemon restarted between our hello and this reserve, or cut the session (SPEC.md, section 9):
+        # one fresh session, one retry.
         session = self._reconnect(session)
         fields["session"] = session.token
         return session, self._channel.call("reserve", **fields)

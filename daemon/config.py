@@ -40,6 +40,8 @@ HELP: dict[str, str] = {
     "max_session_mb": "MiB one session's live leases may hold (a stuck producer cannot fill the pool); 0: no limit",
     "max_session_leases": "leases outside arenas (reserved ones) one session may hold at a time; each holds a lease "
                           "table slot that every sweep reads",
+    "max_refused_words": "lease table words, in slots one session holds, the daemon may refuse before it cuts that "
+                         "session (ends its leases, takes its arenas back, closes its fd channel)",
     "allowed_uids": "uids that may receive pool handles; empty means the daemon's own uid and root",
     "allowed_gids": "gids whose members may receive pool handles; empty means the daemon's own primary group",
     "socket_mode": "file mode of both socket files (octal in TOML as a string, e.g. \"0660\")",
@@ -92,6 +94,7 @@ class Settings(BaseModel):
     max_leases: int = Field(65536, ge=1, le=1 << 24)
     max_session_mb: int = Field(0, ge=0, le=1 << 22)
     max_session_leases: int = Field(4096, ge=1, le=1 << 24)
+    max_refused_words: int = Field(4096, ge=1, le=1 << 40)
     arena_mb: int = Field(64, ge=0, le=1 << 20)
     arena_slots: int = Field(256, ge=1, le=1 << 16)
     arenas_per_session: int = Field(4, ge=1, le=1024)

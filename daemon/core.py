@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -18,6 +19,9 @@ from .ledger import FreeObserver, Ledger, QuickObserver
 from .pools import Pool
 from .sessions import ATTACH_GRACE_S, PeerCred, SessionTable
 from .sweeper import Sweeper
+
+log = logging.getLogger("mmfeatd")
+_CUT_LOG_EVERY_S = 10.0
 
 
 class DaemonCore:
@@ -62,6 +66,10 @@ class DaemonCore:
             max_session_leases=settings.max_session_leases,
         )
         self.sweeper = Sweeper(self.table, self.ledger)
+        self.sweeper.charge = self._charge
+        # Set by the server: closes a cut session's fd channel (without ending the session again).
+        self.close_channel: Callable[[bytes], None] = lambda token: None
+        self._cut_logged_at = float("-inf")
         # Arenas need compare-and-swap in the lease table (clients ack there): without libatomic, every
         # feature takes the message path.
         self.arenas_enabled = settings.arena_mb > 0 and atomics.AVAILABLE
@@ -69,7 +77,34 @@ class DaemonCore:
     def sweep(self, now: float, defer_unacked: bool = False) -> int:
         """Apply what clients wrote into the lease table; the number of words applied. Sweeper.sweep
         says what ``defer_unacked`` leaves for the next sweep."""
-        return self.sweeper.sweep(now, defer_unacked)
+        applied = self.sweeper.sweep(now, defer_unacked)
+        for token in self.sweeper.take_over():
+            self.cut_session(token, now)
+        return applied
+
+    def _charge(self, token: bytes) -> bool:
+        """A table word refused in a slot the session holds; True once it is past max_refused_words."""
+        session = self.sessions.get(token)
+        if session is None:
+            return False  # ended already: what it left ends by ack or expiry
+        session.refused += 1
+        return session.refused > self.settings.max_refused_words
+
+    def cut_session(self, token: bytes, now: float) -> None:
+        """The session's slots kept holding words the daemon refused: it is cut. Its leases end, its
+        arenas go back, its fd channel is closed, and a request that names it is told SESSION_CUT."""
+        session = self.sessions.cut(token)
+        leases, arenas = self.ledger.cut_session(token, now)
+        self.close_channel(token)
+        self.counters.sessions_cut += 1
+        self.counters.leases_cut += leases
+        if now - self._cut_logged_at >= _CUT_LOG_EVERY_S:
+            self._cut_logged_at = now
+            who = f"{session.name!r} (pid {session.pid})" if session is not None else "a session"
+            log.warning("cut %s: lease table words in slots it holds were refused past max_refused_words (%d); "
+                        "%d lease(s) ended, %d arena(s) taken back, its fd channel closed (%d session(s) cut so "
+                        "far; SPEC.md section 9)", who, self.settings.max_refused_words, leases, arenas,
+                        self.counters.sessions_cut)
 
     def set_draining(self) -> None:
         self.draining = True
@@ -103,6 +138,7 @@ class DaemonCore:
             )
         session = self.sessions.get(token)
         if session is None:
+            self.check_not_cut(token)
             raise MmfeatError(ErrorCode.NOT_FOUND, "unknown session: send hello on the control socket first")
         if session.attached:
             raise MmfeatError(ErrorCode.BAD_STATE, "this session already has an fd channel")
@@ -115,6 +151,13 @@ class DaemonCore:
                 fds.append(fd)
         fds.append(self.table.fd)  # always last: the lease table (SPEC.md, section 5)
         return ids, fds
+
+    def check_not_cut(self, token: bytes) -> None:
+        """Raise SESSION_CUT if the daemon cut this session."""
+        if self.sessions.was_cut(token):
+            raise MmfeatError(ErrorCode.SESSION_CUT, "the daemon cut this session: lease table words in slots it held "
+                              "were refused past max_refused_words, and its leases ended; open a new session, and "
+                              "stop whatever writes into the table")
 
     def end_session(self, token: bytes) -> int:
         """The session's fd channel closed: its process is gone or done. Adopt what it published in its

@@ -35,6 +35,8 @@ class Counters:
     table_acks: int = 0
     stray_table_acks: int = 0  # acks found in the table for a feature already ended (a late over-ack)
     bad_table_words: int = 0  # words a client wrote that the daemon refused (SPEC.md, section 9)
+    sessions_cut: int = 0  # sessions cut for words refused in slots they hold, past max_refused_words
+    leases_cut: int = 0  # their leases, ended with them
     sweeps: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 

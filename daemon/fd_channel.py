@@ -225,6 +225,12 @@ class FdChannel:
         if notify and conn.session is not None:
             self._on_close(conn.session)
 
+    def drop_session(self, token: bytes) -> None:
+        """Close the fd channel of session ``token`` (the daemon ended the session itself)."""
+        for fileno, conn in list(self._attached.items()):
+            if conn.session == token:
+                self._drop(fileno, notify=False)
+
     def close(self) -> None:
         for fileno in [*self._pending, *self._attached]:
             self._drop(fileno, notify=False)

@@ -90,13 +90,16 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> Reply:
     """Allocate a slice for ``nbytes`` that ``consumers`` consumers will acknowledge."""
     if core.draining:
         raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; send this feature inline")
+    # Acks clients wrote since the last sweep may have freed the range this needs. First: a sweep may
+    # cut this very session (SPEC.md, section 9).
+    core.sweep(now)
     session = core.sessions.get(req.session)
     if session is None:
+        core.check_not_cut(req.session)
         raise MmfeatError(ErrorCode.NOT_FOUND, "unknown session (expired, or from before a daemon restart): reconnect")
     if not session.attached:
         raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before reserving, so a crash frees your leases")
     pool_id = core.pool_for(req.device)
-    core.sweep(now)  # acks clients wrote since the last sweep may have freed the range this needs
     t0 = time.perf_counter()
     lease = core.ledger.reserve(req.session, pool_id, req.nbytes, req.consumers, now)
     if core.observe_reserve is not None:
@@ -110,11 +113,13 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> Reply:
         raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; no new arenas")
     if not core.arenas_enabled:
         raise MmfeatError(ErrorCode.BAD_STATE, "this daemon grants no arenas (arena_mb = 0, or no libatomic); reserve instead")
+    core.sweep(now)  # first: it may cut this session
     session = core.sessions.get(req.session)
+    if session is None:
+        core.check_not_cut(req.session)
     if session is None or not session.attached:
         raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before asking for an arena, so a crash returns it")
     pool_id = core.pool_for(req.device)
-    core.sweep(now)
     a = core.ledger.grant_arena(req.session, pool_id)
     return {"arena": ArenaGrant(a.arena_id, a.pool_id, a.offset, a.size, a.slot_base, a.slots).to_wire()}
 

@@ -105,6 +105,15 @@ class LeaseTable:
         for slot, word in zip(slots.tolist(), words.tolist()):
             self.words.store_at(self._states_at + 8 * slot, word)
 
+    def restore_states(self, slots: np.ndarray) -> None:
+        """Put the daemon's own STATE words back in ``slots``, over words clients wrote there."""
+        words = self.seen_state[slots]
+        if PLAIN_ORDERED:
+            self.states[slots] = words  # as in free_many: each element one aligned 8-byte store
+            return
+        for slot, word in zip(slots.tolist(), words.tolist()):
+            self.words.store_at(self._states_at + 8 * slot, word)
+
     def set_live(self, slot: int, gen: int, state: int, pool: int, offset: int, nbytes: int, consumers: int,
                  token: bytes) -> None:
         """A reserved lease goes live: its words first, then the state word that names its generation."""

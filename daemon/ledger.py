@@ -23,7 +23,7 @@ from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 from mmfeat.protos.lease_table import FREE, PUBLISHED, RESERVED
 
 from .allocator import Allocator, align_up
-from .arenas import Arena, Arenas
+from .arenas import BLOCK_SIZE, Arena, Arenas
 from .counters import Counters
 from .deadlines import Deadlines
 from .lease_table import LeaseTable
@@ -44,6 +44,7 @@ class EndReason(str, Enum):
     RECLAIMED = "reclaimed: its producer disconnected before publishing"
     SHUTDOWN = "cut at daemon shutdown"
     REFUSED = "refused: its producer published it with words the daemon could not accept"
+    CUT = "cut: its session wrote lease table words the daemon refused, past max_refused_words"
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Lease:
 _END_REASONS = (None, *EndReason)
 _END_CODE = {reason: code for code, reason in enumerate(_END_REASONS) if reason is not None}
 _ACKED = _END_CODE[EndReason.ACKED]
-_LIVE_GATE = np.iinfo(np.uint64).max
+LIVE_GATE = np.iinfo(np.uint64).max  # the gate of a slot with a live lease
 
 
 @dataclass(frozen=True)
@@ -302,6 +303,16 @@ class Ledger:
             n += 1
         return n
 
+    def cut_session(self, session: bytes, now: float) -> tuple[int, int]:
+        """End every live lease of the session, published ones too, and take its arenas back: it wrote
+        words the daemon refused past its limit, so its features are not trusted to be features. The
+        number of leases and arenas."""
+        leases = [lease for lease in self._leases.values() if lease.session == session]
+        for lease in leases:
+            self._free(lease, EndReason.CUT, now)
+        self.books.pop_reserved(session)
+        return len(leases), self.return_session_arenas(session)
+
     def reclaim_session(self, session: bytes, now: float) -> int:
         """Free the RESERVED leases of a session whose process is gone; published ones stay for consumers."""
         ids = self.books.pop_reserved(session)
@@ -358,6 +369,11 @@ class Ledger:
         for arena in arenas:
             self.return_arena(arena)
         return len(arenas)
+
+    def unheld(self, slots: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` nobody holds: no live lease, and no arena that takes features."""
+        blocks = self.arenas.blocks[slots // self.space.block, BLOCK_SIZE]
+        return (self.gate[slots] != LIVE_GATE) & (blocks == 0)
 
     def live_lease(self, slot_id: int) -> Optional[Lease]:
         return self._leases.get(slot_id)
@@ -454,7 +470,7 @@ class Ledger:
         slot = lease.lease_id
         self.gens[slot], self._ended[slot] = lease.gen, 0
         self._leases[slot] = lease
-        self.gate[slot] = _LIVE_GATE
+        self.gate[slot] = LIVE_GATE
 
     def _free(self, lease: Lease, reason: EndReason, now: float) -> None:
         slot = lease.lease_id

@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-leases", dest="max_leases", type=int)
     p.add_argument("--max-session-mb", dest="max_session_mb", type=int)
     p.add_argument("--max-session-leases", dest="max_session_leases", type=int)
+    p.add_argument("--max-refused-words", dest="max_refused_words", type=int)
     p.add_argument("--arena-mb", dest="arena_mb", type=int)
     p.add_argument("--arena-slots", dest="arena_slots", type=int)
     p.add_argument("--arenas-per-session", dest="arenas_per_session", type=int)

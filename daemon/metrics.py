@@ -40,6 +40,8 @@ _COUNTERS = {
     "table_acks": "Acknowledgements read from the lease table by the sweep",
     "stray_table_acks": "Acknowledgements found in the lease table for features already ended",
     "bad_table_words": "Words written by clients into the lease table that the daemon refused",
+    "sessions_cut": "Sessions cut because words in lease table slots they hold were refused past max_refused_words",
+    "leases_cut": "Leases ended because their session was cut",
 }
 
 

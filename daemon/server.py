@@ -127,6 +127,7 @@ class Server:
             max(1, (fd_limit - FD_RESERVE) // 2 - clients), self._owns, self._peer_arrived,
         )
         self.core.endpoint = self._control.endpoint
+        self.core.close_channel = self._fds.drop_session
         self.core.resource_stats = self._resource_stats
         if self.settings.listen:
             # Imported only here: the mesh's modules (ZeroMQ's authenticator, asyncio) are a tenth of a

@@ -18,6 +18,8 @@ ATTACH_GRACE_S = 30.0
 # client attaches within milliseconds of its hello, so the oldest are dead or a flood, and refusing the
 # newest instead would lock every client out for ATTACH_GRACE_S.
 MAX_PENDING_SESSIONS = 4096
+# Sessions cut (daemon/core.py) remembered at most, so that their next request is told why.
+MAX_CUT_REMEMBERED = 1024
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Session:
     pid: int
     created: float
     peer: Optional[PeerCred] = None
+    refused: int = 0  # table words refused in slots the session holds, charged to it
 
     @property
     def attached(self) -> bool:
@@ -47,6 +50,7 @@ class SessionTable:
     def __init__(self) -> None:
         self._pending: dict[bytes, Session] = {}  # insertion order is creation order
         self._attached: dict[bytes, Session] = {}
+        self._cut: dict[bytes, None] = {}  # tokens of the sessions cut lately, oldest first
 
     def __len__(self) -> int:
         return len(self._pending) + len(self._attached)
@@ -70,6 +74,16 @@ class SessionTable:
 
     def close(self, token: bytes) -> Optional[Session]:
         return self._attached.pop(token, None) or self._pending.pop(token, None)
+
+    def cut(self, token: bytes) -> Optional[Session]:
+        """Close the session and remember, for a while, that it was cut."""
+        self._cut[token] = None
+        while len(self._cut) > MAX_CUT_REMEMBERED:
+            del self._cut[next(iter(self._cut))]
+        return self.close(token)
+
+    def was_cut(self, token: bytes) -> bool:
+        return token in self._cut
 
     def drop_unattached_before(self, cutoff: float) -> int:
         """Drop the sessions created before ``cutoff`` that never attached; how many."""

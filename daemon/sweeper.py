@@ -9,12 +9,19 @@ one batch of array operations (``_end_acked``); only the other changed slots rea
 Every word read here was written by a client and is untrusted (SPEC.md, section 9): it is checked
 against the daemon's own records (the arena that owns the slot, the generation it last saw, the
 arena's range) before it changes anything, and a refused word is counted and put back.
+
+What one session can make a sweep do is bounded. Words in slots nobody holds (no live lease, no arena
+taking features) are refused or applied as arrays, never one by one: only the daemon writes those
+slots, so a plain store puts a word back there. A word refused in a slot a session holds is charged
+to that session (``charge``); a session past its limit has its words skipped for the rest of the sweep,
+and the daemon cuts it once the sweep is over (``take_over``), which frees its slots.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -28,7 +35,7 @@ from mmfeat.protos.messages import MAX_CONSUMERS
 
 from .arenas import BLOCK_OFFSET, BLOCK_POOL, BLOCK_SIZE, Arena
 from .lease_table import LeaseTable
-from .ledger import EndReason, Lease, LeaseState, Ledger
+from .ledger import LIVE_GATE, EndReason, Lease, LeaseState, Ledger
 
 log = logging.getLogger("mmfeatd.sweep")
 
@@ -40,6 +47,10 @@ class Sweeper:
     def __init__(self, table: LeaseTable, ledger: Ledger) -> None:
         self.table = table
         self.ledger = ledger
+        # Called with the session a refused word is charged to; True once that session is past its limit.
+        self.charge: Callable[[bytes], bool] = lambda session: False
+        self._over: set[bytes] = set()  # sessions past their limit: cut after this sweep
+        self._last_unheld_warning = float("-inf")
         self._last_warning = float("-inf")
         self._settled: set[int] = set()  # slots this sweep ended out of order (DONE), not to apply again
         # Fresh publishes a timer sweep left for the next sweep: slot -> (STATE word, when first seen).
@@ -72,10 +83,10 @@ class Sweeper:
                     and acks.tobytes() == table.seen_acks[lo:hi].tobytes()):
                 continue
             published = np.flatnonzero(states != table.seen_state[lo:hi])
-            for i in self._end_acked(lo, published, states).tolist():
+            for i in self._end_acked(lo, self._refuse_unheld(lo, published, states), states).tolist():
                 slot, word = lo + i, int(states[i])
-                if slot in settled:
-                    continue
+                if slot in settled or (self._over and self._owner(slot) in self._over):
+                    continue  # an over-limit session's word waits for the cut, which frees its slot
                 first = seen_before.get(slot)
                 if first is not None and first[0] == word:
                     published_at = first[1]
@@ -89,12 +100,65 @@ class Sweeper:
             # of those is skipped (the next sweep compares them again), and of those settled early too.
             stale = acks != table.seen_acks[lo:hi]
             stale[published] = False
-            for i in np.flatnonzero(stale).tolist():
-                if lo + i not in settled:
+            for slot in settled:
+                if lo <= slot < hi:
+                    stale[slot - lo] = False
+            changed_acks = np.flatnonzero(stale)
+            live = self.ledger.gate[changed_acks + lo] == LIVE_GATE
+            self._stray_acks(changed_acks[~live] + lo, acks[changed_acks[~live]])
+            for i in changed_acks[live].tolist():
+                if not (self._over and self._owner(lo + i) in self._over):
                     self._on_acks(lo + i, int(acks[i]), now)
             changed += len(published) + int(stale.sum())
         self._deferred = deferred
         return changed
+
+    def take_over(self) -> set[bytes]:
+        """The sessions that went past their limit of refused words; forgotten here."""
+        over, self._over = self._over, set()
+        return over
+
+    def _owner(self, slot: int) -> Optional[bytes]:
+        """The session that holds ``slot``: its live lease's, or its arena's."""
+        lease = self.ledger.live_lease(slot)
+        if lease is not None:
+            return lease.session
+        arena = self.ledger.arenas.of_slot(slot)
+        return arena.session if arena is not None else None
+
+    def _refuse_unheld(self, lo: int, changed: np.ndarray, states: np.ndarray) -> np.ndarray:
+        """Put back, as one batch, the changed STATE words (indices from slot ``lo``) of slots nobody
+        holds: no live lease there, and no arena that takes features. Only the daemon writes those (a
+        consumer's DONE needs a live feature, a producer's publish an arena it holds), so every such word
+        is refused and a plain store is enough. The indices left, of held slots, for the checks."""
+        if not len(changed):
+            return changed
+        ledger = self.ledger
+        slots = changed + lo
+        unheld = ledger.unheld(slots)
+        if not unheld.any():
+            return changed
+        refused = slots[unheld]
+        self.table.restore_states(refused)
+        n = len(refused)
+        ledger.counters.bad_table_words += n
+        now = time.monotonic()
+        if now - self._last_unheld_warning >= _WARN_EVERY_S:
+            self._last_unheld_warning = now
+            log.warning("STATE of %d slot(s) no session holds changed (slot %d first, to %#x); put back (%d refused "
+                        "so far; SPEC.md section 9)", n, int(refused[0]), int(states[changed[unheld][0]]),
+                        ledger.counters.bad_table_words)
+        return changed[~unheld]
+
+    def _stray_acks(self, slots: np.ndarray, words: np.ndarray) -> None:
+        """ACKS words changed in slots with no live lease, as one batch: nothing to apply them to. An
+        increase of the same generation's count is an over-ack after the feature ended (counted)."""
+        if not len(slots):
+            return
+        seen = self.table.seen_acks[slots]
+        up = ((words >> 32) == (seen >> 32)) & (words > seen)
+        self.ledger.counters.stray_table_acks += int(((words[up] & ACK_COUNT_MASK) - (seen[up] & ACK_COUNT_MASK)).sum())
+        self.table.seen_acks[slots] = words
 
     def _end_acked(self, lo: int, changed: np.ndarray, states: np.ndarray) -> np.ndarray:
         """End, as one batch, the features among ``changed`` (indices from slot ``lo``) that their
@@ -136,13 +200,14 @@ class Sweeper:
             self._on_done(slot, lease, now)  # its last consumer acked: the common end of a live feature
             return
         arena = ledger.arenas.of_slot(slot)
+        owner = lease.session if lease is not None else arena.session if arena is not None else None
         if arena is None or arena.returned:
             # Slots of reserved leases and of free blocks are the daemon's alone (but for DONE, above).
-            self._refuse(slot, word, f"STATE of slot {slot} changed, but no producer holds that slot")
+            self._refuse(slot, word, owner, f"STATE of slot {slot} changed, but no producer holds that slot")
             return
         if lease is not None or state not in (PUBLISHED, DONE) or gen <= ledger.slot_gen(slot):
-            self._refuse(slot, word, f"STATE of slot {slot} went to generation {gen} state {state}; a producer may only "
-                         f"publish a generation above {ledger.slot_gen(slot)} in a slot it got back FREE")
+            self._refuse(slot, word, owner, f"STATE of slot {slot} went to generation {gen} state {state}; a producer "
+                         f"may only publish a generation above {ledger.slot_gen(slot)} in a slot it got back FREE")
             return
         # Not ended by _end_acked: a feature waiting for acks, or words it refused.
         pool, offset, nbytes, consumers, tok0, tok1 = self.table.entry(slot)
@@ -160,13 +225,14 @@ class Sweeper:
             spent = state_word(gen, FREE)
             if self.table.cas(slot, STATE, word, spent)[0]:
                 self.table.seen_state[slot] = spent
-            self._count_bad(f"slot {slot} was published with pool {pool}, range [{offset}, +{nbytes}), {consumers} "
-                            f"consumers and state {state}: not inside arena {arena.arena_id} [{arena.offset}, "
-                            f"+{arena.size}) of pool {arena.pool_id}, over a live feature, or DONE without its acks; refused")
+            self._count_bad(arena.session, f"slot {slot} was published with pool {pool}, range [{offset}, +{nbytes}), "
+                            f"{consumers} consumers and state {state}: not inside arena {arena.arena_id} "
+                            f"[{arena.offset}, +{arena.size}) of pool {arena.pool_id}, over a live feature, or DONE "
+                            "without its acks; refused")
             return
         # Acks that arrived since _end_acked read the word are applied by the next sweep.
         self.table.seen_state[slot] = word
-        self._reset_acks(slot, gen)
+        self._reset_acks(slot, gen, arena.session)
         token = tok0.to_bytes(8, "little") + tok1.to_bytes(8, "little")
         ledger.adopt(arena, slot, gen, nbytes, offset, consumers, token, published_at)
 
@@ -177,8 +243,8 @@ class Sweeper:
         if self.ledger.live_lease(slot) is lease:
             # Marked DONE without all its acks (a peer of the group can write STATE; SPEC.md section 9).
             # Its producer may be writing over it already: it ends here all the same.
-            self._count_bad(f"slot {slot} was marked DONE with {lease.remaining} of its {lease.consumers} acks "
-                            "missing; ended")
+            self._count_bad(lease.session, f"slot {slot} was marked DONE with {lease.remaining} of its "
+                            f"{lease.consumers} acks missing; ended")
             self.ledger.end(lease, EndReason.ACKED, now)
 
     def _settle(self, arena: Arena, offset: int, nbytes: int, now: float) -> None:
@@ -189,7 +255,7 @@ class Sweeper:
             if lease is not None and self.table.load(slot, STATE) == state_word(lease.gen, DONE):
                 self._on_done(slot, lease, now)
 
-    def _reset_acks(self, slot: int, gen: int) -> None:
+    def _reset_acks(self, slot: int, gen: int, owner: bytes) -> None:
         """The ack baseline of a newly published generation is zero acks. The producer stored that
         before publishing; if it did not, set it here. No consumer can have added to a word that names
         another generation, so nothing counted is lost."""
@@ -202,7 +268,7 @@ class Sweeper:
             ok, seen = self.table.cas(slot, ACKS, seen, baseline)
             if ok:
                 break
-        self._count_bad(f"slot {slot} was published without resetting its ack word")
+        self._count_bad(owner, f"slot {slot} was published without resetting its ack word")
 
     def _on_acks(self, slot: int, word: int, now: float) -> None:
         seen = int(self.table.seen_acks[slot])
@@ -220,21 +286,25 @@ class Sweeper:
         if count == 0:
             return  # the baseline, seen after an older generation's word
         if count < 0:
-            self._count_bad(f"the ack count of slot {slot} went down, from {before} to {word & ACK_COUNT_MASK}")
+            self._count_bad(lease.session, f"the ack count of slot {slot} went down, from {before} to "
+                            f"{word & ACK_COUNT_MASK}")
             return
         self.ledger.counters.table_acks += count
         self.ledger.apply_acks(lease, count, now)
 
-    def _refuse(self, slot: int, word: int, message: str) -> None:
+    def _refuse(self, slot: int, word: int, owner: Optional[bytes], message: str) -> None:
         """Put the daemon's STATE word back over the refused ``word``, unless the slot holds another word
         by now: its producer may have published there since this sweep read the refused one (a peer
         rewrote a FREE slot's generation just before), and a plain store would erase that feature.
         The next sweep judges whatever is there."""
         self.table.cas(slot, STATE, word, int(self.table.seen_state[slot]))
-        self._count_bad(message)
+        self._count_bad(owner, message)
 
-    def _count_bad(self, message: str) -> None:
+    def _count_bad(self, owner: Optional[bytes], message: str) -> None:
+        """Count a refused word, charged to ``owner``, the session that holds its slot (None: nobody)."""
         self.ledger.counters.bad_table_words += 1
+        if owner is not None and owner not in self._over and self.charge(owner):
+            self._over.add(owner)
         now = time.monotonic()
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now

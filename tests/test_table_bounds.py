@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmfeat.protos import ErrorCode, MmfeatError
-from mmfeat.protos.lease_table import PUBLISHED, STATE, state_word
+from mmfeat.protos.lease_table import FREE, PUBLISHED, STATE, state_word
 
 from .test_table_attacks import HostileTable
 
@@ -60,3 +60,53 @@ def test_a_session_holds_at_most_max_session_leases_single_slots(daemon_factory)
             c.request("release", session=c.session.token, lease=ref)
         other.request("release", session=other.session.token, lease=theirs)
     assert daemon.pool()["used"] == 0
+
+
+def test_a_session_whose_slots_keep_holding_refused_words_is_cut_and_reclaimed(daemon_factory) -> None:
+    """Words refused in slots a session holds are charged to it: past max_refused_words it is cut. Its
+    leases end (published ones too), its arena goes back, its fd channel is closed, the cut is counted
+    and logged, its next request is told SESSION_CUT, and an honest session carries on."""
+    daemon = daemon_factory("--pool-mb", "64", "--max-refused-words", "50")
+    with daemon.client(inline_threshold=0) as honest, daemon.client() as c:
+        hostile = HostileTable(daemon, c)
+        try:
+            token = hostile.session
+            refs = [c.request("reserve", session=token, nbytes=4096, consumers=1)["lease"] for _ in range(20)]
+            a = hostile.arena()
+            hostile.publish(a["slot_base"], 1, a["pool"], a["offset"], 8192)
+            kept = honest.put(torch.arange(4096, dtype=torch.float32))
+            # An honest lease above the hostile ones keeps their slots in the swept range after the cut.
+            above = honest.request("reserve", session=honest.session.token, nbytes=1, consumers=1)["lease"]
+            s = daemon.stats()
+            assert s["leases"] == {"RESERVED": 21, "PUBLISHED": 2}
+            for rnd in range(1, 4):  # 20 refused words a sweep: past 50 in the third
+                for ref in refs:
+                    hostile.write(ref["lease"], STATE, state_word(ref["gen"] + rnd, PUBLISHED))
+                s = daemon.stats()
+            counters = s["counters"]
+            assert counters["sessions_cut"] == 1 and counters["leases_cut"] == 21, counters
+            assert 50 < counters["bad_table_words"] <= 60
+            assert s["leases"] == {"RESERVED": 1, "PUBLISHED": 1} and s["pools"][0]["arenas"]["count"] <= 1
+            hostile.sock.settimeout(5)
+            assert hostile.sock.recv(4096) == b"", "the cut session's fd channel is closed"
+            with pytest.raises(MmfeatError) as info:
+                c.request("reserve", session=token, nbytes=4096, consumers=1)
+            assert info.value.code is ErrorCode.SESSION_CUT and "max_refused_words" in info.value.message
+            refused = s["counters"]["bad_table_words"]
+            for ref in refs:  # its slots are nobody's now: rewriting them is refused in bulk, charged to none
+                hostile.write(ref["lease"], STATE, state_word(ref["gen"] + 9, PUBLISHED))
+            s = daemon.stats()
+            assert s["counters"]["sessions_cut"] == 1 and s["counters"]["bad_table_words"] == refused + 20
+            assert all(hostile.read(ref["lease"], STATE) == state_word(ref["gen"], FREE) for ref in refs)
+            honest.request("release", session=honest.session.token, lease=above)
+            assert torch.equal(honest.get(kept), torch.arange(4096, dtype=torch.float32))
+            honest.ack(kept)
+            assert honest.flush()
+        finally:
+            hostile.close()
+    s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="everything freed")
+    assert s["counters"]["arenas_freed"] == s["counters"]["arenas_granted"]
+    assert daemon.stop() == 0
+    err = daemon.proc.communicate()[1]
+    assert "past max_refused_words (50); 21 lease(s) ended, 1 arena(s) taken back" in err, err[-2000:]
+    assert "STATE of 20 slot(s) no session holds changed" in err, "refused as one batch, not word by word"
