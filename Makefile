@@ -47,13 +47,16 @@ demo: $(BASE_STAMP)
 	$(BYTECODE)
 	$(BIN)/python examples/demo.py
 
-# Minutes, not part of make test: random SIGKILLs under load with every byte checked, then a fuzzer
-# of the control socket and the fd channel. docs/reliability.md records a run.
+# Minutes, not part of make test: random SIGKILLs under load with every byte checked, a fuzzer of the
+# control socket and the fd channel, then a hostile group member attacking through the lease table
+# while honest clients run. docs/reliability.md records a run.
 CHAOS_SECONDS ?= 120
+HOSTILE_SECONDS ?= 60
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS) --nodes 2
 	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000
+	$(BIN)/python -m tests.chaos.hostile --seconds $(HOSTILE_SECONDS)
 
 # The daemon's container image, the one deploy/kubernetes/daemonset.yaml names. Needs podman, buildah
 # or a Docker engine; `make image REGISTRY=... && podman push ...` to publish it.

@@ -4,12 +4,16 @@ slots keep holding words the daemon refuses is cut."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from mmfeat.protos import ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import FREE, PUBLISHED, STATE, state_word
 
+from . import workers as w
+from .chaos import hostile
 from .test_table_attacks import HostileTable
 
 
@@ -110,3 +114,44 @@ def test_a_session_whose_slots_keep_holding_refused_words_is_cut_and_reclaimed(d
     err = daemon.proc.communicate()[1]
     assert "past max_refused_words (50); 21 lease(s) ended, 1 arena(s) taken back" in err, err[-2000:]
     assert "STATE of 20 slot(s) no session holds changed" in err, "refused as one batch, not word by word"
+
+
+def test_honest_clients_succeed_while_a_member_attacks_through_the_table(daemon_factory, children, tmp_path) -> None:
+    """A member floods reserves, releases them, and rewrites the words of every slot it held, flat out,
+    session after session (tests/chaos/hostile.py). Meanwhile an honest producer's every put reaches
+    the pool (fallback="error"), its consumer reads every byte right, and every ping is answered: the
+    member's reserves stop at its cap, and its sessions are cut."""
+    daemon = daemon_factory("--pool-mb", "256", "--max-session-leases", "512", "--max-refused-words", "1024",
+                            "--ack-ttl", "20")
+    rt, ctx, out = str(daemon.runtime_dir), children, tmp_path / "hostile.json"
+    stop = ctx.Event()
+    attacker = ctx.Process(target=hostile.attack, args=(rt, 300.0, 100_000, out, stop))
+    attacker.start()
+    try:
+        daemon.wait_for(lambda s: s["counters"]["sessions_cut"] >= 1, timeout=60, what="the member's first cut")
+        q, results = ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=w.consume, args=(rt, q, results, False)),
+                 ctx.Process(target=w.produce, args=(rt, 1, q))]
+        for p in procs:
+            p.start()
+        pings = 0
+        with daemon.client() as c:
+            while procs[1].is_alive() or pings == 0:
+                assert c.request("ping")["epoch"]  # raises if it is not answered
+                pings += 1
+        got = results.get(timeout=300)
+        assert got == ("ok", len(w.cases()) + 1), got
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0, "an honest put failed (its producer uses fallback='error')"
+    finally:
+        stop.set()
+        attacker.join(60)
+        if attacker.is_alive():
+            attacker.kill()
+    counts = json.loads(out.read_text())
+    s = daemon.stats()
+    assert counts["reserves_refused"] >= 1 and counts["reserves"] <= 512 * counts["sessions"], counts
+    assert counts["words_written"] > 0 and s["counters"]["sessions_cut"] >= 1 and s["counters"]["bad_table_words"] > 0
+    # Garbage the member wrote into its own arena may pass every check: a feature, ended by ack_ttl.
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["clients"] == 0, timeout=40, what="everything back")
