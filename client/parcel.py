@@ -139,6 +139,9 @@ class _Lease:
         self._sources = sources  # the views get returned: their storage keeps the pool mapped
         self._lock = threading.Lock()
         self.acked = desc is None
+        # A fork copies the Parcel and its tensors, not the duty to ack: the process that loaded it acks
+        # when its own copies go, and a child's automatic ack would free memory that process still reads.
+        self._pid = os.getpid()
 
     def ack(self, after: Any = None, count: int = 1) -> None:
         with self._lock:
@@ -151,7 +154,7 @@ class _Lease:
     def __del__(self) -> None:
         # Runs where torch frees the last tensor's storage or the Parcel goes: any thread, and inside
         # whatever that thread was doing (a garbage collection can free them in the client's own code).
-        if getattr(self, "acked", True):
+        if getattr(self, "acked", True) or self._pid != os.getpid():
             return
         self.acked = True  # nothing else holds this object now: no other thread can ack it
         global _warned_unacked

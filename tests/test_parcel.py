@@ -170,3 +170,19 @@ def test_the_automatic_ack_takes_no_lock_the_freeing_thread_may_hold(daemon, chi
         if consumer.is_alive():
             consumer.kill()
             consumer.join(10)
+
+
+def test_a_forked_child_that_drops_its_copy_of_a_parcel_does_not_ack_it(daemon) -> None:
+    """A fork copies the Parcel and its tensors; the copy the child frees is not the parent's feature to
+    ack: an ack from there would free the memory the parent still reads."""
+    with daemon.client() as c:
+        code = ("import gc; from mmfeat.client import loads; p = loads(arg, client=c); pid = os.fork()\n"
+                "if pid == 0:\n"
+                "    del p; gc.collect(); c.flush(); os._exit(0)\n"
+                "_, status = os.waitpid(pid, 0); s = c.stats()\n"
+                "print(status, s['counters']['acks'], s['leases']['PUBLISHED'], flush=True)\n"
+                "p.ack(); c.flush(); s = c.stats()\n"
+                "print(s['counters']['acks'], s['counters']['over_acks'], s['leases']['PUBLISHED'], flush=True)\n")
+        out = run_ready_child(code, daemon.runtime_dir, lambda: dumps({"x": torch.ones(300_000)}, client=c))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\n")[:2] == ["0 0 1", "1 0 0"], (out.stdout, out.stderr)
