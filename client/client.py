@@ -72,6 +72,9 @@ class Client:
         self._fallbacks = FallbackTracker(self.endpoint, timeout)
         self._channel = ControlChannel(self.endpoint, timeout)
         self._session: Optional[Session] = None
+        # The session close() ended: tensors from get() outlive it, and its lease table (still mapped)
+        # takes their finalisers' acks.
+        self._closed_session: Optional[Session] = None
         self._connect_lock = threading.Lock()
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
                                   inline_max, fallback)
@@ -125,7 +128,7 @@ class Client:
             if self._session.arenas is not None and self._session.pid == os.getpid():
                 self._session.arenas.give_back_all(min(self.timeout, 2.0))
             self._session.close()
-            self._session = None
+            self._closed_session, self._session = self._session, None
         self._channel.failures.report()
         self._channel.close()
 
@@ -260,7 +263,11 @@ class Client:
 
     def _ack_in_finalizer(self, desc: Descriptor) -> None:
         """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs)."""
-        self._acks.ack_in_finalizer(self._session, desc)
+        session = self._session
+        if session is None and self._closed_session is not None:
+            self._acks.ack_in_finalizer(self._closed_session, desc, closed=True)
+        else:
+            self._acks.ack_in_finalizer(session, desc)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the daemon has applied every ack this client made; False on timeout."""

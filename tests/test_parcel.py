@@ -186,3 +186,21 @@ def test_a_forked_child_that_drops_its_copy_of_a_parcel_does_not_ack_it(daemon) 
         out = run_ready_child(code, daemon.runtime_dir, lambda: dumps({"x": torch.ones(300_000)}, client=c))
         assert out.returncode == 0, out.stderr
         assert out.stdout.split("\n")[:2] == ["0 0 1", "1 0 0"], (out.stdout, out.stderr)
+
+
+def test_tensors_freed_after_their_client_closed_ack_without_reopening_it(daemon) -> None:
+    """The tensors outlive ``close()`` (the mappings stay); when they go, the ack is a store into the
+    table that is still mapped, from whichever thread frees them: no session is opened there (a round
+    trip inside a garbage collection, and fds that nobody closes)."""
+    with daemon.client() as c:
+        code = ("import gc; from mmfeat.client import Client, loads; from tests.conftest import fd_count\n"
+                "with Client(sys.argv[1]) as c2:\n"
+                "    v = loads(arg, client=c2).value\n"
+                "before = fd_count(os.getpid()); del v; gc.collect()\n"
+                "print(c2._session is None, fd_count(os.getpid()) - before, flush=True)\n")
+        out = run_ready_child(code, daemon.runtime_dir, lambda: dumps({"x": torch.ones(300_000)}, client=c))
+        assert out.returncode == 0, out.stderr
+        no_session, more_fds = out.stdout.split("\n")[0].split()
+        assert no_session == "True" and int(more_fds) <= 0, (out.stdout, out.stderr)
+        s = daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the ack of the freed tensors")
+        assert s["counters"]["acks"] == 1 and s["counters"]["over_acks"] == 0
