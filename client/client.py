@@ -261,13 +261,13 @@ class Client:
         """
         return self._acks.ack(_as_descriptor(desc), count, after, wait)
 
-    def _ack_in_finalizer(self, desc: Descriptor) -> None:
-        """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs)."""
+    def _ack_in_finalizer(self, desc: Descriptor) -> bool:
+        """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs); True when it was a
+        store into the lease table, False when it went (or was left) elsewhere."""
         session = self._session
         if session is None and self._closed_session is not None:
-            self._acks.ack_in_finalizer(self._closed_session, desc, closed=True)
-        else:
-            self._acks.ack_in_finalizer(session, desc)
+            return self._acks.ack_in_finalizer(self._closed_session, desc, closed=True)
+        return self._acks.ack_in_finalizer(session, desc)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the daemon has applied every ack this client made; False on timeout."""

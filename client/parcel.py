@@ -11,11 +11,13 @@ processes.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import pickle
 import threading
 import warnings
+import weakref
 from typing import Any, Optional
 
 import msgpack
@@ -142,6 +144,8 @@ class _Lease:
         # A fork copies the Parcel and its tensors, not the duty to ack: the process that loaded it acks
         # when its own copies go, and a child's automatic ack would free memory that process still reads.
         self._pid = os.getpid()
+        if not self.acked:
+            _unacked.add(self)
 
     def ack(self, after: Any = None, count: int = 1) -> None:
         with self._lock:
@@ -150,6 +154,16 @@ class _Lease:
             self.acked = True
         assert self._desc is not None
         self._client.ack(self._desc, count=count, after=after)
+
+    def ack_at_exit(self) -> bool:
+        """The automatic ack, for a lease still alive at exit; True when it went as a message, which the
+        client must flush before the process ends."""
+        with self._lock:
+            if self.acked or self._pid != os.getpid():
+                return False
+            self.acked = True
+        assert self._desc is not None
+        return not self._client._ack_in_finalizer(self._desc)
 
     def __del__(self) -> None:
         # Runs where torch frees the last tensor's storage or the Parcel goes: any thread, and inside
@@ -167,6 +181,22 @@ class _Lease:
             self._client._ack_in_finalizer(self._desc)
         except Exception:
             pass  # interpreter shutdown or a gone daemon: the feature expires by ack_ttl
+
+
+# Leases this process has not acked. At exit Python frees nothing that module globals or a live frame
+# still hold, so the finalisers of those tensors never run: they are acked here instead, or each feature
+# would stay until ack_ttl.
+_unacked: "weakref.WeakSet[_Lease]" = weakref.WeakSet()
+
+
+@atexit.register
+def _ack_at_exit() -> None:
+    clients = {id(lease._client): lease._client for lease in list(_unacked) if lease.ack_at_exit()}
+    for client in clients.values():
+        try:
+            client.flush(min(client.timeout, 1.0))
+        except Exception:
+            pass  # a gone daemon: the features expire by ack_ttl
 
 
 class Parcel:

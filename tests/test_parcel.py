@@ -204,3 +204,16 @@ def test_tensors_freed_after_their_client_closed_ack_without_reopening_it(daemon
         assert no_session == "True" and int(more_fds) <= 0, (out.stdout, out.stderr)
         s = daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the ack of the freed tensors")
         assert s["counters"]["acks"] == 1 and s["counters"]["over_acks"] == 0
+
+
+def test_a_process_that_exits_holding_parcels_acks_them_on_its_way_out(daemon_factory) -> None:
+    """Python frees nothing that module globals still hold at a normal exit (a Parcel, a view of its
+    tensor, a numpy array over another's): without an ack at exit each feature stayed until ack_ttl."""
+    d = daemon_factory("--pool-mb", "64", "--ack-ttl", "600")
+    with d.client() as c:
+        code = ("from mmfeat.client import loads; P = loads(arg, client=c); V = P.value['x'][::2]; "
+                "N = loads(arg, client=c).value['x'].numpy(); sys.exit(0)")
+        out = run_ready_child(code, d.runtime_dir, lambda: dumps({"x": torch.ones(300_000)}, consumers=2, client=c))
+        assert out.returncode == 0, out.stderr
+        s = d.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the acks at exit")
+        assert s["counters"]["acks"] == 2 and s["counters"]["over_acks"] == 0 and s["counters"]["expired"] == 0
