@@ -63,6 +63,7 @@ class RuntimeDir:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock_fd: Optional[int] = None
+        self._old_lock_fd: Optional[int] = None  # a lock file others could open, replaced (see acquire)
 
     def acquire(self) -> None:
         """Create (0750) and check the directory, then take the lock; RuntimeDirError if either fails."""
@@ -78,17 +79,29 @@ class RuntimeDir:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise RuntimeDirError(f"cannot open lock file {lock_path}: {exc.strerror}") from None
+        st = os.fstat(fd)
+        loose = st.st_uid != os.geteuid() or bool(st.st_mode & 0o077)
         try:
             _lock_exclusive(fd)
         except OSError as exc:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                who = f"pid {holder}"
+                if loose:
+                    who += (f", or another user: the file has mode {stat.S_IMODE(st.st_mode):04o} and uid {st.st_uid}, "
+                            "so others may hold it; if no mmfeatd runs, remove it")
                 raise RuntimeDirError(
-                    f"another mmfeatd (pid {holder}) holds {lock_path}: it is serving {self.path}, perhaps stopped; "
+                    f"another mmfeatd ({who}) holds {lock_path}: it is serving {self.path}, perhaps stopped; "
                     "stop it first or choose another runtime_dir"
                 ) from None
             raise RuntimeDirError(f"cannot lock {lock_path}: {exc.strerror}") from None
+        if loose:
+            # Whoever opened it keeps that fd through any chmod and could flock it once this daemon is
+            # gone, keeping every later one out: serve from a fresh file that only we ever opened. The
+            # old one stays locked too, so a daemon that opened it before the rename finds it held.
+            self._old_lock_fd = fd
+            fd = _fresh_lock(lock_path)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
@@ -96,9 +109,10 @@ class RuntimeDir:
     def release(self) -> None:
         # The lock file stays: unlinking it would let a third daemon lock a new inode while a second
         # still waits on the old one.
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for fd in (self._lock_fd, self._old_lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._lock_fd = self._old_lock_fd = None
 
 
 def _lock_exclusive(fd: int) -> None:
@@ -112,6 +126,27 @@ def _lock_exclusive(fd: int) -> None:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() >= deadline:
                 raise
         time.sleep(_PROBE_RETRY_S)
+
+
+def _fresh_lock(lock_path: Path) -> int:
+    """A new 0600 lock file, locked before it takes ``lock_path``'s name (so it is never seen free)."""
+    tmp = lock_path.with_name(f".{lock_path.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise RuntimeDirError(f"cannot create a lock file beside {lock_path}: {exc.strerror}") from None
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is only what the umask leaves of it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, lock_path)
+    except OSError as exc:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise RuntimeDirError(f"cannot replace {lock_path}: {exc.strerror}") from None
+    return fd
 
 
 @contextlib.contextmanager

@@ -290,3 +290,40 @@ def test_the_daemonset_starts_on_the_runtime_dir_the_kubelet_makes() -> None:
                 proc.communicate(timeout=15)
         subprocess.run(["rm", "-rf", str(node_run)])
     assert proc.returncode == 0
+
+
+_LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print("open", flush=True)
+sys.stdin.readline()
+fcntl.flock(fd, fcntl.LOCK_SH)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+@needs_root
+def test_a_lock_file_others_could_open_is_replaced_before_they_can_hold_it(runtime_dir) -> None:
+    """A lock file left readable by others (made by hand, or by a tool's umask): a user who opened it
+    keeps that fd across every chmod, and once the daemon stops, flocks it and keeps every later daemon
+    out. The daemon that finds it so serves from a fresh 0600 file instead."""
+    os.chmod(runtime_dir, 0o755)
+    lock = runtime_dir / "mmfeatd.lock"
+    lock.write_text("")
+    os.chmod(lock, 0o644)
+    holder = subprocess.Popen([_interpreter_for(OTHER_UID), "-c", _LOCK_HOLDER, str(lock)], user=OTHER_UID,
+                              group=OTHER_UID, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        first = start_daemon(runtime_dir, "--pool-mb", "8")
+        assert lock.stat().st_mode & 0o777 == 0o600
+        assert first.stop() == 0
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "locked"
+        second = start_daemon(runtime_dir, "--pool-mb", "8")  # raised DaemonStartError while held
+        assert second.stop() == 0
+    finally:
+        holder.kill()
+        holder.wait()
