@@ -148,12 +148,20 @@ class _Lease:
             _unacked.add(self)
 
     def ack(self, after: Any = None, count: int = 1) -> None:
+        # Under the lock, so that a concurrent ack() waits and then finds it done. The finaliser cannot
+        # run meanwhile: the caller holds this object.
         with self._lock:
             if self.acked:
                 return
+            assert self._desc is not None
+            try:
+                self._client.ack(self._desc, count=count, after=after)
+            except (ValueError, TypeError):
+                raise  # bad arguments acked nothing: a corrected ack() (or the finaliser) still will
+            except BaseException:
+                self.acked = True  # the daemon's verdict on this feature: another ack would get it again
+                raise
             self.acked = True
-        assert self._desc is not None
-        self._client.ack(self._desc, count=count, after=after)
 
     def ack_at_exit(self) -> bool:
         """The automatic ack, for a lease still alive at exit; True when it went as a message, which the

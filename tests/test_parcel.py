@@ -82,6 +82,21 @@ def test_one_rank_acks_for_its_group(daemon) -> None:
     assert daemon.pool()["used"] == 0
 
 
+def test_an_ack_refused_for_its_arguments_leaves_the_parcel_to_ack_again(daemon) -> None:
+    """A bad count or ``after`` is the caller's mistake and acks nothing: the Parcel is still unacked, so a
+    corrected ack() goes through instead of being taken for a repeat."""
+    with daemon.client() as c:
+        parcel = loads(dumps({"x": torch.ones(300_000)}, client=c), client=c)
+        with pytest.raises(ValueError):
+            parcel.ack(count=0)
+        with pytest.raises(TypeError):
+            parcel.ack(after="the default stream")
+        assert not parcel.acked
+        parcel.ack()
+        assert parcel.acked and c.flush()
+        s = daemon.stats()
+        assert s["counters"]["acks"] == 1 and s["leases"]["PUBLISHED"] == 0
+
 def test_a_forgotten_parcel_acks_when_collected_and_warns_once(daemon) -> None:
     from mmfeat.client.parcel import forget_warned
 
