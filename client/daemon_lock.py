@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +45,9 @@ def _lock_free(runtime_dir: Path) -> "Optional[str | bool]":
     except OSError:
         return None
     try:
+        # A daemon makes a regular file; anything else there (in a dir someone else made) says nothing.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
@@ -51,6 +55,8 @@ def _lock_free(runtime_dir: Path) -> "Optional[str | bool]":
             return False if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
         try:
             return os.pread(fd, 32, 0).decode(errors="replace").strip()
+        except OSError:
+            return None
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -117,6 +118,25 @@ def test_a_client_that_cannot_read_the_lock_asks_the_control_socket(daemon_facto
             c.put(torch.ones(1 << 18))
         assert time.monotonic() - t0 < 10
 
+
+@pytest.mark.parametrize("planted", ["directory", "fifo"])
+def test_a_lock_path_that_is_no_file_leaves_the_answer_to_the_socket(tmp_path, planted) -> None:
+    """A runtime dir someone else made (a squatted /tmp/mmfeat-<uid>) may hold anything at the lock's
+    path: the probe gives no verdict on what is not a regular file, and the client gets the typed error
+    (or the inline fallback) instead of an OSError from reading it."""
+    runtime_dir = tmp_path / "rt"
+    runtime_dir.mkdir()
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(runtime_dir / "mmfeatd.sock"))  # a socket file nobody listens on
+    dead.close()
+    lock = runtime_dir / "mmfeatd.lock"
+    lock.mkdir() if planted == "directory" else os.mkfifo(lock)
+    with Client(runtime_dir, timeout=30.0, inline_threshold=0) as c:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match="its control socket refuses connections"):
+            c.ping()
+        assert c.put(torch.ones(1 << 18)).is_inline and c.fallbacks == {"unreachable": 1}
+        assert time.monotonic() - t0 < 10
 
 def test_a_live_daemon_is_not_mistaken_for_a_dead_one(daemon) -> None:
     """The probe's connection to the control socket, and its shared lock, leave a live daemon serving."""
