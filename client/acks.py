@@ -67,18 +67,15 @@ class Acks:
             self._acked.remember(desc)
         return reply
 
-    def ack_in_finalizer(self, session: Optional[Session], desc: Descriptor, closed: bool = False) -> bool:
+    def ack_in_finalizer(self, session: Optional[Session], desc: Descriptor) -> bool:
         """One ack from a finaliser, which may run wherever a garbage collection or a tensor's release
         happens, this client's own locked sections included: the table's compare-and-swap (lock-free)
         where it takes the ack, else a message from the background thread, never a lock taken here.
-        ``closed``: ``session`` is the one close() ended; only its table is used, since a session opened
-        here would cost a round trip inside the collection and stay open with nobody to close it.
         True when the ack was a store into the table (nothing left to flush)."""
         if desc.is_inline:
             return True
         if session is None or session.pid != os.getpid():
-            if not closed:
-                self.ack(desc, 1, None, False)  # no session of this process: nothing of ours can be held
+            self.ack(desc, 1, None, False)  # no session of this process: nothing of ours can be held
             return False
         fields: dict[str, Any] = {"lease": desc.lease_ref()}
         if desc.node != session.node:
@@ -86,10 +83,6 @@ class Acks:
         elif desc.epoch == session.epoch and session.table.add_acks(desc.lease, desc.gen, desc.pool, desc.offset,
                                                                     desc.nbytes, 1):
             return True
-        if closed:
-            # Another node's feature, or one the table no longer holds: it ends by ack_ttl.
-            log.debug("lease %d freed after close(): not acked, it expires by ack_ttl", desc.lease)
-            return False
         self._background().submit(fields, 1, os.urandom(8), None)
         return False
 

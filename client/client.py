@@ -28,6 +28,7 @@ from .fallbacks import FallbackTracker
 from .producer import Producer
 from .reservations import Reservations, ShapeLike, TensorOrList
 from .session import Session, open_session
+from .table import LeaseTableView
 
 log = logging.getLogger("mmfeat.client")
 
@@ -72,9 +73,9 @@ class Client:
         self._fallbacks = FallbackTracker(self.endpoint, timeout)
         self._channel = ControlChannel(self.endpoint, timeout)
         self._session: Optional[Session] = None
-        # The session close() ended: tensors from get() outlive it, and its lease table (still mapped)
-        # takes their finalisers' acks.
-        self._closed_session: Optional[Session] = None
+        # The lease table of the session close() ended, with its pid, node and epoch: tensors from get()
+        # outlive close(), and their finalisers' acks go there (the table stays mapped for the process).
+        self._closed_table: Optional[tuple[int, str, int, LeaseTableView]] = None
         self._connect_lock = threading.Lock()
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
                                   inline_max, fallback)
@@ -128,7 +129,9 @@ class Client:
             if self._session.arenas is not None and self._session.pid == os.getpid():
                 self._session.arenas.give_back_all(min(self.timeout, 2.0))
             self._session.close()
-            self._closed_session, self._session = self._session, None
+            s = self._session
+            self._closed_table = (s.pid, s.node, s.epoch, s.table)
+            self._session = None
         self._channel.failures.report()
         self._channel.close()
 
@@ -160,6 +163,7 @@ class Client:
                 self._session.close()
                 self._session = None
             self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout, self.readonly)
+            self._closed_table = None
             return self._session
 
     def _reconnect(self, stale: Session) -> Session:
@@ -264,9 +268,13 @@ class Client:
     def _ack_in_finalizer(self, desc: Descriptor) -> bool:
         """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs); True when it was a
         store into the lease table, False when it went (or was left) elsewhere."""
-        session = self._session
-        if session is None and self._closed_session is not None:
-            return self._acks.ack_in_finalizer(self._closed_session, desc, closed=True)
+        session, closed = self._session, self._closed_table
+        if session is None and closed is not None:
+            # No session is opened here: a round trip inside a garbage collection, and a session nobody
+            # would close. What the table cannot take (another node's feature) expires by ack_ttl.
+            pid, node, epoch, table = closed
+            return (pid == os.getpid() and desc.node == node and desc.epoch == epoch
+                    and table.add_acks(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, 1))
         return self._acks.ack_in_finalizer(session, desc)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
