@@ -232,3 +232,20 @@ def test_a_process_that_exits_holding_parcels_acks_them_on_its_way_out(daemon_fa
         assert out.returncode == 0, out.stderr
         s = d.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the acks at exit")
         assert s["counters"]["acks"] == 2 and s["counters"]["over_acks"] == 0 and s["counters"]["expired"] == 0
+
+
+def test_saving_a_parcels_tensor_writes_its_bytes_not_the_pool(daemon) -> None:
+    """A get() view's storage is the whole pool (torch.save of one writes every feature there); a
+    Parcel's tensors have storages of their own, over their own bytes."""
+    import io
+
+    with daemon.client() as c:
+        c.ack(c.put(torch.full((300_000,), 42.0)))  # another feature, which must not travel along
+        with loads(dumps({"x": torch.arange(300_000, dtype=torch.float32)}, client=c), client=c) as value:
+            buf = io.BytesIO()
+            torch.save(value["x"][10:20], buf)
+            pickled = pickle.dumps(value["x"])
+        assert len(buf.getvalue()) < 2 * 1_200_000 and len(pickled) < 2 * 1_200_000
+        buf.seek(0)
+        assert torch.equal(torch.load(buf), torch.arange(10, 20, dtype=torch.float32))
+        assert torch.equal(pickle.loads(pickled), torch.arange(300_000, dtype=torch.float32))
