@@ -199,7 +199,13 @@ _unacked: "weakref.WeakSet[_Lease]" = weakref.WeakSet()
 
 @atexit.register
 def _ack_at_exit() -> None:
-    clients = {id(lease._client): lease._client for lease in list(_unacked) if lease.ack_at_exit()}
+    clients: dict[int, Client] = {}
+    for lease in list(_unacked):
+        try:
+            if lease.ack_at_exit():
+                clients[id(lease._client)] = lease._client
+        except Exception:
+            pass  # a gone daemon: this feature expires by ack_ttl, and the others are still acked
     for client in clients.values():
         try:
             client.flush(min(client.timeout, 1.0))
