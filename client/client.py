@@ -269,7 +269,7 @@ class Client:
         """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs); True when it was a
         store into the lease table, False when it went (or was left) elsewhere."""
         session, closed = self._session, self._closed_table
-        if session is None and closed is not None:
+        if session is None and closed is not None and not desc.is_inline:
             # No session is opened here: a round trip inside a garbage collection, and a session nobody
             # would close. What the table cannot take (another node's feature) expires by ack_ttl.
             pid, node, epoch, table = closed
