@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from mmfeat.client import Client
-from mmfeat.client.daemon_process import DaemonStartError, spawn_daemon
+from mmfeat.testing import DaemonStartError, spawn_daemon
 
 N_IMAGES = 24
 
@@ -89,7 +89,7 @@ def _run(runtime_dir: Path) -> int:
                     p.join(15)
             return 1
         print()
-        subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(runtime_dir), "stats"], check=True)
+        subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(runtime_dir), "stats"], check=True)
         return 0
     finally:
         daemon.send_signal(signal.SIGTERM)

@@ -44,7 +44,7 @@ import torch
 import zmq
 
 from mmfeat.client import Client, dumps, loads
-from mmfeat.client.daemon_process import DaemonStartError, spawn_daemon, spawn_mesh
+from mmfeat.testing import DaemonStartError, spawn_daemon, spawn_mesh
 
 SIDES = (224, 336, 448, 560, 672)  # square images; Qwen2-VL patches them at 14 px, merges 2x2
 MODES = ("pickle", "mmfeat")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import zmq
 
-from mmfeat.client.bench.netns import TCP_ENV
-from mmfeat.client.daemon_process import free_tcp_port
+from mmfeat.bench.netns import TCP_ENV
+from mmfeat.testing import free_tcp_port
 from mmfeat.daemon import mesh_keys
 from mmfeat.daemon.mesh_keys import load_secret
 
@@ -80,7 +80,7 @@ class Cluster:
         runtime = runtime or Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
         wrap: list[str] = []
         if self.netns is not None:
-            # TCP_ENV: see client/bench/netns.py. Clients of the daemon need no namespace: its control
+            # TCP_ENV: see mmfeat_pkg/bench/netns.py. Clients of the daemon need no namespace: its control
             # and fd sockets are Unix sockets with paths, reachable from any network namespace.
             env = {**TCP_ENV, **(env or {})}
             wrap = self.netns.prefix(self._ns_index(name))

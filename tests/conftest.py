@@ -18,8 +18,7 @@ from typing import Iterator, Sequence
 import pytest
 
 from mmfeat.client import Client
-from mmfeat.client.bench.procs import worker_context
-from mmfeat.client.daemon_process import spawn_daemon
+from mmfeat.testing import spawn_daemon, worker_context
 
 from .netns import netns_pair  # noqa: F401  (a fixture: the cluster fixture asks for it by name)
 

@@ -1,4 +1,4 @@
-"""The tests' side of client/bench/netns.py: a fixture with two network namespaces joined by a veth,
+"""The tests' side of mmfeat_pkg/bench/netns.py: a fixture with two network namespaces joined by a veth,
 removed after the test, skipped with the reason where they cannot be made (needs root and iproute2);
 and which TCP sockets a process listens on."""
 
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from mmfeat.client.bench.netns import NetnsPair, make_pair, remove_pair
+from mmfeat.bench.netns import NetnsPair, make_pair, remove_pair
 
 __all__ = ["NetnsPair", "netns_pair", "tcp_listeners"]
 

@@ -12,7 +12,7 @@ def test_bench_smoke(tmp_path) -> None:
     out = tmp_path / "bench.json"
     rings_before = set(Path("/dev/shm").glob("mmfb-*-ring"))
     r = subprocess.run(
-        [sys.executable, "-m", "mmfeat.client", "bench", "--sizes", "64K", "--consumers", "2", "--count", "12",
+        [sys.executable, "-m", "mmfeat.cli", "bench", "--sizes", "64K", "--consumers", "2", "--count", "12",
          "--control-clients", "1", "--control-seconds", "0.3", "--json", str(out)],
         capture_output=True, text=True, timeout=240,
     )
@@ -41,7 +41,7 @@ def test_bench_smoke(tmp_path) -> None:
 def test_bench_sync_acks_in_interleaved_rounds(tmp_path) -> None:
     out = tmp_path / "bench.json"
     r = subprocess.run(
-        [sys.executable, "-m", "mmfeat.client", "bench", "--sizes", "64K", "--consumers", "1", "--count", "12",
+        [sys.executable, "-m", "mmfeat.cli", "bench", "--sizes", "64K", "--consumers", "1", "--count", "12",
          "--modes", "pool_view,zmq_bytes", "--ack", "sync", "--rounds", "2", "--control-clients", "",
          "--json", str(out), "--targets"],
         capture_output=True, text=True, timeout=240,
@@ -60,7 +60,7 @@ def test_bench_sync_acks_in_interleaved_rounds(tmp_path) -> None:
 
 
 def test_rounds_combine_into_medians_of_each_rounds_own_ratio() -> None:
-    from mmfeat.client.bench.report import add_ratios, combine_rounds, targets
+    from mmfeat.bench.report import add_ratios, combine_rounds, targets
 
     def row(mode: str, fps: float, rnd: int) -> dict:
         return {"mode": mode, "size": 65536, "consumers": 1, "features_per_s": fps, "gb_per_s": 0.0, "p50_us": 1.0,
@@ -83,7 +83,7 @@ def test_rounds_combine_into_medians_of_each_rounds_own_ratio() -> None:
 def test_the_daemon_verdict_says_when_a_row_was_too_short_to_judge() -> None:
     """mmfeatd's CPU is mostly wake-ups every 5-400 ms: over a 0.2 s row its column is one or two of them
     divided by the row. The verdict still says met or missed, and says how to measure the steady state."""
-    from mmfeat.client.bench.report import targets
+    from mmfeat.bench.report import targets
 
     def row(seconds: float, fps: float) -> dict:
         return {"mode": "pool_view", "size": 16 << 20, "consumers": 2, "features_per_s": fps, "seconds": seconds,
@@ -98,7 +98,7 @@ def test_the_daemon_verdict_says_when_a_row_was_too_short_to_judge() -> None:
 def test_rounds_pool_the_daemons_cpu_and_its_seconds() -> None:
     """A median of three 0.25 s rows picks one row's wake-ups; the rounds together are a 0.75 s look.
     mmfeatd's column is their mean (equal counts), and the verdict judges it over their summed seconds."""
-    from mmfeat.client.bench.report import combine_rounds, targets
+    from mmfeat.bench.report import combine_rounds, targets
 
     def row(rnd: int, us: float) -> dict:
         return {"mode": "pool_view", "size": 16 << 20, "consumers": 2, "features_per_s": 400, "seconds": 0.25,
@@ -115,7 +115,7 @@ def test_rounds_pool_the_daemons_cpu_and_its_seconds() -> None:
 
 def test_remote_rounds_take_each_ratio_against_the_nixl_read_of_its_own_round() -> None:
     """What `mmfeat bench --remote --rounds N` reports (test_remote's smoke test runs one round)."""
-    from mmfeat.client.bench.remote import ratios_to_nixl_read
+    from mmfeat.bench.remote import ratios_to_nixl_read
 
     def row(mode: str, fps: float, rnd: int) -> dict:
         return {"mode": mode, "size": 16 << 20, "features_per_s": fps, "round": rnd}
@@ -134,7 +134,7 @@ def test_remote_rounds_take_each_ratio_against_the_nixl_read_of_its_own_round() 
 
 def test_the_remote_verdict_needs_three_rounds_that_agree() -> None:
     """MET or MISSED only from 3 or more rounds whose ratios to the bare READ lie within 1.5x of each other."""
-    from mmfeat.client.bench.remote_verdict import REMOTE_ROUNDS, verdict
+    from mmfeat.bench.remote_verdict import REMOTE_ROUNDS, verdict
 
     def row(ratio: float, low: float, high: float, rounds: int = 3) -> dict:
         return {"x_nixl_read": ratio, "x_nixl_read_min": low, "x_nixl_read_max": high, "rounds": rounds}
@@ -153,7 +153,7 @@ def test_rounds_below_one_are_refused_before_anything_starts() -> None:
 
     import pytest
 
-    from mmfeat.client.bench.cli import add_bench_args
+    from mmfeat.bench.cli import add_bench_args
 
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
@@ -164,7 +164,7 @@ def test_rounds_below_one_are_refused_before_anything_starts() -> None:
 
 
 def test_remote_goals_show_only_when_asked() -> None:
-    from mmfeat.client.bench.remote import _render
+    from mmfeat.bench.remote import _render
 
     rows = [{"mode": mode, "size": 16 << 20, "features_per_s": fps, "gb_per_s": 1.0, "x_nixl_read": fps / 100,
              "x_nixl_read_min": fps / 110, "x_nixl_read_max": fps / 90, "rounds": 3, "get_p50_us": 10.0}

@@ -31,18 +31,18 @@ def test_pool_too_big_for_the_machine_fails_at_start(runtime_dir) -> None:
 
 def test_stats_table_json_and_health(daemon) -> None:
     rd = ["--runtime-dir", str(daemon.runtime_dir)]
-    r = _run("-m", "mmfeat.client", *rd, "stats", "--json")
+    r = _run("-m", "mmfeat.cli", *rd, "stats", "--json")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["pools"][0]["kind"] == "host" and s["pools"][0]["capacity"] == 128 << 20
-    r = _run("-m", "mmfeat.client", *rd, "stats")
+    r = _run("-m", "mmfeat.cli", *rd, "stats")
     assert r.returncode == 0 and "posix_fd" in r.stdout and "reserves=0" in r.stdout
-    r = _run("-m", "mmfeat.client", *rd, "health")
+    r = _run("-m", "mmfeat.cli", *rd, "health")
     assert r.returncode == 0 and r.stdout.startswith("mmfeatd ok")
 
 
 def test_health_fails_without_daemon(runtime_dir) -> None:
-    r = _run("-m", "mmfeat.client", "--runtime-dir", str(runtime_dir), "--timeout", "0.5", "health")
+    r = _run("-m", "mmfeat.cli", "--runtime-dir", str(runtime_dir), "--timeout", "0.5", "health")
     assert r.returncode == 1 and "no mmfeatd socket" in r.stderr
 
 
@@ -68,8 +68,8 @@ def _options(help_text: str) -> dict[str, str]:
     return options
 
 
-@pytest.mark.parametrize("command", [("mmfeat.daemon",), ("mmfeat.client", "bench"), ("mmfeat.client",),
-                                     ("mmfeat.client", "stats")])
+@pytest.mark.parametrize("command", [("mmfeat.daemon",), ("mmfeat.cli", "bench"), ("mmfeat.cli",),
+                                     ("mmfeat.cli", "stats")])
 def test_every_flag_says_what_it_does_and_its_default(command) -> None:
     r = _run("-m", *command, "--help", env={"COLUMNS": "100"})
     assert r.returncode == 0, r.stderr
@@ -94,7 +94,7 @@ def test_every_flag_says_what_it_does_and_its_default(command) -> None:
 def test_a_prefix_of_a_flag_is_not_taken_for_it() -> None:
     r = _run("-m", "mmfeat.daemon", "--pool", "10", "--print-config")
     assert r.returncode == 2 and "unrecognized arguments: --pool 10" in r.stderr, r.stderr
-    from mmfeat.client.cli import parser
+    from mmfeat.cli import parser
 
     for argv in (["--time", "1", "health"], ["stats", "--inter", "2"], ["bench", "--size", "64K"]):
         with pytest.raises(SystemExit) as info:
@@ -180,7 +180,7 @@ def test_plot_without_matplotlib_fails_before_the_bench_runs(tmp_path) -> None:
     blocker = tmp_path / "no-mpl" / "matplotlib"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
-    r = _run("-m", "mmfeat.client", "bench", "--sizes", "64K", "--consumers", "1", "--count", "2",
+    r = _run("-m", "mmfeat.cli", "bench", "--sizes", "64K", "--consumers", "1", "--count", "2",
              "--modes", "pool_view", "--control-clients", "", "--plot", str(tmp_path / "out.png"),
              env={"PYTHONPATH": os.pathsep.join(filter(None, [str(blocker.parent), os.environ.get("PYTHONPATH")]))},
              timeout=240)

@@ -90,7 +90,7 @@ def test_a_killed_daemons_leftover_sockets_are_known_at_once(daemon_factory) -> 
         assert c.put(t).is_inline and c.fallbacks == {"unreachable": 1}
         assert time.monotonic() - t0 < 10
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(runtime_dir), "--timeout", "30",
+    r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(runtime_dir), "--timeout", "30",
                         "health"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and gone in r.stderr, r.stderr
     assert time.monotonic() - t0 < 20

@@ -1,5 +1,7 @@
 """The parts depend on each other only as DESIGN.md says: protos on nothing of ours, client and daemon
-on protos (and the shared CUDA wrapper in the top package), never on each other."""
+on protos (and the shared CUDA wrapper in the top package), never on each other; and none of them on the
+tools (the `mmfeat` command, the bench, the helpers that start daemons), which a producer or consumer
+process never loads."""
 
 from __future__ import annotations
 
@@ -11,7 +13,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-FORBIDDEN = {"protos": ("mmfeat.client", "mmfeat.daemon"), "daemon": ("mmfeat.client",), "client": ("mmfeat.daemon",)}
+TOOLS = ("mmfeat.bench", "mmfeat.cli", "mmfeat.testing")
+# The client parses no command line either: flags are a tool's, and a tool inside the client package
+# would be loaded by every process that imports it.
+FORBIDDEN = {"protos": ("mmfeat.client", "mmfeat.daemon", *TOOLS), "daemon": ("mmfeat.client", *TOOLS),
+             "client": ("mmfeat.daemon", "argparse", *TOOLS)}
+
+
+def _package(path: Path) -> list[str]:
+    """The package a file of a part belongs to: client/x.py is in mmfeat.client, daemon/pools/y.py in
+    mmfeat.daemon.pools."""
+    return ["mmfeat", *path.parent.relative_to(ROOT).parts]
 
 
 def _imports(path: Path) -> set[str]:
@@ -19,17 +31,42 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            # A relative import names its module from the file's package: `from ..cli import main` in
+            # client/ is mmfeat.cli as surely as the absolute spelling is.
+            package = _package(path)
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names |= {f"{module}.{a.name}" for a in node.names}
     return names
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))
 def test_no_part_imports_what_it_must_not(part: str) -> None:
     for path in sorted((ROOT / part).rglob("*.py")):
         for name in _imports(path):
-            assert not name.startswith(FORBIDDEN[part]), f"{path.relative_to(ROOT)} imports {name}"
+            assert not _under(name, FORBIDDEN[part]), f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_importing_the_whole_client_loads_no_tool() -> None:
+    """What a producer or consumer process imports: every module of mmfeat.client, in a fresh interpreter.
+    None of the tools' modules may come with it."""
+    code = ("import importlib, pkgutil, sys, mmfeat.client as c\n"
+            "for m in pkgutil.walk_packages(c.__path__, 'mmfeat.client.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "from mmfeat.client import Client, Parcel, Pooled, dumps, loads\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('mmfeat.'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = r.stdout.split()
+    assert "mmfeat.client.client" in loaded and "mmfeat.client.parcel" in loaded, loaded
+    tools = [m for m in loaded if _under(m, TOOLS)]
+    assert not tools, f"importing mmfeat.client loads {tools}"
 
 
 def test_a_daemon_without_a_mesh_loads_none_of_the_meshs_code(daemon) -> None:

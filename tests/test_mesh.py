@@ -65,7 +65,7 @@ def test_two_nodes_meet_exchange_hellos_and_keep_heartbeats(cluster) -> None:
                                   "pullable": True}]
     s = a.stats()["mesh"]
     assert s["refused"] == 0 and s["bad_messages"] == 0 and s["public_key"] == cluster.keys["a"]
-    table = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(a.runtime_dir), "stats"],
+    table = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(a.runtime_dir), "stats"],
                            capture_output=True, text=True, timeout=60).stdout
     assert "mesh on tcp://127.0.0.1" in table and "b" in table and " up " in table
     from prometheus_client.parser import text_string_to_metric_families
@@ -291,7 +291,7 @@ def test_a_listed_peer_gets_in_and_stays_in_while_strangers_flood_the_mesh_port(
         assert flood.poll() is None, "the flood ended before the acks did: the test proved nothing"
         s = idle(a, "a to free the acked features")
         assert s["mesh"]["connections_evicted"] >= 1 and s["mesh"]["connections_refused"] > 50
-        table = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(a.runtime_dir), "stats"],
+        table = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(a.runtime_dir), "stats"],
                                capture_output=True, text=True, timeout=60).stdout
         assert re.search(r"shed \d+, evicted for peers [1-9]", table), table
     finally:

@@ -122,7 +122,7 @@ def test_a_meshed_daemon_whose_nixl_cannot_start_is_unhealthy(cluster) -> None:
     s = b.stats()["mesh"]
     assert s["transport"] is None and s["transport_error"], s
     assert _samples(s)[("mmfeat_mesh_transport_up", ())] == 0
-    health = [sys.executable, "-m", "mmfeat.client", "--timeout", "10"]
+    health = [sys.executable, "-m", "mmfeat.cli", "--timeout", "10"]
     r = subprocess.run([*health, "--runtime-dir", str(b.runtime_dir), "health"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and "cannot pull" in r.stderr and s["transport_error"] in r.stderr, (r.stdout, r.stderr)

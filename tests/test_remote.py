@@ -88,7 +88,7 @@ def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_ow
         exported = {n + ("_total" if f.type == "counter" else "") for n, f in families.items()}
         for metric in re.findall(r"`(mmfeat_mesh_[a-z_]+)", (Path(__file__).parents[1] / "README.md").read_text()):
             assert metric in exported, f"README names {metric}, which a meshed daemon does not export"
-        table = subprocess.run([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(b.runtime_dir), "stats"],
+        table = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(b.runtime_dir), "stats"],
                                capture_output=True, text=True, timeout=60).stdout
         assert "pulls with nixl" in table and "pulled MiB" in table and " 64 " in table, table
         assert c1.ack(desc, wait=True) == {"remaining": 2, "freed": False, "over_acked": 0}
@@ -278,7 +278,7 @@ def test_the_remote_bench_runs(tmp_path) -> None:
     """A few-second `mmfeat bench --remote`, so that it cannot rot: two meshed daemons of its own, the
     default rounds (3: one round on a shared machine is off by 2-3x); test_bench covers the verdicts."""
     out = tmp_path / "remote.json"
-    r = subprocess.run([sys.executable, "-m", "mmfeat.client", "bench", "--remote", "--sizes", "64K", "--count", "6",
+    r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "bench", "--remote", "--sizes", "64K", "--count", "6",
                         "--modes", "remote_premade,nixl_read", "--json", str(out)], capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -297,7 +297,7 @@ def test_the_remote_bench_between_network_namespaces_moves_its_bytes_over_the_ve
     node received over the veth during each row is at least what the row moved: on one host without
     this, UCX reads through cross-memory attach and the bench never saw a TCP data plane."""
     out = tmp_path / "remote.json"
-    r = subprocess.run([sys.executable, "-m", "mmfeat.client", "bench", "--remote", "--netns", "--sizes", "1M",
+    r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "bench", "--remote", "--netns", "--sizes", "1M",
                         "--count", "8", "--rounds", "1", "--modes", "remote_premade,nixl_read,zmq_tcp",
                         "--json", str(out)], capture_output=True, text=True, timeout=100)
     if r.returncode != 0 and "cannot make two network namespaces" in r.stderr:

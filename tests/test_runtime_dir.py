@@ -227,7 +227,7 @@ def _on_node(argv: list[str], mount: str, host: Path) -> list[str]:
     """A container's command as the node runs it: the hostPath mount is the test's dir, the CLIs this
     checkout's."""
     argv = [a.replace(mount, str(host)) for a in argv]
-    entry = {"mmfeatd": [sys.executable, "-m", "mmfeat.daemon"], "mmfeat": [sys.executable, "-m", "mmfeat.client"]}
+    entry = {"mmfeatd": [sys.executable, "-m", "mmfeat.daemon"], "mmfeat": [sys.executable, "-m", "mmfeat.cli"]}
     return [*entry.get(argv[0], argv[:1]), *argv[1:]]
 
 

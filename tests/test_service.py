@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mmfeat.client import Client
 from mmfeat.client.channel import ControlChannel
-from mmfeat.client.daemon_process import free_tcp_port
+from mmfeat.testing import free_tcp_port
 from mmfeat.daemon.config import HELP, Settings, load_settings, tomllib
 from mmfeat.daemon.sd_notify import Notifier
 from mmfeat.protos.codec import decode, encode
@@ -321,7 +321,7 @@ def test_print_config_names_sources(tmp_path) -> None:
 
 
 def test_stats_watch_redraws_in_place(daemon) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "mmfeat.client", "--runtime-dir", str(daemon.runtime_dir), "stats",
+    proc = subprocess.Popen([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(daemon.runtime_dir), "stats",
                              "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)

@@ -26,7 +26,7 @@ import mmfeat.client, mmfeat.daemon, mmfeat.protos
 for m in (mmfeat.client, mmfeat.daemon, mmfeat.protos):
     assert m.__file__.startswith(site), f"{m.__name__} came from {m.__file__}, not the wheel"
 from mmfeat.client import Client
-from mmfeat.client.daemon_process import spawn_daemon
+from mmfeat.testing import spawn_daemon
 from importlib.resources import files
 assert "Protocol version" in files("mmfeat.protos").joinpath("SPEC.md").read_text()  # package data
 d = spawn_daemon(Path(sys.argv[1]), ["--pool-mb", "16", "--backend", "host"])
@@ -128,7 +128,7 @@ def test_the_image_installs_no_torch_and_its_daemon_and_probes_need_none(install
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        probe = [installed.bin("python"), "-c", _WITHOUT_TORCH.format(name="mmfeat", module="mmfeat.client.cli"),
+        probe = [installed.bin("python"), "-c", _WITHOUT_TORCH.format(name="mmfeat", module="mmfeat.cli"),
                  "--runtime-dir", str(short_runtime_dir), "--timeout", "2", "health"]
         deadline = time.monotonic() + 60
         while subprocess.run(probe, cwd=tmp_path, capture_output=True, timeout=60).returncode != 0:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mmfeat.client import Client
-from mmfeat.client.daemon_process import spawn_daemon
+from mmfeat.testing import spawn_daemon
 
 
 def _loop(c: Client, src: torch.Tensor, n: int, staged: bool) -> tuple[float, float, float]:

@@ -66,8 +66,8 @@ rt=$(mktemp -d)
 python3 -m mmfeat.daemon --runtime-dir "$rt" --backend cuda_vmm --pool-mb 2048 --log-level WARNING &
 dpid=$!
 for _ in $(seq 150); do [ -S "$rt/mmfeatd.sock" ] && break; sleep 0.2; done
-timeout 20 python3 -m mmfeat.client --runtime-dir "$rt" --timeout 15 health
-timeout 150 python3 -m mmfeat.client --runtime-dir "$rt" bench --use-running --sizes 1M,16M --consumers 1,2 \
+timeout 20 python3 -m mmfeat.cli --runtime-dir "$rt" --timeout 15 health
+timeout 150 python3 -m mmfeat.cli --runtime-dir "$rt" bench --use-running --sizes 1M,16M --consumers 1,2 \
   --modes floor,pool_view,pool_copy,zmq_bytes,torch_mp --rounds 1 --count 200 --control-clients '' \
   --json "$out/bench-gpu.json" --targets
 echo "== bench exit $?"

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from mmfeat.testing import worker_context
+
 from .control import run_control
-from .procs import worker_context
 from .report import (MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, plot_unavailable, render,
                      targets, write_json)
 from .remote import REMOTE_MODES
@@ -81,7 +82,7 @@ def _progress(text: str) -> None:
 
 
 def _start_daemon(runtime_dir: Path, pool_mb: int) -> subprocess.Popen:
-    from mmfeat.client.daemon_process import DaemonStartError, spawn_daemon
+    from mmfeat.testing import DaemonStartError, spawn_daemon
 
     try:
         return spawn_daemon(runtime_dir, ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"], timeout=30)

@@ -1,4 +1,5 @@
-"""Start an ``mmfeatd`` subprocess and wait until it answers: for the demo, the bench and the tests.
+"""Processes for the tests, the bench and the examples: an ``mmfeatd`` started and waited on until it answers,
+and the forkserver that their worker processes fork from. Nothing a producer or consumer imports.
 
 One place that knows what "up" means: both sockets exist and a ping on the control socket comes back;
 for a mesh of daemons on this machine (``spawn_mesh``), also that each sees every other one up.
@@ -6,6 +7,8 @@ for a mesh of daemons on this machine (``spawn_mesh``), also that each sees ever
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import os
 import random
 import socket
@@ -13,12 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Mapping, Optional, Sequence
 
+from mmfeat.client.channel import ControlChannel
 from mmfeat.protos.errors import MmfeatError
 from mmfeat.protos.paths import CONTROL_SOCKET, FD_SOCKET, control_endpoint
-
-from .channel import ControlChannel
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
@@ -133,3 +136,16 @@ def spawn_mesh(work: Path, names: Sequence[str], args: Sequence[str] = (), timeo
             proc.wait(10)
         raise
     return out
+
+
+# A spawned interpreter spends about 2 s of CPU importing these, and a bench or a test file starts many
+# worker processes: each forks from a server that imported them once. The server itself never touches a
+# GPU, so its children initialise CUDA as freshly spawned ones do.
+PRELOAD = ["torch", "mmfeat.client"]
+
+
+def worker_context(mp: ModuleType = multiprocessing) -> multiprocessing.context.BaseContext:
+    """A forkserver context of ``mp`` (``multiprocessing``, or ``torch.multiprocessing`` for its queues)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx

@@ -19,7 +19,7 @@ Two private daemons on 127.0.0.1 play two nodes, meshed over CURVE. In one invoc
 Descriptors travel producer -> consumer over ZeroMQ TCP, as they would in a server's own messages.
 
 With ``--netns`` (root) each node is a network namespace of its own, joined to the other by a veth
-(client/bench/netns.py), and every process of a node runs in its namespace with UCX on TCP: the pulls,
+(mmfeat_pkg/bench/netns.py), and every process of a node runs in its namespace with UCX on TCP: the pulls,
 the bare READ and the ZeroMQ bytes cross the veth as they would cross a network without RDMA (on one
 host UCX otherwise reads through cross-memory attach). Each row then has ``veth_bytes``: what the
 consumer's node received over the veth during it.
@@ -44,8 +44,9 @@ from typing import Any, Optional
 import msgpack
 import zmq
 
+from mmfeat.testing import worker_context
+
 from .netns import TCP_ENV, NetnsPair, make_pair, remove_pair
-from .procs import worker_context
 from .remote_verdict import REMOTE_ROUNDS, verdict
 from .report import MiB, combine_rounds, human_size, parse_size
 
@@ -65,7 +66,7 @@ def _premade_batches(count: int, size: int, pool_bytes: int) -> list[int]:
 
 
 def _port() -> int:
-    from mmfeat.client.daemon_process import free_tcp_port
+    from mmfeat.testing import free_tcp_port
 
     return free_tcp_port()
 
@@ -77,7 +78,7 @@ Where = Optional[tuple[NetnsPair, int]]
 def _nodes(work: Path, pool_mb: int, pair: Optional[NetnsPair]) -> dict[str, tuple[Path, subprocess.Popen]]:
     """Daemons "bench-a" and "bench-b", each listing the other, both answering, both seeing the other up;
     with a pair, each in its namespace with UCX on TCP."""
-    from mmfeat.client.daemon_process import spawn_mesh
+    from mmfeat.testing import spawn_mesh
 
     args = ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"]
     if pair is None:

@@ -10,11 +10,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from mmfeat.client.channel import ControlChannel
 from mmfeat.protos.errors import MmfeatError
 from mmfeat.protos.paths import control_endpoint, default_runtime_dir
-
-from .channel import ControlChannel
-
 
 
 def _mib(n: int) -> str:
