@@ -20,6 +20,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError
+from mmfeat.protos.messages import MAX_CONSUMERS
 
 from .acked import AckedLeases
 from .channel import ControlChannel
@@ -41,8 +42,8 @@ class Acks:
         self._unconfirmed: dict[tuple[int, int, int], bytes] = {}
 
     def ack(self, desc: Descriptor, count: int, after: Any, wait: bool) -> Optional[dict[str, Any]]:
-        if not 1 <= count <= 4096:
-            raise ValueError("count must be between 1 and 4096")
+        if not 1 <= count <= MAX_CONSUMERS:
+            raise ValueError(f"count must be between 1 and {MAX_CONSUMERS}")
         if desc.is_inline:
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
         session = self._connect()

@@ -15,7 +15,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
-from mmfeat.protos.messages import TOKEN_BYTES, FallbackReason
+from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, FallbackReason
 
 from . import tensors as tz
 from .channel import ControlChannel
@@ -47,8 +47,8 @@ class Producer:
         self._fd_short: Optional[tuple[float, FdLimitError]] = None  # until when, and why
 
     def put(self, tensors: list[torch.Tensor], consumers: int, many: bool) -> Descriptor:
-        if not 1 <= consumers <= 4096:
-            raise ValueError("consumers must be between 1 and 4096")
+        if not 1 <= consumers <= MAX_CONSUMERS:
+            raise ValueError(f"consumers must be between 1 and {MAX_CONSUMERS}")
         specs, nbytes = tz.layout(tensors)
         if nbytes < self.inline_threshold or nbytes == 0:
             return self._inline(tensors, specs, nbytes, many, FallbackReason.BELOW_THRESHOLD, "")

@@ -23,7 +23,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
-from mmfeat.protos.messages import TOKEN_BYTES
+from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES
 
 from . import dlpack
 from . import tensors as tz
@@ -93,8 +93,8 @@ class Reservations:
                 many: bool) -> list[torch.Tensor]:
         if self._closed:
             raise MmfeatError(ErrorCode.BAD_STATE, "reserve on a closed Client: open a new Client")
-        if not isinstance(consumers, int) or isinstance(consumers, bool) or not 1 <= consumers <= 4096:
-            raise ValueError("consumers must be an int between 1 and 4096")
+        if not isinstance(consumers, int) or isinstance(consumers, bool) or not 1 <= consumers <= MAX_CONSUMERS:
+            raise ValueError(f"consumers must be an int between 1 and {MAX_CONSUMERS}")
         target = _device(device)
         metas = [torch.empty(_shape(shape), dtype=_dtype(dtype), device="meta") for shape, dtype in layout]
         specs, nbytes = tz.layout(metas)

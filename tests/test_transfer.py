@@ -165,3 +165,24 @@ def test_an_ack_of_a_descriptor_from_before_a_restart_never_counts_for_a_new_fea
         assert d2.stats()["counters"]["acks"] == 1
         consumer.ack(new)
     assert d2.pool()["leases"]["PUBLISHED"] == 0
+
+
+def test_the_clients_bound_on_consumers_is_the_wires(daemon) -> None:
+    """put, reserve and ack take every consumer count the daemon takes (protos' MAX_CONSUMERS) and refuse,
+    before any request, the first one it would refuse."""
+    from mmfeat.protos.messages import MAX_CONSUMERS
+
+    with daemon.client(inline_threshold=0) as c:
+        for make in (lambda n: c.put(torch.arange(1000, dtype=torch.int32), consumers=n),
+                     lambda n: c.publish(torch.arange(1000, dtype=torch.int32, out=c.reserve((1000,), torch.int32,
+                                                                                              consumers=n)))):
+            desc = make(MAX_CONSUMERS)
+            assert not desc.is_inline
+            assert c.ack(desc, count=MAX_CONSUMERS, wait=True)["freed"]
+            with pytest.raises(ValueError, match=f"between 1 and {MAX_CONSUMERS}"):
+                make(MAX_CONSUMERS + 1)
+        desc = c.put(torch.arange(1000, dtype=torch.int32))
+        with pytest.raises(ValueError, match=f"between 1 and {MAX_CONSUMERS}"):
+            c.ack(desc, count=MAX_CONSUMERS + 1)
+        c.ack(desc)
+    assert daemon.pool()["used"] == 0
