@@ -208,7 +208,7 @@ def _write(pool: torch.Tensor, offset: int, tensors: list[torch.Tensor], specs: 
     tz.write_into_pool(pool, offset, tensors, specs)
     if pool.is_cuda or device is not None:
         # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the copy
-        # must be complete before the descriptor exists (see research/cuda_vmm.md). The copy ran on the
+        # must be complete before the descriptor exists (docs/design.md, GPU pools). The copy ran on the
         # current stream of the destination or of a source device: finish them all.
         for dev in {t.device for t in tensors if t.is_cuda} | ({pool.device} if pool.is_cuda else set()):
             wait_for_current_stream(dev)

@@ -189,7 +189,7 @@ def allocation_prop(ordinal: int, kind: str, rdma: bool = False) -> Any:
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = ordinal
-    # One handle type per allocation: the Python enum rejects POSIX|FABRIC (research/cuda_vmm.md).
+    # One handle type per allocation: the Python enum rejects POSIX|FABRIC (docs/design.md, GPU pools).
     prop.requestedHandleTypes = handle_type(kind)
     if rdma:
         # Without it a NIC cannot register the allocation for GPUDirect RDMA (NIXL over InfiniBand).

@@ -1,7 +1,7 @@
-"""The parts depend on each other only as DESIGN.md says: protos on nothing of ours, client and daemon
-on protos (and the shared CUDA wrapper in the top package), never on each other; and none of them on the
-tools (the `mmfeat` command, the bench, the helpers that start daemons), which a producer or consumer
-process never loads."""
+"""The parts depend on each other only as docs/design.md ("Parts") says: protos on nothing of ours,
+client and daemon on protos (and the shared CUDA wrapper in the top package), never on each other; and
+none of them on the tools (the `mmfeat` command, the bench, the helpers that start daemons), which a
+producer or consumer process never loads."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Can this GPU share memory as CUDA FABRIC handles? Three independent checks, all required.
 
-The FABRIC device attribute alone lies without an IMEX channel (research/cuda_vmm.md, section 3), so
+The FABRIC device attribute alone lies without an IMEX channel (docs/design.md, GPU pools), so
 the verdict rests on NVML's fabric state, an IMEX channel device, and a real FABRIC cycle: create,
 export, import, release. Export and import fail on their own when IMEX is down or misconfigured even
 where the create succeeds, which is why NCCL's MNNVL check goes through all four.
