@@ -27,15 +27,15 @@ $(STAMP): $(BASE_STAMP)
 	$(PIP) -e ".[test,cuda,examples,mesh]"
 	touch $@
 
-# Where PYTHONDONTWRITEBYTECODE is set (as on this machine and its CI) nothing caches our modules'
-# bytecode, so each of the ~160 daemons and hundreds of workers the suite starts compiled them again:
-# 60-100 ms of CPU a daemon start. Compiling them once takes 0.1 s when nothing changed.
+# Where PYTHONDONTWRITEBYTECODE is set (as in CI) nothing caches our modules' bytecode, so every daemon
+# and worker the suite starts would compile them again; compiling them once first is cheap when nothing
+# changed.
 BYTECODE := $(BIN)/python -m compileall -q daemon client protos mmfeat_pkg tests examples
 
 # Most of the suite's time is waiting on daemons and child processes it starts, so it runs whole files
-# (a file's module fixtures are built once) on one worker more than there are cores: on 2 cores, 1 worker
-# took 4.5 minutes, 2 took 2.5-2.7 and 3 take 2.1-2.3 (4: no faster). At most 8: each worker holds a
-# forkserver with torch loaded, and the longest files, not the worker count, bound the time past that.
+# (a file's module fixtures are built once) on one worker more than there are cores (more were no
+# faster). At most 8: each worker holds a forkserver with torch loaded, and the longest files, not the
+# worker count, bound the time past that.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 < 8 ? n + 1 : 8 )))
 # ARGS goes to pytest: make test ARGS='-k mesh --durations 20'
 ARGS ?=

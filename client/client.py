@@ -33,9 +33,8 @@ from .table import LeaseTableView
 log = logging.getLogger("mmfeat.client")
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MMFEAT_TIMEOUT", "5"))
-# Below this, carrying the bytes in the message itself costs less than the pool. On the 2-core
-# reference machine inline still wins at 64 KiB and the pool wins 4-5x at 1 MiB (docs/benchmarks.md,
-# 2026-11-30); 256 KiB keeps messages that carry bytes small.
+# Below this, carrying the bytes in the message itself costs less than the pool (where the crossover
+# lies: docs/performance.md); 256 KiB also keeps messages that carry bytes small.
 DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(256 * 1024)))
 # The largest feature put sends inline when the pool cannot take it; a larger one raises TOO_LARGE.
 DEFAULT_INLINE_MAX = int(os.environ.get("MMFEAT_INLINE_MAX", str(256 << 20)))

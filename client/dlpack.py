@@ -53,7 +53,7 @@ _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 # The struct torch keeps a pointer to lives on the C heap, not in a Python object: at interpreter exit
 # Python clears module dicts in an order of its own, and a struct held by one would be freed while a
 # tensor in another module (or in torch's) still pointed at it, so torch's deleter call read freed
-# memory (SIGSEGV at exit, seen on the first GPU run). The deleter frees it.
+# memory (SIGSEGV at exit, seen on a GPU). The deleter frees it.
 _libc = ctypes.CDLL(None)
 _libc.malloc.restype = ctypes.c_void_p
 _libc.malloc.argtypes = [ctypes.c_size_t]

@@ -2,11 +2,10 @@
 
 ``Stream.synchronize()`` spins: the CUDA runtime's default for a process with more cores than GPUs.
 When processes share a GPU without MPS their contexts take turns on it, and a wait that spans another
-process's turn burns its whole length in CPU (the first GPU run: about 330 µs of CPU per 1 MiB put in
-each of producer and consumer, against 85 µs for put, get and ack in one process). A put or a staged
-copy must still wait (the bytes must be there before a descriptor exists, or before get() returns), so
-this polls a recorded event for a short while, which a copy on an idle GPU finishes within, and then
-sleeps in a blocking event's ``synchronize()``.
+process's turn burns its whole length in CPU, several times what put, get and ack cost in one process
+(docs/gpu.md). A put or a staged copy must still wait (the bytes must be there before a descriptor
+exists, or before get() returns), so this polls a recorded event for a short while, which a copy on an
+idle GPU finishes within, and then sleeps in a blocking event's ``synchronize()``.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ import time
 
 import torch
 
-# A 16 MiB device-to-device copy takes about 17 µs on an H200 (docs/gpu.md); polls cost about 1 µs each.
+# Long enough for a copy of a feature's size to finish while polling, short enough that a long wait
+# sleeps instead of spinning a core another process sharing the GPU needs (docs/gpu.md).
 SPIN_S = 50e-6
 
 _local = threading.local()  # an event is recorded and waited on by one thread at a time

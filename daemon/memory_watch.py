@@ -21,7 +21,7 @@ from .resources import MemoryGuard
 log = logging.getLogger("mmfeatd")
 
 # While peers are connected: a flooding peer grows the daemon by this interval's worth of its rate
-# (about 1.4 GB/s from one Python peer on the reference machine) before the loop resets the socket.
+# before the loop resets the socket, so the interval bounds the overshoot past control_memory_mb.
 GUARD_S = 0.1
 # With no peer and nothing live nobody can flood; a newcomer wakes the watch (see wake).
 IDLE_S = 1.0

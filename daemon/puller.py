@@ -82,8 +82,8 @@ class Result:
     code: str = ""  # set when the verify READ showed the feature gone (STALE) or not as named (FORBIDDEN)
 
 
-# What the first GPU run found: nixl-cu12 on a CUDA 13 node registered no GPU memory (no libcudart.so.12;
-# mmfeat.nixl.preload_cuda_runtime now loads the mesh extra's copy).
+# A NIXL build registers no GPU memory where its CUDA runtime cannot be loaded (nixl-cu12 on a CUDA 13
+# node); mmfeat.nixl.preload_cuda_runtime loads the mesh extra's copy, and this hint says what is missing.
 _VRAM_HINT = ("; NIXL's UCX registers GPU memory through the CUDA runtime of its build (nixl-cu12: libcudart.so.12, "
               "nixl-cu13: libcudart.so.13), which the mesh extras install (mmfeat[mesh], mmfeat[mesh-cu13])")
 

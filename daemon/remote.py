@@ -189,7 +189,7 @@ class RemoteFeatures:
         local_pool = copy_pool(self.puller.regions, into_pool)
         region = self.puller.regions[local_pool]
         if not self.core.ledger.fits(local_pool, ref.nbytes):
-            self.core.sweep(now)  # acks written since the last sweep may free the room this needs (a sweep: ~0.1 ms)
+            self.core.sweep(now)  # acks written since the last sweep may free the room this needs
         lease = self.core.ledger.reserve(self.session, local_pool, ref.nbytes, 1, now, ttl=PULL_HOLD_S, quota=False)
         job = next(self._ids)
         copy = _Copy(key, peer.config.public_key, node, ref, job, lease, waiters=waiters, deadline=deadline,

@@ -28,7 +28,7 @@ FD_RESERVE = 64
 # a burst of connections that libzmq accepts before the daemon can shut them down.
 FDS_PER_CLIENT = 4
 _HEADROOM = 2
-# libzmq holds about 28 KiB per idle connection (measured on 4.3.5); twice that per allowed connection,
+# libzmq holds tens of KiB per idle connection; 64 KiB per allowed connection, comfortably above that,
 # plus a fixed allowance, is what peers may make the daemon hold before the control socket is reset.
 BYTES_PER_CONNECTION = 64 << 10
 # The ledger's own record of a live lease (with its slot and expiry entry) is a few hundred bytes.

@@ -40,7 +40,7 @@ log = logging.getLogger("mmfeatd")
 # Housekeeping (stale handshakes, unattached sessions) runs this often while clients are connected;
 # lease expiry wakes the loop at the earliest deadline instead, so it is on time whatever this is.
 # While features flow, the daemon's cost is its wake-ups, not its work: each starts with caches that
-# payload copies of many MiB emptied (0.3-1 ms at 16 MiB), so wake-ups per second times that is its CPU.
+# payload copies of many MiB emptied, so wake-ups per second times that is its CPU (docs/performance.md).
 TICK_S = 0.4
 # A mesh's heartbeats and a remote pull's waiters keep a finer tick, and a meshed daemon sweeps at
 # least this often too: a remote consumer's ack of a pulled copy reaches the owner only once its own

@@ -78,7 +78,7 @@ class Sweeper:
             states = table.states[lo:hi].copy()
             fence_acquire()
             # Nothing written in the range (a server's idle client): two memcmps instead of the ten
-            # array calls below, each of which costs about 10 µs when the caches are cold.
+            # array calls below, each of which is slow when the caches are cold.
             if (states.tobytes() == table.seen_state[lo:hi].tobytes()
                     and acks.tobytes() == table.seen_acks[lo:hi].tobytes()):
                 continue

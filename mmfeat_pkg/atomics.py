@@ -54,7 +54,7 @@ if _lib is not None:
     _store8 = _lib.__atomic_store_8
     _store8.argtypes, _store8.restype = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int], None
     # The expected value goes by address, from a box kept per thread: making a c_uint64 and a byref for
-    # each call cost about 0.2 of its 1.3 µs here, and the last ack of a feature makes two calls.
+    # each call costs a noticeable share of the call itself, and the last ack of a feature makes two.
     _cas8 = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int,
                              ctypes.c_int)(("__atomic_compare_exchange_8", _lib))
     _fence = _lib.atomic_thread_fence

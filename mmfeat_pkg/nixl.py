@@ -19,13 +19,13 @@ _RUNTIME_MAJOR = {"nixl_cu12": 12, "nixl_cu13": 13}
 
 
 # How long NIXL's progress thread waits for UCX events before it looks again, in microseconds. The
-# nixl_agent class sets 0, which makes that thread spin: a whole core per agent, idle or not (measured
-# here: 1.0 core idle; with this, 0.001, and READs twice as fast on two cores). The thread wakes on
-# UCX's events whatever this is; it only bounds how late a missed one is noticed.
+# nixl_agent class sets 0, which makes that thread spin: a whole core per agent, idle or not, taken from
+# the transfers themselves (docs/performance.md). The thread wakes on UCX's events whatever this is; it
+# only bounds how late a missed one is noticed.
 PROGRESS_DELAY_US = 100_000
 # UCX's TCP transport (nodes without RDMA) moves data in segments of 8-64 KiB by default. Features are
-# MiB: with 1 MiB segments a 16 MiB READ over loopback TCP was 2.4x faster and a remote get 1.5x, for
-# about 1 MiB more memory per daemon (docs/benchmarks.md). Set only where the environment sets neither:
+# MiB, and 1 MiB segments move them much faster for about 1 MiB more memory per daemon
+# (docs/performance.md). Set only where the environment sets neither:
 # UCX refuses to start with receive segments smaller than send segments, so one of the pair set by an
 # operator and the other by us could stop the agent. RDMA transports ignore them.
 UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
@@ -57,7 +57,7 @@ def preload_cuda_runtime(api: Any) -> Optional[str]:
 
     UCX's CUDA module, which registers GPU memory, needs that library. A process that imported torch
     has it loaded, but mmfeatd imports no torch, and a node or image without a CUDA toolkit has no copy
-    on its library paths (the first GPU run: a GPU pool NIXL could not register). The mesh extras
+    on its library paths (then NIXL cannot register a GPU pool: docs/gpu.md). The mesh extras
     install the runtime's wheel; once a library of that soname is loaded, the loader uses it for UCX."""
     # The meta package ``nixl`` imports one of the builds: whichever is loaded names the runtime.
     builds = [api.__name__.split(".")[0], *(m for m in ("nixl_cu12", "nixl_cu13") if m in sys.modules)]

@@ -265,9 +265,9 @@ def test_keep_alive_views_the_same_bytes_and_holds_its_owner_until_the_last_view
 
 
 def test_a_view_alive_at_interpreter_exit_does_not_crash_it() -> None:
-    """The first GPU run's consumers died of SIGSEGV at exit: Python freed the DLPack struct (held in a
-    module dict) before a tensor that pointed at it, and torch's deleter call read freed memory. Here a
-    tensor is parked in torch's own module, which exit clears after ours."""
+    """A consumer on a GPU must not die of SIGSEGV at exit: Python can free a DLPack struct held in a
+    module dict before a tensor that points at it, and torch's deleter call would read freed memory.
+    Here a tensor is parked in torch's own module, which exit clears after ours."""
     import subprocess
     import sys
 

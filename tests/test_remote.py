@@ -233,7 +233,7 @@ def test_an_idle_meshed_daemon_with_nixl_costs_next_to_no_cpu_and_has_its_cuda_r
     a, b = meshed(cluster)
     assert a.stats()["mesh"]["transport"] == "nixl"
     # mmfeatd imports no torch, and a node or image without a CUDA toolkit has no libcudart on its
-    # library paths: NIXL's UCX then cannot register a GPU pool (the first GPU run). The mesh extra
+    # library paths: NIXL's UCX then cannot register a GPU pool (docs/gpu.md). The mesh extra
     # installs the runtime's wheel, and the daemon loads it before NIXL starts.
     loaded = _cuda_runtimes_mapped(a.pid)
     # The wheel's file is libcudart.so.12 itself; a toolkit's resolves to libcudart.so.12.<minor>.<patch>.
@@ -314,7 +314,7 @@ def test_the_remote_bench_between_network_namespaces_moves_its_bytes_over_the_ve
 
 
 def test_nixl_agents_get_mmfeats_ucx_defaults_unless_the_environment_sets_its_own() -> None:
-    """1 MiB TCP segments (docs/benchmarks.md: 2.4x a bare 16 MiB READ over TCP), set before UCX reads its
+    """1 MiB TCP segments (faster READs over TCP: docs/performance.md), set before UCX reads its
     environment. An operator who sets either keeps both as UCX has them: a receive segment smaller than
     the send segment (64k against our 1m) stops UCX from starting at all."""
     code = ("import os; from mmfeat.nixl import load_nixl, make_agent; make_agent(load_nixl(), 'probe'); "

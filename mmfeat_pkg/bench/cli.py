@@ -48,7 +48,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="write throughput against size here (PNG, needs matplotlib; not with --remote) (default: none)")
     p.add_argument("--targets", action="store_true",
                    help="after the results, compare them with the project's reference goals, which were set for "
-                        "its reference machine (docs/benchmarks.md): a smaller machine may miss them")
+                        "its reference machine (docs/performance.md): a smaller machine may miss them")
     p.add_argument("--use-running", action="store_true", help="measure the daemon at --runtime-dir instead of a private one")
     p.add_argument("--remote", action="store_true",
                    help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "

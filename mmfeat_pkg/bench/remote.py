@@ -387,6 +387,6 @@ def _render(rows: list[dict[str, Any]], goals: bool = False, netns: bool = False
             goal_lines += ["  " + verdict(mode, by[mode]) for mode in ("remote", "remote_prefetch", "remote_premade")
                            if by.get(mode, {}).get("x_nixl_read") is not None]
     if goal_lines:
-        verdicts += ["", "the project's reference goals (set for its reference machine, docs/benchmarks.md):",
+        verdicts += ["", "the project's reference goals (set for its reference machine, docs/performance.md):",
                      *goal_lines]
     return "\n".join(lines + [""] + verdicts)

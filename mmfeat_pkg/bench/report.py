@@ -90,7 +90,8 @@ def combine_rounds(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("mode", 
     return out
 
 
-# Pool zero-copy features/s over plain ZMQ bytes, by (size, consumers): the hot-path issue's targets.
+# Pool zero-copy features/s over plain ZMQ bytes, by (size, consumers): the project's reference goals
+# (docs/performance.md).
 POOL_OVER_ZMQ = {(64 * 1024, 1): 1.0, (64 * 1024, 2): 1.3, (MiB, 1): 1.2, (MiB, 2): 1.6, (16 * MiB, 1): 1.5, (16 * MiB, 2): 2.5}
 DAEMON_US_PER_FEATURE = 10.0
 # mmfeatd's CPU is mostly its wake-ups (sweeps every 5-400 ms as the rate needs), so over a shorter row
@@ -163,7 +164,7 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
                 f" {e['p50_us']:>7.0f} {e['p99_us']:>7.0f} {m['p50_us'] / e['p50_us']:>10.2f}"
             )
     if verdicts:
-        lines += ["", "the project's reference goals (set for its reference machine, docs/benchmarks.md; "
+        lines += ["", "the project's reference goals (set for its reference machine, docs/performance.md; "
                       "a smaller or busier machine may miss them):"]
         lines += [f"  {'met   ' if ok else 'MISSED'} {name}: {got}" for name, ok, got in verdicts]
     return "\n".join(lines)

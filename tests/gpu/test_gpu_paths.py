@@ -1,5 +1,5 @@
 """On a GPU: the import itself, acks after GPU work, and what the daemon's CUDA context costs.
-Each prints the numbers the first GPU run reports (pytest -rA shows them)."""
+Each prints the numbers docs/gpu.md reports (pytest -rA shows them)."""
 
 from __future__ import annotations
 
