@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Union
 
 import torch
@@ -15,6 +16,8 @@ from .channel import ControlChannel
 from .session import Session
 from .stream_wait import wait_for_current_stream
 from .table import STATE_FREE, STATE_MISMATCH
+
+log = logging.getLogger("mmfeat.client")
 
 Tensors = Union[torch.Tensor, list[torch.Tensor]]
 
@@ -60,17 +63,26 @@ class Consumer:
     def _remote(self, session: Session, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
         """Another node's feature: this node's daemon pulls it into its own pool (and gives the copy's
         lease), or relays the owner's FABRIC handle; either way the read is local from then on."""
+        into = _into_pool(session, device)
         reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout,
-                                   **_into_pool(session, device))
+                                   **into)
         if "fabric" in reply:
             from .cuda_import import map_cuda_pool
 
             # The owner's GPU is on another node: a UUID no local GPU has keeps the import from granting
             # a local GPU of the same ordinal access as if it were the owner's.
             info = {**reply["fabric"], "kind": "cuda", "uuid": f"remote:{desc.node}"}
-            pool = map_cuda_pool(f"mesh:{info['node']}", info, None, session.readonly).tensor
-            out = [tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors]
-            return _finish(out, desc.many, copy, device)
+            try:
+                pool = map_cuda_pool(f"mesh:{info['node']}", info, None, session.readonly).tensor
+            except RuntimeError as exc:  # CudaError, PoolMapError: the handle does not import in this process
+                # Same domain by NVML, yet no IMEX channel in this container (or no GPU here): the bytes
+                # can still come as a pull, which the daemon counts per peer (fabric_fallbacks).
+                _warn_fabric_fallback(desc.node, exc)
+                reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(),
+                                           wait_s=self._channel.timeout, pull=True, **into)
+            else:
+                out = [tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors]
+                return _finish(out, desc.many, copy, device)
         local = dataclasses.replace(desc, node=session.node, **{k: reply["lease"][k] for k in
                                                                 ("pool", "epoch", "lease", "gen", "token", "offset")})
         return self.get(local, copy, verify, device)
@@ -85,6 +97,15 @@ class Consumer:
         self._channel.call("lookup", lease=desc.lease_ref())
         if state == STATE_MISMATCH:  # the daemon found it fine: the table is the authority on ranges
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease {desc.lease}'s range in the lease table differs from the descriptor's")
+
+
+_fabric_warned: set[str] = set()
+
+
+def _warn_fabric_fallback(node: str, exc: Exception) -> None:
+    if node not in _fabric_warned:  # once per owner node: every get of its features would say the same
+        _fabric_warned.add(node)
+        log.warning("node %r's FABRIC handle does not import here (%s); its features are pulled instead", node, exc)
 
 
 def _into_pool(session: Session, device: Any) -> dict[str, int]:

@@ -170,7 +170,7 @@ def remote_get(core: DaemonCore, req: m.RemoteGetRequest, now: float) -> Deferre
     A quiet one is a prefetch: the pull starts, and nobody waits for it."""
     remote = _remote(core)
 
-    return Deferred(lambda respond: remote.get(req.node, req.lease, req.wait_s, respond, now, req.into_pool))
+    return Deferred(lambda respond: remote.get(req.node, req.lease, req.wait_s, respond, now, req.into_pool, req.pull))
 
 
 def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> Reply:

@@ -372,6 +372,7 @@ class Mesh:
                     "pools": [pool.model_dump(exclude={"fabric", "addr"})
                               | {"fabric": pool.fabric is not None, "pullable": pool.addr != 0}
                               for pool in p.hello.pools] if p.hello else [],
+                    "fabric_domain": p.hello.fabric_domain.model_dump() if p.hello and p.hello.fabric_domain else None,
                     "rtt_ms": round(p.rtt_s * 1e3, 3) if p.rtt_s is not None else None,
                     "last_seen_s": round(now - p.last_seen, 3) if p.last_seen else None,
                 }

@@ -39,6 +39,7 @@ class PeerCounters:
     acks_received: int = 0
     acks_dropped: int = 0
     ended_sent: int = 0
+    fabric_fallbacks: int = 0  # gets pulled because the client could not import the FABRIC handle
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

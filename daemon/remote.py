@@ -9,8 +9,9 @@ As the consumer's node (a client here asks for a feature another node's daemon o
   acked it); where the owner cannot say so any more (down, restarted, not reachable when a consumer
   here acks), as soon as consumers here acked it as often as gets here were handed the copy; else by
   this daemon's ``ack_ttl``.
-- A FABRIC pool in the same NVLink domain is not pulled: the client gets the relayed handle and maps
-  the owner's memory itself, after a ``check``.
+- A FABRIC pool in the same NVLink domain (both nodes announce the same cluster UUID and clique id) is
+  not pulled: the client gets the relayed handle and maps the owner's memory itself, after a ``check``.
+  A client whose import of it fails anyway asks again with ``pull``, and the feature is pulled.
 - ``relay_ack`` hands consumers' acks to the owner, batched (mesh_outbox.py).
 
 As the owner (another node pulls or acks a feature of ours): ``on_check`` records who pulled what,
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.mesh import MeshAck, MeshPool
+from mmfeat.protos.mesh import MeshAck, MeshFabricDomain, MeshPool
 from mmfeat.protos.messages import LeaseRef
 
 from .core import DaemonCore
@@ -73,10 +74,15 @@ class _Check:
     deadline: float
 
 
-def route(pool: MeshPool, local_fabric: bool) -> str:
+def route(pool: MeshPool, local: Optional[MeshFabricDomain], peer: Optional[MeshFabricDomain],
+          pull: bool = False) -> str:
     """How a feature in a peer's ``pool`` reaches a client here: "fabric" (the client maps the owner's
-    memory through the relayed FABRIC handle) or "pull" (NIXL copies it into this node's pool)."""
-    if pool.kind == "cuda" and pool.handle == "fabric" and pool.fabric is not None and local_fabric:
+    memory through the relayed FABRIC handle) or "pull" (NIXL copies it into this node's pool).
+    ``local``/``peer``: the NVLink domains this node and the owner announce; a FABRIC handle imports only
+    within one cluster UUID and clique, so anything else is pulled. ``pull``: the client's import of the
+    handle failed (no IMEX channel in its container, say), so it asks for the bytes instead."""
+    if (not pull and pool.kind == "cuda" and pool.handle == "fabric" and pool.fabric is not None
+            and local is not None and peer == local):
         return "fabric"
     return "pull"
 
@@ -97,7 +103,8 @@ def fabric_reply(node: str, epoch: int, pool: MeshPool, ref: LeaseRef) -> dict[s
 
 
 class RemoteFeatures:
-    def __init__(self, core: DaemonCore, mesh: Mesh, puller: Optional[Puller], no_puller: str) -> None:
+    def __init__(self, core: DaemonCore, mesh: Mesh, puller: Optional[Puller], no_puller: str,
+                 fabric_domain: Optional[dict[str, Any]] = None) -> None:
         self.core = core
         self.mesh = mesh
         self.puller = puller
@@ -113,8 +120,8 @@ class RemoteFeatures:
         self._node_keys: dict[str, str] = {}  # node -> the key of the peer copies of its features came from
         self.counters: dict[str, PeerCounters] = {}
         self.outbox = MeshOutbox(mesh, core.epoch, self.peer_counters)
-        # FABRIC pools here mean this node's probe found a multi-node NVLink domain with IMEX.
-        self.local_fabric = any(p.handle == "fabric" for p in core.pools.values())
+        # Set only where this node's FABRIC pools (its probe found an NVLink domain with IMEX) share one.
+        self.fabric_domain = MeshFabricDomain(**fabric_domain) if fabric_domain else None
 
     def peer_counters(self, peer: str) -> PeerCounters:
         return self.counters.setdefault(peer, PeerCounters())
@@ -122,9 +129,10 @@ class RemoteFeatures:
     # --- a client here asks for another node's feature ----------------------------------------
 
     def get(self, node: str, ref: LeaseRef, timeout: float, respond: Optional[Respond], now: float,
-            into_pool: Optional[int] = None) -> None:
+            into_pool: Optional[int] = None, pull: bool = False) -> None:
         """``respond`` None: a prefetch, which starts the pull (or finds it under way) and waits for nothing.
-        ``into_pool``: where the client would like the copy (copy_pool)."""
+        ``into_pool``: where the client would like the copy (copy_pool). ``pull``: pulled even on the
+        FABRIC route, whose handle the client could not import."""
         peer = self._peer(node)
         hello = peer.hello
         assert hello is not None
@@ -137,7 +145,9 @@ class RemoteFeatures:
         if ref.offset + ref.nbytes > pool.size:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{ref.offset}, +{ref.nbytes}) is outside pool {ref.pool} of {node!r}")
         deadline = now + timeout * 0.9
-        if route(pool, self.local_fabric) == "fabric":
+        if pull and respond is not None:
+            self.peer_counters(peer.config.public_key).fabric_fallbacks += 1
+        if route(pool, self.fabric_domain, hello.fabric_domain, pull) == "fabric":
             if respond is not None:  # nothing to fetch ahead: the client maps the owner's memory itself
                 self._check(peer, ref, None, [(respond, deadline)], pool, now)
             return

@@ -98,6 +98,7 @@ class Server:
         self._mesh: Optional[Mesh] = None
         self._puller: Optional[Puller] = None
         self._remote: Optional[RemoteFeatures] = None
+        self._fabric_domain: Optional[dict] = None  # the NVLink domain this node announces to its peers
         self._fd_limit = 0
 
     @property
@@ -136,8 +137,12 @@ class Server:
             from .remote import RemoteFeatures
 
             no_puller = self._start_puller()
+            if any(p.handle == "fabric" for p in self.core.pools.values()):
+                from .pools.fabric_probe import pools_fabric_domain
+
+                self._fabric_domain = pools_fabric_domain(self.core.pools.values())
             self._mesh = Mesh(self._ctx, self.settings, self._mesh_hello, self._owns)
-            self._remote = RemoteFeatures(self.core, self._mesh, self._puller, no_puller)
+            self._remote = RemoteFeatures(self.core, self._mesh, self._puller, no_puller, self._fabric_domain)
             self._mesh.handler = self._remote
             self.core.remote = self._remote
             self.core.free_observers.append(self._remote.on_free)
@@ -197,7 +202,8 @@ class Server:
         return {"node": self.settings.node_id, "epoch": self.core.epoch, "pools": pools,
                 "nixl": self._puller.metadata if self._puller is not None else None,
                 "table": {"addr": self._puller.table_addr, "slots": self.core.table.slots}
-                if self._puller is not None and self._puller.table_addr else None}
+                if self._puller is not None and self._puller.table_addr else None,
+                "fabric_domain": self._fabric_domain}
 
     def _mesh_stats(self) -> dict:
         assert self._mesh is not None and self._remote is not None

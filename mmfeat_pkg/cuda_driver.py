@@ -12,6 +12,7 @@ import ctypes
 import os
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -218,18 +219,30 @@ def access_desc(ordinal: int, readonly: bool = False) -> Any:
 
 
 IMEX_CHANNELS = Path("/dev/nvidia-caps-imex-channels")
+# Test-only stand-ins for what a machine without an NVLink fabric cannot show: NVML's fabric answer
+# ("<32 hex digits of cluster UUID>:<clique id>", state COMPLETED) and the IMEX channel directory.
+TEST_ONLY_FABRIC_ENV = "MMFEAT_TEST_ONLY_FABRIC"
+TEST_ONLY_IMEX_ENV = "MMFEAT_TEST_ONLY_IMEX_CHANNELS"
 
 
-def nvml_fabric_state(ordinal: int) -> tuple[bool, str]:
-    """NVML fabric state COMPLETED with a non-zero cluster UUID for the CUDA device ``ordinal``."""
-    try:
-        import pynvml
-    except ImportError:
-        return False, "nvidia-ml-py is not installed, so the NVLink fabric state is unknown"
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:
-        return False, f"NVML is unavailable ({exc})"
+@dataclass(frozen=True)
+class FabricDomain:
+    """Where a GPU sits in a multi-node NVLink fabric: only GPUs with the same cluster UUID and clique id
+    reach each other's memory through FABRIC handles (NCCL groups MNNVL peers by exactly these two)."""
+
+    cluster_uuid: str  # 32 lowercase hex digits, never all zero
+    clique: int
+
+
+def _fabric_info(ordinal: int) -> tuple[int, bytes, int]:
+    """NVML's (state, cluster UUID bytes, clique id) for the CUDA device ``ordinal``; raises on failure."""
+    fake = os.environ.get(TEST_ONLY_FABRIC_ENV)
+    if fake:
+        uuid, _, clique = fake.partition(":")
+        return 3, bytes.fromhex(uuid), int(clique or 0)
+    import pynvml
+
+    pynvml.nvmlInit()
     try:
         # NVML numbers devices ignoring CUDA_VISIBLE_DEVICES; the PCI bus id is the same in both.
         bus_id = ck("cuDeviceGetPCIBusId", cu.cuDeviceGetPCIBusId(32, device(ordinal)))
@@ -237,24 +250,43 @@ def nvml_fabric_state(ordinal: int) -> tuple[bool, str]:
         handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
         info = pynvml.c_nvmlGpuFabricInfoV_t()
         pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
-        state = int(info.state)
-        uuid = bytes(info.clusterUuid)
-    except Exception as exc:
-        return False, f"NVML reports no GPU fabric for device {ordinal} ({exc})"
+        return int(info.state), bytes(info.clusterUuid), int(info.cliqueId)
     finally:
         try:
             pynvml.nvmlShutdown()
         except Exception:
             pass
-    if state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED:
-        return False, f"NVML fabric state is {state}, not COMPLETED (3)"
-    if not any(uuid):
-        return False, "NVML fabric is COMPLETED but the cluster UUID is zero"
-    return True, "NVML fabric COMPLETED"
 
 
-def imex_channel_present(channels: Path = IMEX_CHANNELS) -> tuple[bool, str]:
+def nvml_fabric_state(ordinal: int) -> tuple[bool, str]:
+    """NVML fabric state COMPLETED with a non-zero cluster UUID for the CUDA device ``ordinal``."""
+    domain, why = fabric_domain(ordinal)
+    return domain is not None, why
+
+
+def fabric_domain(ordinal: int) -> tuple[Optional[FabricDomain], str]:
+    """The device's fabric domain when NVML reports its fabric COMPLETED with a non-zero cluster UUID,
+    else None; and why, in words."""
+    if not os.environ.get(TEST_ONLY_FABRIC_ENV):
+        try:
+            import pynvml  # noqa: F401
+        except ImportError:
+            return None, "nvidia-ml-py is not installed, so the NVLink fabric state is unknown"
+    try:
+        state, uuid, clique = _fabric_info(ordinal)
+    except Exception as exc:
+        return None, f"NVML reports no GPU fabric for device {ordinal} ({exc})"
+    if state != 3:  # NVML_GPU_FABRIC_STATE_COMPLETED
+        return None, f"NVML fabric state is {state}, not COMPLETED (3)"
+    if len(uuid) != 16 or not any(uuid):
+        return None, "NVML fabric is COMPLETED but the cluster UUID is zero"
+    return FabricDomain(uuid.hex(), clique), "NVML fabric COMPLETED"
+
+
+def imex_channel_present(channels: Optional[Path] = None) -> tuple[bool, str]:
     """Any IMEX channel this user can open (a ComputeDomain may hand a pod channel N, not channel0)."""
+    if channels is None:
+        channels = Path(os.environ.get(TEST_ONLY_IMEX_ENV) or IMEX_CHANNELS)
     found = sorted(channels.glob("channel*")) if channels.is_dir() else []
     if not found:
         return False, f"no IMEX channel in {channels}: configure the MNNVL compute domain"

@@ -56,6 +56,14 @@ class MeshTable(_Mesh):
     slots: Annotated[int, Field(gt=0, le=1 << 24)]
 
 
+class MeshFabricDomain(_Mesh):
+    """The sender's multi-node NVLink domain (NVML's cluster UUID and clique id of its FABRIC pools'
+    GPUs): a FABRIC handle is only importable between nodes that announce the same one."""
+
+    cluster_uuid: Annotated[str, Field(pattern="^[0-9a-f]{32}$")]
+    clique: Annotated[int, Field(ge=0, le=(1 << 32) - 1)]
+
+
 class MeshHello(_Mesh):
     """Who a daemon is: sent on connecting and again whenever its epoch changes."""
 
@@ -66,6 +74,7 @@ class MeshHello(_Mesh):
     # READ the registered pools. It travels only here, over CURVE, to listed peers.
     nixl: Optional[Annotated[bytes, Field(min_length=1, max_length=MAX_NIXL_METADATA)]] = None
     table: Optional[MeshTable] = None  # with nixl: the lease table, registered too
+    fabric_domain: Optional[MeshFabricDomain] = None  # None: no FABRIC pool, or its domain is unknown
 
 
 class MeshLease(_Mesh):

@@ -87,6 +87,8 @@ class RemoteGetRequest(_Message):
     # The pool of this daemon's (its numbering) the client would read a pulled copy from: the one on its
     # GPU, on a node with a pool per GPU. A hint: another pool is used if that one cannot take pulls.
     into_pool: Optional[Annotated[int, Field(ge=0, le=1023)]] = None
+    # The client could not import the owner's FABRIC handle that this daemon relayed: pull the bytes instead.
+    pull: bool = False
 
 
 class ArenaRequest(_Message):

@@ -199,7 +199,8 @@ def test_every_nvml_name_the_fabric_checks_use_exists() -> None:
                  "nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfoV_t", "NVML_GPU_FABRIC_STATE_COMPLETED"):
         assert hasattr(pynvml, name), name
     info = pynvml.c_nvmlGpuFabricInfoV_t()
-    assert len(bytes(info.clusterUuid)) == 16 and int(info.state) == 0
+    assert len(bytes(info.clusterUuid)) == 16 and int(info.state) == 0 and int(info.cliqueId) == 0
+    assert pynvml.NVML_GPU_FABRIC_STATE_COMPLETED == 3  # cuda_driver.fabric_domain compares with 3
 
 
 def test_dlpack_view_has_no_copy_and_keeps_its_owner_until_the_last_view() -> None:

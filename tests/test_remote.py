@@ -20,7 +20,8 @@ from mmfeat.client.channel import ControlChannel
 from mmfeat.daemon.metrics import _mesh_metrics
 from mmfeat.daemon.remote import copy_pool, fabric_reply, route
 from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.mesh import FABRIC_HANDLE_BYTES, MeshPool
+from mmfeat.protos.mesh import (FABRIC_HANDLE_BYTES, MeshError, MeshFabricDomain, MeshPool, decode_mesh,
+                                 encode_mesh)
 from mmfeat.protos.messages import LeaseRef
 from mmfeat.protos.paths import control_endpoint
 
@@ -251,11 +252,23 @@ def test_an_idle_meshed_daemon_with_nixl_costs_next_to_no_cpu_and_has_its_cuda_r
 
 def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> None:
     fabric = MeshPool(pool=0, kind="cuda", device=0, handle="fabric", size=1 << 30, fabric=b"\1" * FABRIC_HANDLE_BYTES)
-    assert route(fabric, local_fabric=True) == "fabric"
-    assert route(fabric, local_fabric=False) == "pull"  # no MNNVL domain here: the bytes are pulled
+    here = MeshFabricDomain(cluster_uuid="ab" * 16, clique=7)
+    assert route(fabric, here, MeshFabricDomain(cluster_uuid="ab" * 16, clique=7)) == "fabric"
+    # NCCL's MNNVL rule: another clique, or another cluster, cannot import the handle.
+    assert route(fabric, here, MeshFabricDomain(cluster_uuid="ab" * 16, clique=8)) == "pull"
+    assert route(fabric, here, MeshFabricDomain(cluster_uuid="cd" * 16, clique=7)) == "pull"
+    assert route(fabric, here, None) == "pull"  # the owner announced no domain (NVML could not say)
+    assert route(fabric, None, here) == "pull"  # no MNNVL domain here: the bytes are pulled
+    assert route(fabric, here, here, pull=True) == "pull"  # the client's import failed
     posix = MeshPool(pool=0, kind="cuda", device=0, handle="posix_fd", size=1 << 30)
-    assert route(posix, local_fabric=True) == "pull"
-    assert route(MeshPool(pool=0, kind="host", device=-1, handle="posix_fd", size=1 << 20), local_fabric=True) == "pull"
+    assert route(posix, here, here) == "pull"
+    assert route(MeshPool(pool=0, kind="host", device=-1, handle="posix_fd", size=1 << 20), here, here) == "pull"
+    hello = {"node": "a", "epoch": 1, "pools": [], "fabric_domain": {"cluster_uuid": "ab" * 16, "clique": 7}}
+    assert decode_mesh(encode_mesh("hello", hello))[1].fabric_domain == here
+    for bad in ({"cluster_uuid": "AB" * 16, "clique": 7}, {"cluster_uuid": "ab" * 15, "clique": 7},
+                {"cluster_uuid": "ab" * 16, "clique": -1}, {"cluster_uuid": "ab" * 16, "clique": 1 << 32}):
+        with pytest.raises(MeshError):
+            decode_mesh(encode_mesh("hello", {**hello, "fabric_domain": bad}))
     # What the client then maps: the fields client/cuda_import.py reads for a FABRIC pool of its own daemon.
     ref = LeaseRef(pool=0, epoch=9, lease=3, gen=4, token=b"t" * 16, offset=256, nbytes=1024)
     reply = fabric_reply("a", 9, fabric, ref)

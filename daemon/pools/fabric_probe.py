@@ -8,10 +8,13 @@ where the create succeeds, which is why NCCL's MNNVL check goes through all four
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Optional
 
 from mmfeat import cuda_driver as drv
+
+log = logging.getLogger("mmfeatd")
 
 
 @dataclass(frozen=True)
@@ -67,3 +70,26 @@ def probe_fabric(ordinal: int) -> FabricVerdict:
         return FabricVerdict(False, f"cannot make device {ordinal}'s context current ({exc.name})")
     finally:
         drv.release_primary_context(ordinal, ctx)
+
+
+def pools_fabric_domain(pools: Iterable[Any]) -> Optional[dict[str, Any]]:
+    """The NVLink domain this daemon announces to its peers: the one its FABRIC pools' GPUs share, as
+    ``{cluster_uuid, clique}``. None without FABRIC pools, when NVML cannot say, or when the GPUs disagree
+    (no peer could then import every pool's handle)."""
+    domains = set()
+    for pool in pools:
+        if getattr(pool, "handle", None) != "fabric":
+            continue
+        domain, why = drv.fabric_domain(pool.device)
+        if domain is None:
+            log.warning("GPU %d's NVLink domain is unknown (%s); other nodes will pull its features", pool.device, why)
+            return None
+        domains.add(domain)
+    if len(domains) != 1:
+        if domains:
+            log.warning("this node's FABRIC pools are in %d NVLink domains; other nodes will pull their features",
+                        len(domains))
+        return None
+    domain = domains.pop()
+    log.info("NVLink domain: cluster %s, clique %d", domain.cluster_uuid, domain.clique)
+    return {"cluster_uuid": domain.cluster_uuid, "clique": domain.clique}

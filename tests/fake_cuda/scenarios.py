@@ -158,8 +158,26 @@ def map_failure_remembered() -> None:
     mark(f"import failures: {cuda_import.import_failures()}")
 
 
+def fabric_get() -> None:
+    """A consumer on one node gets another node's feature ($MMFEAT_TEST_DESC, hex) through its own daemon
+    ($MMFEAT_RUNTIME_DIR), which may relay the owner's FABRIC handle."""
+    from mmfeat.client import Client
+    from mmfeat.protos.errors import MmfeatError
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    with Client(timeout=20) as c:
+        try:
+            c.get(bytes.fromhex(os.environ["MMFEAT_TEST_DESC"]))
+            mark("got the feature")
+        except MmfeatError as exc:
+            mark(f"get raised {exc.code.value}: {exc}")
+        except Exception as exc:
+            mark(f"get raised {type(exc).__name__}: {exc}")
+
+
 SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools,
-                                      map_failure_remembered)}
+                                      map_failure_remembered, fabric_get)}
 
 if __name__ == "__main__":
     drv.driver_unavailable_reason()
