@@ -24,6 +24,7 @@ from mmfeat.protos.messages import MAX_CONSUMERS
 
 from .acked import AckedLeases
 from .channel import ControlChannel
+from .pinned import PendingCopies, pending_key
 from .session import Session
 
 log = logging.getLogger("mmfeat.client")
@@ -33,8 +34,10 @@ _MAX_UNCONFIRMED_ACKS = 1024
 
 
 class Acks:
-    def __init__(self, connect: Callable[[], Session], channel: ControlChannel, timeout: float) -> None:
+    def __init__(self, connect: Callable[[], Session], channel: ControlChannel, timeout: float,
+                 pending: Optional[PendingCopies] = None) -> None:
         self._connect = connect
+        self._pending = pending if pending is not None else PendingCopies()
         self._channel = channel
         self._timeout = timeout
         self._acker: Optional[Any] = None
@@ -46,6 +49,12 @@ class Acks:
             raise ValueError(f"count must be between 1 and {MAX_CONSUMERS}")
         if desc.is_inline:
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
+        staged = self._pending.take(pending_key(desc))
+        if staged is not None:  # get(device=) of a host-pool feature: its DMA may still be reading the pool
+            if wait:
+                staged.synchronize()
+            elif after is None:
+                after = staged
         session = self._connect()
         local = desc.node == session.node and desc.epoch == session.epoch
         if (after is None and not wait and local

@@ -25,6 +25,7 @@ from .acks import Acks
 from .channel import ControlChannel
 from .consumer import Consumer
 from .fallbacks import FallbackTracker
+from .pinned import PendingCopies
 from .producer import Producer
 from .reservations import Reservations, ShapeLike, TensorOrList
 from .session import Session, open_session
@@ -79,8 +80,9 @@ class Client:
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
                                   inline_max, fallback)
         self._reservations = Reservations(self._producer)
-        self._consumer = Consumer(self._connect, self._channel)
-        self._acks = Acks(self._connect, self._channel, timeout)
+        pending = PendingCopies()  # staged copies from host pools: get() adds them, ack() waits for them
+        self._consumer = Consumer(self._connect, self._channel, pending)
+        self._acks = Acks(self._connect, self._channel, timeout, pending)
         # A process that exits (or drops the client) without close() still reports its fallbacks.
         self._report_at_exit = weakref.finalize(self, self._fallbacks.close, 1.0)
 
@@ -237,10 +239,11 @@ class Client:
         pool itself: an in-place op on it changes what every consumer reads (with ``readonly=True`` it
         kills this process instead), so work in place on ``copy=True`` tensors, which are private.
         ``device`` (a CUDA device) stages a private copy into that device's own memory on its current
-        stream. ``verify`` checks that the lease is still live, so a descriptor that
-        outlived its lease raises STALE or NOT_FOUND instead of reading reused memory. The check reads the
-        daemon's lease table (shared memory): a live lease costs no round trip, and only a lease the
-        table calls gone is looked up, for the reason.
+        stream: complete when get returns, except for a host-pool feature, copied from pinned pages
+        without waiting, whose next ``ack`` waits for that copy. ``verify`` checks that the lease is
+        still live, so a descriptor that outlived its lease raises STALE or NOT_FOUND instead of reading
+        reused memory. The check reads the daemon's lease table (shared memory): a live lease costs no
+        round trip, and only a lease the table calls gone is looked up, for the reason.
         """
         return self._consumer.get(_as_descriptor(desc), copy, verify, device)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -15,6 +15,9 @@ from . import tensors as tz
 from .channel import ControlChannel
 from .session import Session
 from .stream_wait import wait_for_current_stream
+from .mapping import HostMapping
+from .pinned import PendingCopies, pending_key, pinned_view
+from .policy import feature_staging
 from .table import STATE_FREE, STATE_MISMATCH
 
 log = logging.getLogger("mmfeat.client")
@@ -23,9 +26,10 @@ Tensors = Union[torch.Tensor, list[torch.Tensor]]
 
 
 class Consumer:
-    def __init__(self, connect: Callable[[], Session], channel: ControlChannel) -> None:
+    def __init__(self, connect: Callable[[], Session], channel: ControlChannel, pending: PendingCopies) -> None:
         self._connect = connect
         self._channel = channel
+        self._pending = pending  # staged copies from host pools still in flight, which their acks wait for
 
     def get(self, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
         if desc.is_inline:
@@ -43,12 +47,34 @@ class Consumer:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
         if verify:
             self.verify(session, desc)
-        pool = session.mapping(desc.pool).tensor
+        mapping = session.mapping(desc.pool)
+        if device is not None and pool["kind"] == "host" and feature_staging("host", device) == "pinned_async":
+            staged = self._stage(mapping, desc, device)
+            if staged is not None:
+                return staged  # the lease cannot end before this consumer's ack, which waits for the copy
+        pool = mapping.tensor
         out = _finish([tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors], desc.many, copy, device)
         if verify and (copy or device is not None):
             # The lease may have ended while we copied; then the copy may hold someone else's bytes.
             self.verify(session, desc)
         return out
+
+    def _stage(self, mapping: HostMapping, desc: Descriptor, device: Any) -> Optional[Tensors]:
+        """A host-pool feature copied into a GPU's memory from the pool's pinned pages, on that device's
+        current stream, without waiting: the feature's ack waits for the copy's event instead. None where
+        the pool cannot be pinned (then the caller copies synchronously)."""
+        target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        ordinal = target.index if target.index is not None else torch.cuda.current_device()
+        pinned = pinned_view(mapping, ordinal)
+        if pinned is None:
+            return None
+        target = torch.device("cuda", ordinal)
+        with torch.cuda.device(ordinal):
+            out = [tz.pool_view(pinned, desc.offset, spec).to(target, non_blocking=True) for spec in desc.tensors]
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(ordinal))
+        self._pending.add(pending_key(desc), event)
+        return out if desc.many else out[0]
 
     def prefetch(self, desc: Descriptor) -> None:
         """Have this node's daemon start pulling another node's feature now, so that a later get() finds
@@ -85,7 +111,10 @@ class Consumer:
                 return _finish(out, desc.many, copy, device)
         local = dataclasses.replace(desc, node=session.node, **{k: reply["lease"][k] for k in
                                                                 ("pool", "epoch", "lease", "gen", "token", "offset")})
-        return self.get(local, copy, verify, device)
+        out = self.get(local, copy, verify, device)
+        # The caller acks the owner's descriptor, not the copy's: that ack must wait for a staged copy too.
+        self._pending.rekey(pending_key(local), pending_key(desc))
+        return out
 
     def verify(self, session: Session, desc: Descriptor) -> None:
         """Raise unless the lease table shows ``desc``'s lease live with exactly its pool, offset and size.

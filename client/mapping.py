@@ -6,7 +6,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -15,6 +15,11 @@ class HostMapping:
     epoch: int
     size: int
     tensor: Any  # torch.uint8 tensor over the whole pool; it keeps the mmap alive
+    readonly: bool = False
+    # The same pages registered with the CUDA driver (client/pinned.py), made on a GPU consumer's first
+    # staged get and kept as long as the mapping; pin_error: why it could not be, so it is not retried.
+    pinned: Any = None
+    pin_error: Optional[str] = None
 
 
 _lock = threading.Lock()
@@ -44,7 +49,7 @@ def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int, r
             else:
                 mm = mmap.mmap(fd, size, flags=flags)
             tensor = torch.frombuffer(mm, dtype=torch.uint8)
-            mapping = HostMapping(pool_id, epoch, size, tensor)
+            mapping = HostMapping(pool_id, epoch, size, tensor, readonly)
             _cache[(endpoint, pool_id, epoch, readonly)] = mapping
             return mapping
     finally:

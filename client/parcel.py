@@ -94,7 +94,7 @@ def loads(data: bytes, *, client: Optional[Client] = None, device: Any = None) -
         tensors = [dlpack.keep_alive(t, lease) for t in tensors]
     parcel = Parcel(_unpickle(payload, tensors), lease, payload, tensors)
     if device is not None:
-        parcel.ack()  # private copies, complete when get returned: the pool's bytes are not needed
+        parcel.ack()  # private copies: the pool's bytes are not needed once a staged copy (the ack waits) is done
     return parcel
 
 

@@ -6,6 +6,11 @@ the node's topology and whether the model opted in. The tiers are SGLang's (shar
 - auto on several nodes with an MNNVL fabric, an IMEX channel and an opted-in model: the pool, shared
   as a CUDA FABRIC handle. Not opted in, no IMEX channel, or no fabric: inline, and the log says which.
 - ``cuda_vmm`` asked for: validated; TransportConfigError when it cannot work, never a silent fallback.
+
+Within the pool, where a feature lives (``feature_pool``) follows where it was made: a tensor already on
+a GPU goes to that GPU's pool; one made on the CPU (an image processor's pixel values) goes to the host
+pool on one node, and each GPU consumer stages it from there (``feature_staging``) with one DMA from
+pinned pages, so the producer never touches a GPU for it.
 """
 
 from __future__ import annotations
@@ -141,3 +146,29 @@ def resolve_transport(requested: str, topology: Topology, model_opt_in: bool) ->
         log.info("multimodal feature transport resolved to %s%s: %s", decision.transport,
                  f" ({decision.handle})" if decision.handle else "", decision.reason)
     return decision
+
+
+def feature_pool(pools: list[dict[str, Any]], gpu_pool: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The pool a producer puts a feature in. ``pools``: the daemon's pools (pool_info); ``gpu_pool``: the
+    pool on the GPU the tensor is on, None for a CPU tensor (or a GPU without a pool). A CPU tensor goes
+    to a host pool where the daemon has one and no FABRIC pool (one node: consumers stage it with a DMA
+    each, the producer copies nothing into HBM); across nodes the FABRIC pool lets other nodes map it."""
+    if gpu_pool is not None:
+        return gpu_pool
+    if not any(p["kind"] == "cuda" and p["handle"] == "fabric" for p in pools):
+        host = next((p for p in pools if p["kind"] == "host"), None)
+        if host is not None:
+            return host
+    return pools[0]
+
+
+def feature_staging(pool_kind: str, device: Any) -> str:
+    """How ``get(desc, device=device)`` makes its copy of a feature in a ``pool_kind`` pool:
+    "pinned_async" (a host-pool feature to a GPU: one DMA from the registered pages, on the current
+    stream, the ack deferred to its event) or "sync" (anything else: copied, then waited for)."""
+    if pool_kind != "host" or device is None:
+        return "sync"
+    if isinstance(device, int):
+        return "pinned_async"
+    kind = device.type if hasattr(device, "type") else str(device).split(":", 1)[0]
+    return "pinned_async" if kind == "cuda" else "sync"

@@ -20,6 +20,7 @@ from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, FallbackReason
 from . import tensors as tz
 from .channel import ControlChannel
 from .fallbacks import FallbackTracker
+from .policy import feature_pool
 from .session import Session
 from .stream_wait import wait_for_current_stream
 
@@ -116,7 +117,7 @@ class Producer:
         arenas = session.arenas
         if arenas is None:
             return None
-        placed = arenas.place(pool["pool"], pool["device"] if pool["kind"] == "cuda" else None, nbytes)
+        placed = arenas.place(pool["pool"], pool["device"], nbytes)
         if placed is None:
             return None
         token = os.urandom(TOKEN_BYTES)
@@ -136,12 +137,8 @@ class Producer:
         return desc
 
     def _pool_for(self, session: Session, device: Optional[int]) -> dict[str, Any]:
-        if device is not None:
-            pool = session.pool_on_local_device(device)
-            if pool is not None:
-                return pool
-        # A host pool (the daemon's first pool for a CPU tensor; it decides for a GPU without a pool).
-        return next(iter(session.pools.values()))
+        gpu_pool = session.pool_on_local_device(device) if device is not None else None
+        return feature_pool(list(session.pools.values()), gpu_pool)
 
     def _descriptor(self, session: Session, pool_id: int, specs: list[TensorSpec], nbytes: int, many: bool, lease: int,
                     gen: int, token: bytes, offset: int) -> Descriptor:
@@ -159,8 +156,9 @@ class Producer:
     def _reserve(self, session: Session, pool: dict[str, Any], nbytes: int, consumers: int) -> tuple[Session, dict[str, Any]]:
         """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
         fields: dict[str, Any] = {"session": session.token, "nbytes": nbytes, "consumers": consumers}
-        if pool["kind"] == "cuda":
-            fields["device"] = pool["device"]  # the daemon's ordinal of the GPU this tensor is on
+        # The daemon's ordinal of the GPU this tensor is on, or -1: its host pool, which on a GPU node is
+        # not its first pool.
+        fields["device"] = pool["device"]
         try:
             return session, self._channel.call("reserve", **fields)
         except MmfeatError as exc:

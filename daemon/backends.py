@@ -20,7 +20,17 @@ def create_pools(settings: Settings) -> list[Pool]:
 
         reason = cuda_unavailable_reason(settings.devices)
         if reason is None:
-            return create_cuda_pools(settings)
+            pools = create_cuda_pools(settings)
+            if settings.host_pool_mb:
+                try:
+                    pools.append(HostPool(len(pools), settings.host_pool_mb << 20))
+                except BaseException:
+                    for pool in pools:
+                        pool.close()
+                    raise
+                log.info("host pool %d: %d MiB beside the GPU pools, for features made on the CPU; GPU consumers "
+                         "stage them from pinned pages", len(pools) - 1, settings.host_pool_mb)
+            return pools
         if backend == "cuda_vmm":
             raise PoolCreateError(f"backend cuda_vmm cannot work here: {reason}")
         log.info("backend auto chose host memory: %s", reason)

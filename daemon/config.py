@@ -28,6 +28,8 @@ HELP: dict[str, str] = {
     "backend": "auto (cuda_vmm where a CUDA device is usable, else host), host, or cuda_vmm",
     "pool_mb": "pool size in MiB (per device for cuda_vmm)",
     "devices": "CUDA device ordinals that get a pool (cuda_vmm only)",
+    "host_pool_mb": "MiB of a host pool beside the GPU pools (cuda_vmm): CPU tensors go there and GPU consumers "
+                    "stage them with one DMA each; 0: none",
     "nnodes": "nodes in the NVLink domain; > 1 asks for FABRIC handles where the fabric probe passes",
     "reserve_ttl": "seconds a RESERVED lease may stay unpublished before it is freed",
     "ack_ttl": "seconds a PUBLISHED lease may wait for its acks before it is freed",
@@ -88,6 +90,7 @@ class Settings(BaseModel):
     backend: Literal["auto", "host", "cuda_vmm"] = "auto"
     pool_mb: int = Field(1024, ge=1, le=1 << 22)
     devices: list[int] = Field(default_factory=lambda: [0])
+    host_pool_mb: int = Field(0, ge=0, le=1 << 22)
     nnodes: int = Field(1, ge=1, le=1024)
     reserve_ttl: float = Field(30.0, gt=0, le=86400)
     ack_ttl: float = Field(300.0, gt=0, le=7 * 86400)

@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: none)")
     p.add_argument("--runtime-dir", dest="runtime_dir", type=Path)
     p.add_argument("--pool-mb", dest="pool_mb", type=int)
+    p.add_argument("--host-pool-mb", dest="host_pool_mb", type=int)
     p.add_argument("--backend", choices=["auto", "host", "cuda_vmm"])
     p.add_argument("--devices", type=_ordinals)
     p.add_argument("--nnodes", type=int)

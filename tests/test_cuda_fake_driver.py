@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from . import fake_cuda
+from mmfeat.protos.descriptor import Descriptor
+
+from . import fake_cuda, workers
 from .conftest import start_daemon
 
 
@@ -101,3 +103,67 @@ def test_a_pool_that_failed_to_map_is_not_imported_again_until_the_retry(libdir,
     # Each failed attempt gave back its context reference.
     retains, releases = (len(re.findall(rf"^cuDevicePrimaryCtx{c}", log, re.M)) for c in ("Retain", "Release"))
     assert retains == releases
+
+
+def test_a_host_pool_is_pinned_once_per_mapping_and_unpinned_once_after_its_last_view(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "pin_host_pool")
+    addr = re.search(r"=== mapped at (0x[0-9a-f]+)", log).group(1)
+    assert "=== gets: 3 pinned, same tensor: True" in log, log
+    registers = re.findall(r"^cuMemHostRegister\((0x[0-9a-f]+), size=(\d+), flags=(\d+)\)", log, re.M)
+    assert registers == [(addr, str(4 << 20), "1")], log  # the whole mapping, PORTABLE, once for all three gets
+    assert _calls_with_context(log, "cuMemHostRegister") == ["0x1000"]
+    assert f"=== view at {int(addr, 16) + 4096:#x}, cpu" in log
+    alive, gone = log.split("=== mapping dropped; drop the view\n", 1)
+    assert "cuMemHostUnregister" not in alive, "unpinned while a view of the pages was alive"
+    assert re.findall(r"^cuMemHostUnregister\((0x[0-9a-f]+)\)", gone, re.M) == [addr], log
+    assert _calls_with_context(log, "cuMemHostUnregister") == ["0x1000"]
+    assert 0 <= gone.find("cuCtxSynchronize()") < gone.find("cuMemHostUnregister("), "a DMA may still read the pages"
+    # The registration's context reference is given back; the consumer's own stays.
+    retains, releases = (len(re.findall(rf"^cuDevicePrimaryCtx{c}\(dev=0\)", log, re.M)) for c in ("Retain", "Release"))
+    assert retains == releases + 1 and "DESTROYED" not in log
+
+
+def test_a_read_only_host_pool_is_pinned_read_only(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "pin_host_pool", MMFEAT_TEST_READONLY="1")
+    assert re.findall(r"^cuMemHostRegister\(.*flags=(\d+)\)", log, re.M) == ["9"], log  # PORTABLE | READ_ONLY
+    assert len(re.findall(r"^cuMemHostUnregister\(", log, re.M)) == 1
+
+
+def test_a_host_pool_that_cannot_be_pinned_is_asked_once(libdir, tmp_path) -> None:
+    log = _run(libdir, tmp_path, "pin_host_pool", STUB_HOSTREGISTER_FAIL="1")
+    assert "=== gets: 0 pinned" in log and len(re.findall(r"^cuMemHostRegister\(", log, re.M)) == 1, log
+    assert "cuMemHostUnregister" not in log
+    retains, releases = (len(re.findall(rf"^cuDevicePrimaryCtx{c}\(dev=0\)", log, re.M)) for c in ("Retain", "Release"))
+    assert retains == releases + 1
+
+
+def test_cpu_features_go_to_the_host_pool_beside_the_gpu_pools(libdir, runtime_dir, tmp_path, children) -> None:
+    """A producer's CPU tensors land in the daemon's host pool (host_pool_mb), not in HBM, and a consumer
+    in another process reads every byte; the GPU pool stays untouched."""
+    env = {"LD_LIBRARY_PATH": str(libdir), "STUB_LOG": str(tmp_path / "daemon.log")}
+    d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", "--host-pool-mb", "160", backend="cuda_vmm",
+                     env=env)
+    try:
+        assert [(p["kind"], p["pool"]) for p in d.stats()["pools"]] == [("cuda", 0), ("host", 1)]
+        q_prod, q_cons, results = children.Queue(), children.Queue(), children.Queue()
+        producer = children.Process(target=workers.produce, args=(str(runtime_dir), 1, q_prod))
+        consumer = children.Process(target=workers.consume, args=(str(runtime_dir), q_cons, results, False))
+        producer.start()
+        consumer.start()
+        kinds = set()
+        while (item := q_prod.get(timeout=120)) is not None:
+            desc = Descriptor.from_bytes(item[-1])
+            kinds.add((desc.kind, desc.pool))
+            q_cons.put(item)
+        q_cons.put(None)
+        out = results.get(timeout=120)
+        producer.join(30)
+        consumer.join(30)
+        assert out[0] == "ok", out
+        assert kinds == {("host", 1)}
+        stats = d.wait_for(lambda s: sum(s["leases"].values()) == 0, timeout=20, what="every feature acked")
+        assert [p["used"] for p in stats["pools"]] == [0, 0]
+    finally:
+        rc = d.stop()
+        _, err = d.proc.communicate()
+    assert rc == 0, err

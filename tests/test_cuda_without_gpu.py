@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mmfeat import cuda_driver as drv
 from mmfeat.client.policy import (
@@ -351,3 +352,26 @@ def test_the_gpu_suites_import_stage_runs_here() -> None:
     out = subprocess.run(["bash", "-c", stage], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "libatomic (table acks):" in out.stdout and "driver:" in out.stdout
+
+
+def test_cpu_features_go_to_the_host_pool_on_one_node_and_gpu_features_to_their_gpu() -> None:
+    from mmfeat.client.policy import feature_pool
+
+    gpu = {"pool": 0, "kind": "cuda", "device": 0, "handle": "posix_fd"}
+    host = {"pool": 1, "kind": "host", "device": -1, "handle": "posix_fd"}
+    assert feature_pool([gpu, host], None) is host  # made on the CPU: consumers stage it, the producer copies nothing
+    assert feature_pool([gpu, host], gpu) is gpu  # already on a GPU: its pool
+    assert feature_pool([gpu], None) is gpu  # no host pool: as before, into HBM
+    assert feature_pool([host], None) is host
+    fabric = {**gpu, "handle": "fabric"}
+    assert feature_pool([fabric, host], None) is fabric  # across nodes other nodes map the FABRIC pool
+
+
+def test_only_a_host_pool_feature_for_a_gpu_is_staged_asynchronously() -> None:
+    from mmfeat.client.policy import feature_staging
+
+    for device in (0, 3, "cuda", "cuda:1", torch.device("cuda", 2)):
+        assert feature_staging("host", device) == "pinned_async", device
+    for kind, device in (("host", None), ("host", "cpu"), ("host", torch.device("cpu")), ("cuda", 0),
+                         ("cuda", "cuda:0")):
+        assert feature_staging(kind, device) == "sync", (kind, device)

@@ -4,7 +4,8 @@
 //   was left current.
 // - Each VMM call logs the context current on the calling thread.
 // - Injected failures: STUB_{CREATE,EXPORT,IMPORT}_FAIL_TYPE=1|8 (POSIX FD | FABRIC), STUB_EXPORT_FAIL_NTH=n,
-//   STUB_SETACCESS_FAIL_DEV=d; STUB_NO_RDMA_DEV=d: device d reports no GPUDirect RDMA with VMM.
+//   STUB_SETACCESS_FAIL_DEV=d, STUB_HOSTREGISTER_FAIL=1; STUB_NO_RDMA_DEV=d: device d reports no GPUDirect RDMA
+//   with VMM.
 // - STUB_LOG=FILE: where the log goes (stderr otherwise).
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -188,6 +189,14 @@ CUresult cuMemSetAccess(u64 ptr, size_t size, const int* desc, size_t count) {
 }
 CUresult cuMemUnmap(u64 ptr, size_t size) { fprintf(L(), "cuMemUnmap(%#llx, %zu)\n", ptr, size); CUR(); return 0; }
 CUresult cuMemAddressFree(u64 ptr, size_t size) { fprintf(L(), "cuMemAddressFree(%#llx, %zu)\n", ptr, size); return 0; }
+
+CUresult cuMemHostRegister_v2(void* p, size_t size, unsigned flags) {
+    fprintf(L(), "cuMemHostRegister(%p, size=%zu, flags=%u)\n", p, size, flags);
+    CUR();
+    return envi("STUB_HOSTREGISTER_FAIL") == 1 ? 712 : 0;  // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+}
+CUresult cuMemHostRegister(void* p, size_t size, unsigned flags) { return cuMemHostRegister_v2(p, size, flags); }
+CUresult cuMemHostUnregister(void* p) { fprintf(L(), "cuMemHostUnregister(%p)\n", p); CUR(); return 0; }
 
 // cuda-bindings resolves every entry point through here: answer with this library's own symbols.
 CUresult cuGetProcAddress_v2(const char* sym, void** pfn, int ver, u64 flags, int* status) {

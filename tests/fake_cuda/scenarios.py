@@ -176,8 +176,38 @@ def fabric_get() -> None:
             mark(f"get raised {type(exc).__name__}: {exc}")
 
 
+def pin_host_pool() -> None:
+    """A GPU consumer's staged gets from a host pool: the mapping pinned on the first, reused by the
+    next ones, on devices 0 and 1; then the mapping dropped while a view of it lives, then the view.
+    $MMFEAT_TEST_READONLY=1 maps the pool read-only."""
+    from mmfeat.client import mapping as mapping_cache
+    from mmfeat.client.pinned import pinned_view
+
+    fake_torch_cuda(0)
+    runtime_context(0)  # the consumer's own use of its GPU
+    readonly = os.environ.get("MMFEAT_TEST_READONLY") == "1"
+    size = 4 << 20
+    fd = os.memfd_create("pool")
+    os.ftruncate(fd, size)
+    m = mapping_cache.map_host_pool("ep", 0, 1, fd, size, readonly)
+    mark(f"mapped at {m.tensor.data_ptr():#x}")
+    views = [pinned_view(m, dev) for dev in (0, 0, 1)]
+    mark(f"gets: {sum(v is not None for v in views)} pinned, same tensor: {views[0] is views[1] is views[2]}")
+    keep = views[0][4096:8192] if views[0] is not None else None
+    if keep is not None:
+        mark(f"view at {keep.data_ptr():#x}, {keep.device}")
+    del views
+    mapping_cache._cache.clear()  # as a new daemon epoch does
+    del m
+    gc.collect()
+    mark("mapping dropped; drop the view")
+    del keep
+    gc.collect()
+    mark("end")
+
+
 SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools,
-                                      map_failure_remembered, fabric_get)}
+                                      map_failure_remembered, fabric_get, pin_host_pool)}
 
 if __name__ == "__main__":
     drv.driver_unavailable_reason()

@@ -1,0 +1,148 @@
+"""Host pools pinned for a GPU consumer's staged gets.
+
+``get(desc, device=cuda)`` of a feature in a host pool copies it into the consumer's HBM. From pageable
+memory the driver bounces it through a staging buffer and the host thread waits; from page-locked
+memory the copy is one DMA, queued on the consumer's current stream, and the thread goes on. So the
+first such get registers the whole host mapping with the driver (``cuMemHostRegister``, once per
+mapping whatever devices later gets name: PORTABLE), and the registration lasts as long as the
+mapping. The feature's ack then waits for the copy's event (``ack(after=event)``), not the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+
+from mmfeat import cuda_driver as drv
+from mmfeat.protos.descriptor import Descriptor
+
+from . import dlpack
+from .mapping import HostMapping
+
+log = logging.getLogger("mmfeat.client")
+
+# CU_MEMHOSTREGISTER_*: PORTABLE makes the pages pinned for every context of the process, not only the
+# one current at registration; READ_ONLY is what a PROT_READ mapping (Client(readonly=True)) needs,
+# since the driver would otherwise ask for write access to pages that refuse it.
+PORTABLE, READ_ONLY = 0x01, 0x08
+
+_lock = threading.Lock()
+
+
+class _Registration:
+    """One cuMemHostRegister of a whole mapping and the primary-context reference it was made in. The
+    pinned tensors over it keep it alive (dlpack.uint8_tensor), and it keeps the mapping's pages mapped,
+    so the pages are unregistered before they can be unmapped, exactly once, after the device that may
+    still be copying from them has finished."""
+
+    def __init__(self, base: torch.Tensor, ordinal: int, ctx: Any) -> None:
+        self.base: Optional[torch.Tensor] = base
+        self.ptr: Optional[int] = base.data_ptr()
+        self.ordinal = ordinal
+        self.ctx = ctx
+
+    def close(self) -> None:
+        if self.ptr is None:
+            return
+        ptr, self.ptr = self.ptr, None  # first, so that no path can unregister twice
+        try:
+            with drv.context_current(self.ctx):
+                drv.synchronize_if_used(self.ordinal)  # a staged copy may still be reading the pages
+                drv.cu.cuMemHostUnregister(ptr)
+        finally:
+            drv.release_primary_context(self.ordinal, self.ctx)
+            self.base = None
+
+    def __del__(self, finalizing: Any = sys.is_finalizing) -> None:
+        # At exit the process's teardown frees everything, and torch and the bindings may be half gone.
+        if self.ptr is None or finalizing() or drv.cu is None:
+            return
+        try:
+            self.close()
+        except Exception:
+            pass  # a garbage collection cannot report it; the process exit unpins the pages
+
+
+def pinned_view(mapping: HostMapping, ordinal: int) -> Optional[torch.Tensor]:
+    """The mapping's pages as a tensor the driver knows to be page-locked, registered on the first call
+    (with the device ``ordinal``'s primary context current) and the same tensor afterwards. None where
+    they cannot be pinned (said once per mapping): then gets copy from the pageable view, synchronously."""
+    with _lock:
+        if mapping.pinned is None and mapping.pin_error is None:
+            try:
+                mapping.pinned = _register(mapping, ordinal)
+            except (drv.CudaError, RuntimeError) as exc:
+                mapping.pin_error = str(exc)
+                log.warning("host pool %d cannot be pinned (%s); staged gets from it copy synchronously",
+                            mapping.pool_id, exc)
+        return mapping.pinned
+
+
+def _register(mapping: HostMapping, ordinal: int) -> torch.Tensor:
+    reason = drv.driver_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    ctx = drv.retain_primary_context(ordinal)
+    try:
+        flags = PORTABLE
+        if mapping.readonly:
+            attr = drv.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
+            if not drv.attribute(drv.device(ordinal), attr):
+                raise RuntimeError(f"device {ordinal} cannot pin read-only host memory")
+            flags |= READ_ONLY
+        base = mapping.tensor
+        with drv.context_current(ctx):
+            drv.ck("cuMemHostRegister", drv.cu.cuMemHostRegister(base.data_ptr(), mapping.size, flags))
+    except BaseException:
+        drv.release_primary_context(ordinal, ctx)
+        raise
+    owner = _Registration(base, ordinal, ctx)
+    try:
+        return dlpack.uint8_tensor(base.data_ptr(), mapping.size, dlpack.KDL_CPU, 0, owner)
+    except BaseException:
+        owner.close()
+        raise
+
+
+Key = tuple[str, int, int, int]
+
+
+def pending_key(desc: Descriptor) -> Key:
+    return (desc.node, desc.epoch, desc.lease, desc.gen)
+
+
+class PendingCopies:
+    """Staged copies still in flight, by feature: the consumer's ``ack`` of such a feature waits for its
+    copy's event instead of freeing bytes a DMA is reading. Bounded: past ``limit`` features never
+    acked, the oldest whose copies completed are forgotten first."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._events: OrderedDict[Key, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._limit = limit
+
+    def add(self, key: Key, event: Any) -> None:
+        with self._lock:
+            self._events[key] = event
+            if len(self._events) > self._limit:
+                for k in [k for k, e in self._events.items() if e.query()][: len(self._events) - self._limit]:
+                    del self._events[k]
+
+    def rekey(self, old: Key, new: Key) -> None:
+        with self._lock:
+            event = self._events.pop(old, None)
+            if event is not None:
+                self._events[new] = event
+
+    def take(self, key: Key) -> Optional[Any]:
+        """The event an ack of ``key`` must wait for, once; None when no staged copy of it is pending."""
+        with self._lock:
+            return self._events.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._events)
