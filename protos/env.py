@@ -20,4 +20,6 @@ READ_OUTSIDE_SETTINGS: frozenset[str] = frozenset({
     "MMFEAT_ATOMICS",           # mmfeat.atomics: force libatomic for loads and stores
     "MMFEAT_NO_ATOMICS",        # mmfeat.atomics: run the message path on purpose
     "MMFEAT_CHAOS_DEVICE",      # tests/chaos: the device its workers use
+    "MMFEAT_TEST_ONLY_FABRIC",  # mmfeat.cuda_driver: a test's stand-in for NVML's fabric answer
+    "MMFEAT_TEST_ONLY_IMEX_CHANNELS",  # mmfeat.cuda_driver: a test's IMEX channel directory
 })
