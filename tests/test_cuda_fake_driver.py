@@ -124,7 +124,7 @@ def test_a_host_pool_is_pinned_once_per_mapping_and_unpinned_once_after_its_last
 
 
 def test_a_read_only_host_pool_is_pinned_read_only(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "pin_host_pool", MMFEAT_TEST_READONLY="1")
+    log = _run(libdir, tmp_path, "pin_host_pool", FAKE_CUDA_SCENARIO_READONLY="1")
     assert re.findall(r"^cuMemHostRegister\(.*flags=(\d+)\)", log, re.M) == ["9"], log  # PORTABLE | READ_ONLY
     assert len(re.findall(r"^cuMemHostUnregister\(", log, re.M)) == 1
 

@@ -159,7 +159,7 @@ def map_failure_remembered() -> None:
 
 
 def fabric_get() -> None:
-    """A consumer on one node gets another node's feature ($MMFEAT_TEST_DESC, hex) through its own daemon
+    """A consumer on one node gets another node's feature ($FAKE_CUDA_SCENARIO_DESC, hex) through its own daemon
     ($MMFEAT_RUNTIME_DIR), which may relay the owner's FABRIC handle."""
     from mmfeat.client import Client
     from mmfeat.protos.errors import MmfeatError
@@ -168,7 +168,7 @@ def fabric_get() -> None:
     cpu_dlpack()
     with Client(timeout=20) as c:
         try:
-            c.get(bytes.fromhex(os.environ["MMFEAT_TEST_DESC"]))
+            c.get(bytes.fromhex(os.environ["FAKE_CUDA_SCENARIO_DESC"]))
             mark("got the feature")
         except MmfeatError as exc:
             mark(f"get raised {exc.code.value}: {exc}")
@@ -179,13 +179,13 @@ def fabric_get() -> None:
 def pin_host_pool() -> None:
     """A GPU consumer's staged gets from a host pool: the mapping pinned on the first, reused by the
     next ones, on devices 0 and 1; then the mapping dropped while a view of it lives, then the view.
-    $MMFEAT_TEST_READONLY=1 maps the pool read-only."""
+    $FAKE_CUDA_SCENARIO_READONLY=1 maps the pool read-only."""
     from mmfeat.client import mapping as mapping_cache
     from mmfeat.client.pinned import pinned_view
 
     fake_torch_cuda(0)
     runtime_context(0)  # the consumer's own use of its GPU
-    readonly = os.environ.get("MMFEAT_TEST_READONLY") == "1"
+    readonly = os.environ.get("FAKE_CUDA_SCENARIO_READONLY") == "1"
     size = 4 << 20
     fd = os.memfd_create("pool")
     os.ftruncate(fd, size)
