@@ -5,6 +5,9 @@ encrypts both and a ZAP handler lets in only the listed public keys (each refusa
 message's sender is known by the key it proved, never by what it says. Each side sends a hello (node,
 epoch, pools with their FABRIC handle bytes) when it connects and whenever the other asks for it, and
 a ping every HEARTBEAT_S; a peer silent for DOWN_AFTER_S is marked down and what it said is dropped.
+A request that arrives before the sender's hello (this daemon restarted, or marked the sender down
+while it, or this daemon, was frozen) is held until the hello comes, which it is asked for at once:
+the sender cannot know it was not heard, and its acks would otherwise be lost.
 Two conditions that would otherwise look like a peer forever ``connecting`` or a mesh of STALE answers
 are states of their own, logged once per peer: ``auth_failed`` (the peer's ZAP refused our key, which
 a monitor of our DEALER reports) and ``node_id_conflict`` (the peer announces our own node id).
@@ -48,6 +51,10 @@ AUTH_RETRY_S = 5.0
 # Messages queued per peer and direction: heartbeats, checks and ack batches; a peer that does not
 # read loses what is past this (a check then times out, acks fall to the owner's ack_ttl).
 _HWM = 1024
+# Requests held per peer until its hello arrives: what one DEALER can have queued, as above, and no more
+# bytes of frames than this (held as frames, so a listed peer cannot make the daemon hold more).
+MAX_EARLY = _HWM
+MAX_EARLY_BYTES = 4 << 20
 
 HelloBody = Callable[[], dict[str, Any]]
 
@@ -79,6 +86,10 @@ class PeerState:
     retry_at: float = 0.0  # when to connect again after a refusal; 0: not waiting to
     conflict: Optional[str] = None  # the node id it announced, when that is ours: nothing it says counts
     logged: set[str] = field(default_factory=set)  # problems logged already, so each is logged once
+    # Requests (connection to answer on, frame) that came before its hello, in order: handled once it
+    # says who it is now (its epoch decides what they void), dropped if it goes down first.
+    early: list[tuple[bytes, bytes]] = field(default_factory=list)
+    early_bytes: int = 0
 
 
 class _KeyList:
@@ -227,14 +238,39 @@ class Mesh:
             peer.hello = body
             if changed and self.handler is not None:
                 self.handler.on_peer_change(peer, now)
+            early, peer.early, peer.early_bytes = peer.early, [], 0
+            for held_identity, frame in early:
+                self._request(peer, held_identity, *decode_mesh(frame), now)  # valid when it was held
         elif isinstance(body, MeshPing):
             self._reply(identity, encode_mesh("pong", {"seq": body.seq, "need_hello": peer.hello is None}))
         elif peer.hello is None:
-            self._bad(peer, f"{op} before hello")  # it restarted and we have not heard who it is now
-        elif self.handler is not None:
+            self._hold(peer, identity, op, frames[1].bytes)
+        else:
+            self._request(peer, identity, op, body, now)
+
+    def _request(self, peer: PeerState, identity: bytes, op: str, body: Any, now: float) -> None:
+        if self.handler is not None:
             reply = self.handler.on_request(peer, op, body, now)
             if reply is not None:
                 self._reply(identity, encode_mesh(*reply))
+
+    def _hold(self, peer: PeerState, identity: bytes, op: str, frame: bytes) -> None:
+        """A request from a peer whose hello this daemon lacks: kept until the hello, which is asked for
+        now rather than at the peer's next ping (a pong with an unknown seq only asks)."""
+        if (peer.conflict is not None or len(peer.early) >= MAX_EARLY
+                or peer.early_bytes + len(frame) > MAX_EARLY_BYTES):
+            self._bad(peer, f"{op} before hello, past what is held")
+            return
+        if not peer.early:
+            self._reply(identity, encode_mesh("pong", {"seq": 0, "need_hello": True}))
+        peer.early.append((identity, frame))
+        peer.early_bytes += len(frame)
+
+    def _drop_early(self, peer: PeerState) -> None:
+        """The peer went down or clashed before its hello: what it asked is void, and counted."""
+        for _ in peer.early:
+            self._bad(peer, "a request held for a hello that never came")
+        peer.early, peer.early_bytes = [], 0
 
     def _from_dealer(self, peer: PeerState, frames: list[bytes], now: float) -> None:
         try:
@@ -264,6 +300,7 @@ class Mesh:
             peer.hello = None
             self.handler.on_peer_change(peer, now)
         peer.conflict, peer.hello, peer.state = node, None, "node_id_conflict"
+        self._drop_early(peer)
         self._log_once(peer, "conflict", "mesh: refused peer %s: it announces node_id %r, which is this node's own; "
                        "give every node its own node_id (cloned hosts share a host name)", peer.config.endpoint, node)
 
@@ -326,6 +363,7 @@ class Mesh:
                 log.warning("mesh: peer %s (%s) stopped answering; marked down", peer.hello.node if peer.hello else "?",
                             peer.config.endpoint)
                 peer.state, peer.hello, peer.rtt_s = "down", None, None
+                self._drop_early(peer)
                 if self.handler is not None:
                     self.handler.on_peer_change(peer, now)
 

@@ -1,0 +1,144 @@
+"""Acks relayed to an owner that restarted or froze: each one reaches the owner that issued its feature
+and is applied there once, or is refused and counted; none is lost silently, and none is applied to
+another epoch's feature. Real daemons as nodes; the restart case in network namespaces, where a
+firewall rule in the owner's namespace holds the relaying node's connection back for as long as the
+test needs, so that what it relays is queued before the owner has heard its hello."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import subprocess
+from typing import Iterator
+
+import pytest
+import torch
+import zmq
+
+from mmfeat.daemon.mesh import MAX_EARLY, MAX_EARLY_BYTES
+from mmfeat.protos.mesh import decode_mesh, encode_mesh
+
+from .cluster import Cluster, idle, meshed
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed: make setup installs mmfeat[mesh]")
+
+
+@contextlib.contextmanager
+def refused(cluster: Cluster, node: str) -> Iterator[None]:
+    """Connections to ``node``'s mesh port are refused (a TCP reset, so the peer's DEALER keeps trying
+    every 100 ms and connects as soon as this ends); what the node itself connects to is untouched."""
+    assert cluster.netns is not None
+    if shutil.which("iptables") is None:
+        pytest.skip("iptables is not installed: the test cannot hold a connection back")
+    rule = ["INPUT", "-p", "tcp", "--dport", str(cluster.ports[node]), "-j", "REJECT", "--reject-with", "tcp-reset"]
+    prefix = cluster.netns.prefix(cluster.netns.addrs.index(cluster.hosts[node]))
+    subprocess.run([*prefix, "iptables", "-I", *rule], check=True, capture_output=True, timeout=30)
+    try:
+        yield
+    finally:
+        subprocess.run([*prefix, "iptables", "-D", *rule], check=True, capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("cluster", ["netns"], indirect=True)
+def test_acks_relayed_before_the_restarted_owner_heard_the_relayer_are_applied_once(cluster) -> None:
+    """b queues, for a restarted a that has not heard b's hello yet: an ack of the old epoch's feature,
+    and acks of the new epoch's (more than one batch of them, without waiting). Once b's connection
+    gets through, the new epoch's acks are applied and the old one is refused, though the new epoch's
+    first feature has the old one's slot and generation."""
+    a, b = meshed(cluster)
+    consumer = b.client()
+    with a.client(inline_threshold=0, fallback="error") as producer:
+        old = producer.put(torch.arange(64), consumers=1)
+        epoch = a.stats()["epoch"]
+    assert torch.equal(consumer.get(old), torch.arange(64))
+    with refused(cluster, "a"):
+        cluster.stop("a", signal.SIGKILL)
+        consumer.ack(old)  # b does not know yet: relayed to the old a, and queued
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["acks_relayed"] == 1, timeout=20, what="b to relay the ack")
+        a = cluster.start("a", ["b"], "--pool-mb", "160")
+        new_epoch = a.stats()["epoch"]
+        assert new_epoch != epoch
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["epoch"] == new_epoch, timeout=20, what="b to see a's new epoch")
+        with a.client(inline_threshold=0, fallback="error") as producer:
+            first = producer.put(torch.arange(64) + 1, consumers=2)
+            many = [producer.put(torch.full((16,), k), consumers=1) for k in range(300)]
+        slot = [(d.lease_ref()["lease"], d.lease_ref()["gen"]) for d in (first, old)]
+        assert slot[0] == slot[1]  # the old epoch's ack names the very slot and generation of the new feature
+        assert torch.equal(consumer.get(first), torch.arange(64) + 1)
+        for k, desc in enumerate(many):
+            assert torch.equal(consumer.get(desc), torch.full((16,), k))
+        consumer.ack(first)
+        for desc in many:
+            consumer.ack(desc)
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["acks_relayed"] == 302, timeout=20, what="b to relay the acks")
+        s = a.stats()
+        assert s["mesh"]["peers"][0]["node"] is None and s["counters"]["acks"] == 0  # nothing got through yet
+    s = a.wait_for(lambda s: s["pools"][0]["leases"]["PUBLISHED"] == 1, timeout=20, what="a to apply b's acks")
+    assert s["mesh"]["peers"][0]["acks_received"] == 301 and s["counters"]["acks"] == 301
+    assert s["counters"]["over_acks"] == 0 and s["counters"]["stale"] == 1  # the old epoch's ack, refused
+    b.wait_for(lambda s: s["mesh"]["copies"] == 1, timeout=20, what="b to drop the copies a ended")
+    answer = consumer.ack(first, wait=True)  # the first feature's second consumer: the old ack took nothing
+    assert answer["freed"] and answer["remaining"] == 0
+    consumer.close()
+    idle(a, "a to free the first feature")
+    idle(b, "b to drop its copy")
+
+
+def test_requests_before_a_peers_hello_are_held_to_a_bound_then_answered_in_order(cluster) -> None:
+    """What an authenticated peer sends before its hello is held, at most MAX_EARLY requests (the rest
+    counted bad), the peer is asked for its hello at once, and once it comes every held request is
+    handled in order: the one real ack among forged ones frees the feature."""
+    cluster.node("a")
+    cluster.node("b")
+    a = cluster.start("a", ["b"])  # b is never started: its key is used from here
+    with a.client(inline_threshold=0, fallback="error") as producer:
+        lease = producer.put(torch.arange(64), consumers=1).lease_ref()
+    ctx = zmq.Context()
+    peer = cluster.impersonate(ctx, "b", "a")
+    try:
+        forged = {**lease, "token": b"\0" * 16}
+        peer.send(encode_mesh("acks", {"batch": 0, "acks": [{"lease": lease, "count": 1}]}))
+        for k in range(1, MAX_EARLY + 50):
+            peer.send(encode_mesh("acks", {"batch": k, "acks": [{"lease": forged, "count": 1}]}))
+        assert peer.poll(10_000)
+        op, body = decode_mesh(peer.recv())
+        assert op == "pong" and body.need_hello  # asked for the hello without waiting for a ping
+        s = a.wait_for(lambda s: s["mesh"]["bad_messages"] == 50, timeout=20, what="a to refuse what is past the bound")
+        assert s["counters"]["acks"] == 0 and s["pools"][0]["leases"]["PUBLISHED"] == 1
+        peer.send(encode_mesh("hello", {"node": "b", "epoch": 5, "pools": []}))
+        answers = []
+        while len(answers) < MAX_EARLY and peer.poll(10_000):
+            op, body = decode_mesh(peer.recv())
+            if op == "acked":
+                answers.append(body)
+        assert [r.batch for r in answers] == list(range(MAX_EARLY))
+        assert answers[0].results[0].freed and all(r.results[0].code for r in answers[1:])
+        s = a.stats()
+        assert s["counters"]["acks"] == 1 and s["pools"][0]["leases"]["PUBLISHED"] == 0
+        assert s["mesh"]["peers"][0]["acks_received"] == 1 and s["mesh"]["bad_messages"] == 50
+    finally:
+        peer.close()
+        ctx.term()
+
+
+def test_requests_held_before_a_hello_are_bounded_in_bytes_too(cluster) -> None:
+    cluster.node("a")
+    cluster.node("b")
+    a = cluster.start("a", ["b"])
+    lease = {"pool": 0, "epoch": 1, "lease": 1, "gen": 1, "token": b"\0" * 16, "offset": 0, "nbytes": 64}
+    frame = encode_mesh("acks", {"batch": 1, "acks": [{"lease": lease, "count": 1}] * 256})
+    fit = MAX_EARLY_BYTES // len(frame)
+    assert fit < MAX_EARLY
+    ctx = zmq.Context()
+    peer = cluster.impersonate(ctx, "b", "a")
+    try:
+        for _ in range(fit + 20):
+            peer.send(frame)
+        a.wait_for(lambda s: s["mesh"]["bad_messages"] == 20, timeout=20, what="a to refuse what is past the bytes")
+        peer.send(encode_mesh("hello", {"node": "b", "epoch": 5, "pools": []}))
+        s = a.wait_for(lambda s: s["counters"]["stale"] == 256 * fit, timeout=20, what="a to handle what it held")
+        assert s["mesh"]["bad_messages"] == 20 and a.proc.poll() is None
+    finally:
+        peer.close()
+        ctx.term()
