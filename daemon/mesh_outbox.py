@@ -92,8 +92,15 @@ class MeshOutbox:
                         {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked})
 
     def drop_peer(self, peer: str, error: MmfeatError) -> None:
-        """The peer went down or restarted: nothing more goes to it, and whoever waits hears ``error``."""
-        self._boxes.pop(peer, None)
+        """The peer went down or restarted: nothing more goes to it, and whoever waits hears ``error``.
+        Acks still in its box were for the epoch that is gone: dropped and counted, never sent on to the
+        new one (which would refuse them as stale anyway), and a waiting one is answered now."""
+        box = self._boxes.pop(peer, None)
+        if box is not None and box.acks:
+            self._counters(peer).acks_dropped += sum(a.count for a, _ in box.acks)
+            for _, respond in box.acks:
+                if respond is not None:
+                    respond(error)
         for key in [k for k in self._waiting if k[0] == peer]:
             for respond in self._waiting.pop(key)[1]:
                 if respond is not None:
@@ -123,7 +130,7 @@ class MeshOutbox:
             batch = next(self._batch_ids)
             body = {"batch": batch, "acks": [a.model_dump() for a, _ in chunk]}
             if peer is None or peer.state != "up" or not self._mesh.send(peer, "acks", body):
-                counters.acks_dropped += len(chunk)
+                counters.acks_dropped += sum(a.count for a, _ in chunk)
                 for _, respond in chunk:
                     if respond is not None:
                         respond(MmfeatError(ErrorCode.PEER_UNAVAILABLE, "the owner's node is not reachable; its "

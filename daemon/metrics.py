@@ -108,7 +108,7 @@ _PEER_COUNTERS = (
     ("bytes_served", "mmfeat_mesh_served_bytes", "Bytes of this node's features a peer pulled (checked)"),
     ("acks_relayed", "mmfeat_mesh_acks_relayed", "Acks of a peer's features relayed to it"),
     ("acks_received", "mmfeat_mesh_acks_received", "Acks of this node's features a peer relayed"),
-    ("acks_dropped", "mmfeat_mesh_acks_dropped", "Acks that could not be relayed (peer down); its ack_ttl frees those"),
+    ("acks_dropped", "mmfeat_mesh_acks_dropped", "Acks not relayed (peer down or restarted); its ack_ttl frees those"),
     ("auth_failures", "mmfeat_mesh_auth_failures", "Handshakes in which a peer refused this node's key"),
 )
 

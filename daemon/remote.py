@@ -332,7 +332,10 @@ class RemoteFeatures:
                                                    "features are gone")
         except MmfeatError:
             self._drop_read(list(copies), now)  # no owner will say it ended
+            if node in self._node_keys:
+                self.peer_counters(self._node_keys[node]).acks_dropped += count
             raise
+        self._node_keys[node] = peer.config.public_key  # so that an ack it cannot take later is counted
         self.outbox.ack(peer.config.public_key, MeshAck(lease=ref.model_dump(), count=count, ack_id=ack_id), respond, now)
 
     # --- our features, as other nodes see them -------------------------------------------------

@@ -10,14 +10,18 @@ import contextlib
 import shutil
 import signal
 import subprocess
+import time
 from typing import Iterator
 
 import pytest
 import torch
 import zmq
 
-from mmfeat.daemon.mesh import MAX_EARLY, MAX_EARLY_BYTES
-from mmfeat.protos.mesh import decode_mesh, encode_mesh
+from mmfeat.daemon.config import Peer, Settings
+from mmfeat.daemon.mesh import MAX_EARLY, MAX_EARLY_BYTES, Mesh
+from mmfeat.daemon.mesh_outbox import MeshOutbox, PeerCounters
+from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.mesh import MeshAck, decode_mesh, encode_mesh
 
 from .cluster import Cluster, idle, meshed
 
@@ -45,13 +49,14 @@ def test_acks_relayed_before_the_restarted_owner_heard_the_relayer_are_applied_o
     """b queues, for a restarted a that has not heard b's hello yet: an ack of the old epoch's feature,
     and acks of the new epoch's (more than one batch of them, without waiting). Once b's connection
     gets through, the new epoch's acks are applied and the old one is refused, though the new epoch's
-    first feature has the old one's slot and generation."""
+    first feature has the old one's slot and generation. An old epoch's ack made once b knows of the
+    restart is not relayed at all: b counts it dropped."""
     a, b = meshed(cluster)
     consumer = b.client()
     with a.client(inline_threshold=0, fallback="error") as producer:
-        old = producer.put(torch.arange(64), consumers=1)
+        old, late = (producer.put(torch.arange(64) + k, consumers=1) for k in range(2))
         epoch = a.stats()["epoch"]
-    assert torch.equal(consumer.get(old), torch.arange(64))
+    assert torch.equal(consumer.get(old), torch.arange(64)) and torch.equal(consumer.get(late), torch.arange(64) + 1)
     with refused(cluster, "a"):
         cluster.stop("a", signal.SIGKILL)
         consumer.ack(old)  # b does not know yet: relayed to the old a, and queued
@@ -60,6 +65,9 @@ def test_acks_relayed_before_the_restarted_owner_heard_the_relayer_are_applied_o
         new_epoch = a.stats()["epoch"]
         assert new_epoch != epoch
         b.wait_for(lambda s: s["mesh"]["peers"][0]["epoch"] == new_epoch, timeout=20, what="b to see a's new epoch")
+        consumer.ack(late)  # b knows a restarted: not relayed, counted, and its copy goes
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["acks_dropped"] == 1 and s["mesh"]["copies"] == 0, timeout=20,
+                   what="b to drop the ack of the old epoch's feature")
         with a.client(inline_threshold=0, fallback="error") as producer:
             first = producer.put(torch.arange(64) + 1, consumers=2)
             many = [producer.put(torch.full((16,), k), consumers=1) for k in range(300)]
@@ -83,6 +91,70 @@ def test_acks_relayed_before_the_restarted_owner_heard_the_relayer_are_applied_o
     consumer.close()
     idle(a, "a to free the first feature")
     idle(b, "b to drop its copy")
+
+
+def test_an_ack_relayed_to_a_frozen_owner_is_applied_when_it_resumes_and_one_made_while_it_is_down_is_counted(
+        cluster) -> None:
+    """Frozen past the time b marks it down, a marks b down too as it resumes: b's ack that waited in a's
+    socket meanwhile is applied all the same (held until b's hello, if a's tick came first). An ack
+    made while b holds a down is not relayed: b counts it dropped, and frees its copy."""
+    a, b = meshed(cluster)
+    with a.client(inline_threshold=0, fallback="error") as producer:
+        relayed, dropped = (producer.put(torch.arange(64) + k, consumers=1) for k in range(2))
+    consumer = b.client()
+    try:
+        for desc in (relayed, dropped):
+            consumer.get(desc)
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            consumer.ack(relayed)
+            b.wait_for(lambda s: s["mesh"]["peers"][0]["acks_relayed"] == 1, timeout=20, what="b to relay the ack")
+            b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "down", timeout=20, what="b to mark a down")
+            consumer.ack(dropped)
+            s = b.wait_for(lambda s: s["mesh"]["peers"][0]["acks_dropped"] == 1, timeout=20,
+                           what="b to count the ack it could not relay")
+            assert s["mesh"]["copies"] == 0  # no owner will say they ended; both were acked here
+            time.sleep(0.5)  # a has been frozen for longer than DOWN_AFTER_S by its own clock too
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        s = a.wait_for(lambda s: s["counters"]["acks"] == 1, timeout=20, what="a to apply the relayed ack")
+        assert s["pools"][0]["leases"]["PUBLISHED"] == 1 and s["mesh"]["peers"][0]["acks_received"] == 1
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["node"] == "a",
+                   timeout=20, what="a up again at b")
+        # The dropped ack is not replayed (a consumer that must know acks with wait=True): acked again now.
+        assert consumer.ack(dropped, wait=True)["freed"]
+    finally:
+        consumer.close()
+    idle(a, "a to free both features")
+    idle(b, "b to hold nothing")
+
+
+def test_acks_still_batched_for_a_peer_that_restarts_are_answered_and_counted(tmp_path) -> None:
+    """An ack waits up to ACK_BATCH_S in its peer's box; if the peer goes down or restarts meanwhile,
+    the ack was for the epoch that is gone: a waiting client hears why at once (not at its timeout) and
+    the ack is counted dropped. A real Mesh, with keys and a listener; the peer need not exist."""
+    cluster = Cluster(tmp_path)
+    for n in ("a", "b"):
+        cluster.node(n)
+    settings = Settings(node_id="b", listen=cluster.endpoint("b"), mesh_secret_file=tmp_path / "keys-b" / "mesh.secret",
+                        peers=[Peer(endpoint=cluster.endpoint("a"), public_key=cluster.keys["a"])])
+    ctx = zmq.Context()
+    mesh = Mesh(ctx, settings, lambda: {"node": "b", "epoch": 1, "pools": []}, lambda fd: False)
+    try:
+        counters: dict[str, PeerCounters] = {}
+        outbox = MeshOutbox(mesh, 1, lambda key: counters.setdefault(key, PeerCounters()))
+        lease = {"pool": 0, "epoch": 7, "lease": 1, "gen": 1, "token": b"t" * 16, "offset": 0, "nbytes": 64}
+        answers: list = []
+        outbox.ack(cluster.keys["a"], MeshAck(lease=lease, count=3), answers.append, 0.0)
+        outbox.ack(cluster.keys["a"], MeshAck(lease=lease, count=2), None, 0.0)
+        gone = MmfeatError(ErrorCode.PEER_UNAVAILABLE, "node a restarted")
+        outbox.drop_peer(cluster.keys["a"], gone)
+        assert answers == [gone] and counters[cluster.keys["a"]].acks_dropped == 5
+        outbox.flush(1.0)  # nothing left to send
+        assert counters[cluster.keys["a"]].acks_relayed == 0
+    finally:
+        mesh.close()
+        ctx.term()
 
 
 def test_requests_before_a_peers_hello_are_held_to_a_bound_then_answered_in_order(cluster) -> None:
