@@ -8,20 +8,15 @@ from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
-from mmfeat.protos.codec import DecodeError, decode, encode
-from mmfeat.protos.envelope import ENVELOPE_FIELDS, parse_envelope, reply_id
+from mmfeat.protos.codec import DecodeError, decode
+from mmfeat.protos.envelope import error_frame, ok_frame, reply_id, split_request
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import FD_CHANNEL_OPS, REQUEST_MODELS
-from mmfeat.protos.version import PROTOCOL_VERSION
 
 from .core import DaemonCore
 from .handlers import HANDLERS, Deferred
 
 log = logging.getLogger("mmfeatd.dispatch")
-
-
-def error_reply(req_id: Any, code: ErrorCode, message: str) -> bytes:
-    return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "error": {"code": code.value, "message": message}})
 
 
 SendLater = Callable[[bytes], None]
@@ -41,30 +36,29 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
     except DecodeError as exc:
         core.counters.bad_requests += 1
         code = ErrorCode.TOO_LARGE if exc.too_large else ErrorCode.BAD_REQUEST
-        return error_reply(None, code, str(exc))
+        return error_frame(None, code, str(exc))
     req_id = reply_id(msg)
     try:
-        env = parse_envelope(msg)
+        env, fields = split_request(msg)
     except MmfeatError as exc:
         core.counters.bad_requests += 1
-        return error_reply(req_id, exc.code, exc.message)
+        return error_frame(req_id, exc.code, exc.message)
     quiet, deadline = env.quiet, env.deadline
     if deadline is not None and now > deadline:
         # The client stopped waiting (the daemon was frozen or swamped): acting now would apply a
         # request it believes failed, such as an ack it will retry or a reserve it fell back from.
         core.counters.late_requests += 1
-        return error_reply(req_id, ErrorCode.TIMED_OUT,
+        return error_frame(req_id, ErrorCode.TIMED_OUT,
                            f"reached the daemon {now - deadline:.3f} s after its deadline; not applied")
     op = env.op
     model = REQUEST_MODELS.get(op) if isinstance(op, str) else None
     if session is not None and model is not None and op not in FD_CHANNEL_OPS:
         core.counters.bad_requests += 1
-        return error_reply(req_id, ErrorCode.UNKNOWN_OP, f"op {op!r} is not taken on the fd channel; only {', '.join(sorted(FD_CHANNEL_OPS))}")
+        return error_frame(req_id, ErrorCode.UNKNOWN_OP, f"op {op!r} is not taken on the fd channel; only {', '.join(sorted(FD_CHANNEL_OPS))}")
     if model is None:
         core.counters.bad_requests += 1
-        return error_reply(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
+        return error_frame(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
     try:
-        fields = {k: v for k, v in msg.items() if k not in ENVELOPE_FIELDS}
         if session is not None and "session" in model.model_fields:
             fields["session"] = session
         req = model.model_validate(fields)
@@ -72,7 +66,7 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
         core.counters.bad_requests += 1
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "request"
-        return error_reply(req_id, ErrorCode.BAD_REQUEST, f"{op}: field {where}: {first['msg']} ({exc.error_count()} error(s))")
+        return error_frame(req_id, ErrorCode.BAD_REQUEST, f"{op}: field {where}: {first['msg']} ({exc.error_count()} error(s))")
     try:
         body = HANDLERS[op](core, req, now)
         if isinstance(body, Deferred):
@@ -84,18 +78,17 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
             body.start(lambda result: send_later(_result_reply(req_id, result)))
             return None
     except MmfeatError as exc:
-        return error_reply(req_id, exc.code, exc.message)
+        return error_frame(req_id, exc.code, exc.message)
     except Exception:
         log.exception("handler for %s failed", op)
-        return error_reply(req_id, ErrorCode.INTERNAL, f"{op} failed inside the daemon; see its log")
+        return error_frame(req_id, ErrorCode.INTERNAL, f"{op} failed inside the daemon; see its log")
     if quiet:
         return None
-    body.update(v=PROTOCOL_VERSION, id=req_id, ok=True)
-    return encode(body)
+    return ok_frame(req_id, body)
 
 
 def _result_reply(req_id: Any, result: Any) -> bytes:
     """The reply to a deferred request: its body, or the error it ended with."""
     if isinstance(result, MmfeatError):
-        return error_reply(req_id, result.code, result.message)
-    return encode({**result, "v": PROTOCOL_VERSION, "id": req_id, "ok": True})
+        return error_frame(req_id, result.code, result.message)
+    return ok_frame(req_id, result)

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 import zmq
 
 from mmfeat.protos.codec import MAX_REQUEST_BYTES
+from mmfeat.protos.envelope import error_frame
 from mmfeat.protos.errors import ErrorCode
 from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint, fd_socket_path
 
 from .config import Settings
 from .core import DaemonCore
-from .dispatch import dispatch, error_reply
+from .dispatch import dispatch
 from .fd_channel import FdChannel
 from .memory_watch import MemoryWatch
 from .control_socket import ControlSocket
@@ -422,10 +423,10 @@ class Server:
             identity, body = frames[0], frames[1:]
             if len(body) != 1:
                 self.core.counters.bad_requests += 1
-                reply = error_reply(None, ErrorCode.BAD_REQUEST, f"a request is exactly one frame, got {len(body)}")
+                reply = error_frame(None, ErrorCode.BAD_REQUEST, f"a request is exactly one frame, got {len(body)}")
             elif len(body[0]) > MAX_REQUEST_BYTES:
                 self.core.counters.bad_requests += 1
-                reply = error_reply(None, ErrorCode.TOO_LARGE, f"request of {len(body[0])} B exceeds {MAX_REQUEST_BYTES} B")
+                reply = error_frame(None, ErrorCode.TOO_LARGE, f"request of {len(body[0])} B exceeds {MAX_REQUEST_BYTES} B")
             else:
                 reply = dispatch(self.core, body[0], send_later=functools.partial(self._send_later, identity))
                 if reply is None:

@@ -1,4 +1,7 @@
-"""The envelope every request carries (SPEC.md, section 2), checked as strictly as the ops' own fields.
+"""The envelope of every request and reply (SPEC.md, section 2): the one place that makes and reads
+request, ok and error frames, for the client and the daemon alike, so the two ends cannot drift apart.
+
+The daemon checks a request's envelope as strictly as the ops' own fields.
 
 msgpack keeps ints, floats and bools apart, so a client that sends ``4.0`` or ``true`` where an int is
 due has a bug; accepting it (Python's ``4.0 == 4``, ``True == 1``) would hide that bug until a daemon
@@ -12,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from .codec import encode
 from .errors import ErrorCode, MmfeatError
 from .version import PROTOCOL_VERSION
 
@@ -69,6 +73,49 @@ def parse_envelope(msg: dict[str, Any]) -> Envelope:
             raise MmfeatError(ErrorCode.BAD_REQUEST, f"field deadline must be a finite CLOCK_MONOTONIC time >= 0, "
                                                      f"got {deadline!r}; send none to wait without one")
     return Envelope(op=msg.get("op"), id=rid, quiet=quiet, deadline=deadline)
+
+
+def split_request(msg: dict[str, Any]) -> tuple[Envelope, dict[str, Any]]:
+    """A decoded request's envelope (checked as parse_envelope does) and its op's own fields."""
+    return parse_envelope(msg), {k: v for k, v in msg.items() if k not in ENVELOPE_FIELDS}
+
+
+def request_frame(op: str, req_id: Optional[RequestId], fields: dict[str, Any], quiet: Optional[bool] = None,
+                  deadline: Optional[float] = None) -> bytes:
+    """One request: the envelope, then the op's fields. ``quiet`` and ``deadline`` are left out when None
+    (the daemon's defaults: answered, no deadline)."""
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": op, "id": req_id}
+    if quiet is not None:
+        msg["quiet"] = quiet
+    if deadline is not None:
+        msg["deadline"] = deadline
+    msg.update(fields)
+    return encode(msg)
+
+
+def ok_frame(req_id: Optional[RequestId], body: dict[str, Any]) -> bytes:
+    """A success reply: the op's fields, then the envelope."""
+    return encode({**body, "v": PROTOCOL_VERSION, "id": req_id, "ok": True})
+
+
+def error_frame(req_id: Optional[RequestId], code: ErrorCode, message: str) -> bytes:
+    """An error reply; ``message`` says what happened and what to do."""
+    return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "error": {"code": code.value, "message": message}})
+
+
+def checked_reply(reply: dict[str, Any]) -> dict[str, Any]:
+    """A decoded success reply as it came (its op's fields beside the envelope); MmfeatError, the error
+    it carries, for an error reply."""
+    if reply.get("ok"):
+        return reply
+    raise MmfeatError.from_reply(reply)
+
+
+def reply_error(reply: dict[str, Any]) -> tuple[str, str]:
+    """An error reply's code and message as text, whatever the peer put there (for logs and counts)."""
+    err = reply.get("error")
+    err = err if isinstance(err, dict) else {}
+    return str(err.get("code")), str(err.get("message"))
 
 
 def _describe(value: Any) -> str:

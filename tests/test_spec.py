@@ -83,3 +83,32 @@ def test_the_mesh_is_documented_as_the_code_defines_it() -> None:
     for name in mesh.MeshPool.model_fields:
         assert name in section, name
     assert f"{mesh.MAX_MESH_FRAME >> 10} KiB" in section
+
+
+def test_request_and_reply_frames_are_the_documented_envelope() -> None:
+    """Both ends make and read frames with protos/envelope.py: these bytes are SPEC.md's section 2, key
+    for key and in order, so a change to that module is a change to the wire this test shows."""
+    import msgpack
+
+    from mmfeat.protos.envelope import checked_reply, error_frame, ok_frame, request_frame, split_request
+    from mmfeat.protos.errors import MmfeatError
+
+    v = PROTOCOL_VERSION
+    lease = {"pool": 0, "epoch": 1, "lease": 2, "gen": 3, "token": b"t" * 16, "offset": 256, "nbytes": 8}
+    assert request_frame("ack", 7, {"lease": lease}, deadline=5.5) == msgpack.packb(
+        {"v": v, "op": "ack", "id": 7, "deadline": 5.5, "lease": lease}, use_bin_type=True)
+    assert request_frame("release", "release", {"lease": lease}, quiet=True) == msgpack.packb(
+        {"v": v, "op": "release", "id": "release", "quiet": True, "lease": lease}, use_bin_type=True)
+    assert ok_frame(7, {"remaining": 0}) == msgpack.packb({"remaining": 0, "v": v, "id": 7, "ok": True})
+    assert error_frame(None, ErrorCode.STALE, "m") == msgpack.packb(
+        {"v": v, "id": None, "ok": False, "error": {"code": "STALE", "message": "m"}})
+
+    env, fields = split_request(msgpack.unpackb(request_frame("ack", 7, {"lease": lease}, quiet=True, deadline=1.0)))
+    assert (env.op, env.id, env.quiet, env.deadline, fields) == ("ack", 7, True, 1.0, {"lease": lease})
+    assert checked_reply(msgpack.unpackb(ok_frame(7, {"freed": True})))["freed"] is True
+    try:
+        checked_reply(msgpack.unpackb(error_frame(7, ErrorCode.STALE, "restarted")))
+    except MmfeatError as exc:
+        assert (exc.code, exc.message) == (ErrorCode.STALE, "restarted")
+    else:
+        raise AssertionError("an error reply read as a success")
