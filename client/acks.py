@@ -102,7 +102,7 @@ class Acks:
             return
         # Not in the table: another node's feature, one that ended (the daemon logs and counts an
         # over-ack), or no arenas.
-        if not session.try_send("ack", count=count, ack_id=os.urandom(8), **fields):
+        if not session.fd.try_send("ack", count=count, ack_id=os.urandom(8), **fields):
             # A full fd channel (the daemon is behind): the caller must not wait.
             self._background().submit(fields, count, os.urandom(8), None)
 
@@ -115,7 +115,7 @@ class Acks:
             if "node" in fields:  # answered from the owner's node: on the control socket, which waits for it
                 reply = self._channel.call("ack", count=count, ack_id=ack_id, **fields)
             else:  # on the fd channel: ordered after this process's own publishes, which travel there too
-                reply = self._connect().call("ack", count=count, ack_id=ack_id, **fields)
+                reply = self._connect().fd.call("ack", count=count, ack_id=ack_id, **fields)
         except DaemonUnavailableError:
             self._unconfirmed[key] = ack_id
             while len(self._unconfirmed) > _MAX_UNCONFIRMED_ACKS:
@@ -129,7 +129,7 @@ class Acks:
         """Wait until the daemon has applied every ack sent so far (background ones included)."""
         if self._acker is not None and self._acker.pid == os.getpid():
             return self._acker.flush(timeout)
-        return session.sync(timeout) if session is not None and session.alive() else True
+        return session.fd.sync(timeout) if session is not None and session.alive() else True
 
     def _background(self) -> Any:
         if self._acker is None or self._acker.pid != os.getpid():
@@ -138,9 +138,9 @@ class Acks:
             def send(fields: dict[str, Any], count: int, ack_id: bytes) -> None:
                 session = self._connect()
                 if not _table_ack(session, fields, count):
-                    session.send("ack", count=count, ack_id=ack_id, **fields)
+                    session.fd.send("ack", count=count, ack_id=ack_id, **fields)
 
-            self._acker = Acker(send, lambda timeout: self._connect().sync(timeout), self._channel.failures)
+            self._acker = Acker(send, lambda timeout: self._connect().fd.sync(timeout), self._channel.failures)
         return self._acker
 
     def close(self) -> None:

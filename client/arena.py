@@ -17,17 +17,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
 from mmfeat.protos.lease_table import DONE, GEN_MASK, PUBLISHED, state_word
 
+from .fd_transport import FdTransport
 from .table import LeaseTableView
-
-if TYPE_CHECKING:
-    from .session import Session
 
 log = logging.getLogger("mmfeat.client")
 
@@ -156,10 +154,12 @@ class ProducerArena:
 
 
 class ArenaSet:
-    """The arenas of one session, by pool. Safe to share between threads."""
+    """The arenas of one session, by pool: they live in ``table`` and are asked for and returned on
+    the session's fd channel. Safe to share between threads."""
 
-    def __init__(self, session: "Session") -> None:
-        self._session = session
+    def __init__(self, table: LeaseTableView, fd: FdTransport) -> None:
+        self._table = table
+        self._fd = fd
         self._lock = threading.Lock()
         self._arenas: dict[int, list[ProducerArena]] = {}
         self._pending: dict[int, int] = {}  # pool -> id of an arena request whose reply has not been read
@@ -169,7 +169,7 @@ class ArenaSet:
 
     def place(self, pool: int, device: Optional[int], nbytes: int) -> Optional[Placement]:
         """Space for ``nbytes`` in one of this session's arenas of ``pool``; None: reserve instead."""
-        table = self._session.table
+        table = self._table
         if table.draining():
             return None
         with self._lock:
@@ -197,7 +197,7 @@ class ArenaSet:
 
     def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes) -> None:
         """Make a placed feature visible: its lease-table entry, then its STATE word."""
-        self._session.table.publish(p.slot, p.gen, p.arena.pool, p.offset, nbytes, consumers, token)
+        self._table.publish(p.slot, p.gen, p.arena.pool, p.offset, nbytes, consumers, token)
         with self._lock:
             p.published = True
 
@@ -213,9 +213,9 @@ class ArenaSet:
         fields: dict[str, Any] = {"device": device} if device is not None else {}
         try:
             if wait:
-                self._install(pool, self._session.call("arena", **fields))
+                self._install(pool, self._fd.call("arena", **fields))
             else:
-                self._pending[pool] = self._session.call_later("arena", **fields)
+                self._pending[pool] = self._fd.call_later("arena", **fields)
         except DaemonUnavailableError:
             raise  # the producer falls back at once instead of waiting again for a reserve
         except MmfeatError as exc:  # pool full, limit reached, draining: reserve meanwhile
@@ -226,7 +226,7 @@ class ArenaSet:
         if req_id is None:
             return
         try:
-            reply = self._session.reply_to(req_id)
+            reply = self._fd.reply_to(req_id)
         except MmfeatError as exc:  # DaemonUnavailableError too: the put reserves, and learns
             del self._pending[pool]
             self._refused(pool, exc)
@@ -241,7 +241,7 @@ class ArenaSet:
 
     def _install(self, pool: int, reply: dict[str, Any]) -> None:
         grant = ArenaGrant.from_wire(reply.get("arena"))
-        self._arenas.setdefault(pool, []).append(ProducerArena(grant, self._session.table))
+        self._arenas.setdefault(pool, []).append(ProducerArena(grant, self._table))
         if self._reaper is None:
             self._reaper = threading.Thread(target=self._reap_idle, name="mmfeat-arenas", daemon=True)
             self._reaper.start()
@@ -257,7 +257,7 @@ class ArenaSet:
                     self._arenas[pool].remove(arena)
             for _, arena in idle:
                 try:
-                    self._session.send("arena_return", arena=arena.arena_id)
+                    self._fd.send("arena_return", arena=arena.arena_id)
                 except DaemonUnavailableError:
                     return  # the session is over: the daemon returned every arena of it
 
@@ -272,10 +272,10 @@ class ArenaSet:
             self._pending.clear()
         try:
             if pending:
-                self._session.sync(timeout)  # the daemon answers in order: their replies are in now
+                self._fd.sync(timeout)  # the daemon answers in order: their replies are in now
             for req_id in pending:
                 try:
-                    reply = self._session.reply_to(req_id)
+                    reply = self._fd.reply_to(req_id)
                 except DaemonUnavailableError:
                     raise
                 except MmfeatError:
@@ -283,9 +283,9 @@ class ArenaSet:
                 if reply is not None:
                     ids.append(ArenaGrant.from_wire(reply.get("arena")).id)
             for arena_id in ids:
-                self._session.send("arena_return", arena=arena_id)
+                self._fd.send("arena_return", arena=arena_id)
             if ids:
-                self._session.sync(timeout)
+                self._fd.sync(timeout)
         except DaemonUnavailableError:
             pass  # gone or restarted: the daemon takes a closed session's arenas back itself
 

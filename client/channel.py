@@ -18,9 +18,10 @@ from typing import Any, Optional
 
 import zmq
 
-from mmfeat.protos.codec import decode, encode
+from mmfeat.protos.codec import decode
+from mmfeat.protos.envelope import checked_reply, reply_error, request_frame
 from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
-from mmfeat.protos.version import PROTOCOL_VERSION
+from mmfeat.protos.messages import REQUEST_MODELS
 
 from . import fd_budget
 from .async_failures import AsyncFailures
@@ -29,9 +30,8 @@ from .daemon_lock import gone_daemon
 log = logging.getLogger("mmfeat.client")
 
 _MAX_ABANDONED = 256
-# The ids of quiet requests sent from here that someone should hear about if they fail: the op's name,
-# so that the error reply says which op failed. A prefetch hint ("hint") is dropped when it fails.
-_QUIET_IDS = ("release",)
+# A quiet request sent from here carries its op's name as its id, so that its error reply says which op
+# failed; a prefetch hint's id is "hint", which names no op: it is dropped when it fails.
 # A call unanswered this long asks the runtime dir's lock whether a daemon is there at all, so a dead
 # one costs this instead of the whole timeout. A live daemon answers most calls well within it.
 _GONE_CHECK_MS = 100
@@ -83,11 +83,9 @@ class ControlChannel:
             sock = self._socket()
             req_id = next(self._ids)
             deadline = time.monotonic() + timeout
-            envelope: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": op, "id": req_id}
-            if self.send_deadlines:
-                envelope["deadline"] = deadline
+            frame = request_frame(op, req_id, fields, deadline=deadline if self.send_deadlines else None)
             try:
-                sock.send(encode({**envelope, **fields}))
+                sock.send(frame)
             except zmq.Again:
                 raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} is not accepting requests ({op})") from None
             asked_lock = self._runtime_dir is None
@@ -109,14 +107,22 @@ class ControlChannel:
                 if reply.get("id") == req_id:
                     break
                 self._stray(reply)
-        if reply.get("ok"):
-            return reply
-        raise MmfeatError.from_reply(reply)
+        return checked_reply(reply)
+
+    def send(self, op: str, **fields: Any) -> None:
+        """``op`` as a quiet request: answered only if it fails, and that failure is counted in
+        ``failures`` under ``op`` once a later call reads it."""
+        frame = request_frame(op, op, fields, quiet=True)
+        with self._lock:
+            try:
+                self._socket().send(frame)
+            except zmq.Again:
+                raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} is not accepting requests ({op})") from None
 
     def hint(self, op: str, **fields: Any) -> None:
         """``op`` as a quiet request nobody waits for: its error reply, if any, carries the id "hint" and
         is dropped unread. Never blocks: a hint the socket cannot take now is dropped too."""
-        frame = encode({"v": PROTOCOL_VERSION, "op": op, "id": "hint", "quiet": True, **fields})
+        frame = request_frame(op, "hint", fields, quiet=True)
         with self._lock:
             try:
                 self._socket().send(frame, zmq.NOBLOCK)
@@ -143,17 +149,15 @@ class ControlChannel:
         # A late reply to a call that already timed out, or the error reply to a quiet release sent from
         # here. Called with the lock held.
         rid = reply.get("id")
-        if not reply.get("ok") and rid in _QUIET_IDS:
-            err = reply.get("error")
-            err = err if isinstance(err, dict) else {}
-            self.failures.record(rid, str(err.get("code")), str(err.get("message")))
+        if not reply.get("ok") and isinstance(rid, str) and rid in REQUEST_MODELS:
+            self.failures.record(rid, *reply_error(reply))
         abandoned = self._abandoned.pop(rid, None) if isinstance(rid, int) else None
         if abandoned is not None and abandoned[0] == "reserve" and reply.get("ok") and isinstance(reply.get("lease"), dict):
             # The caller fell back inline long ago; nobody will publish this lease.
             log.info("releasing lease %s, reserved after its request had timed out", reply["lease"].get("lease"))
             try:
-                self._socket().send(encode({"v": PROTOCOL_VERSION, "op": "release", "id": "release", "quiet": True,
-                                            "session": abandoned[1].get("session"), "lease": reply["lease"]}), zmq.NOBLOCK)
+                fields = {"session": abandoned[1].get("session"), "lease": reply["lease"]}
+                self._socket().send(request_frame("release", "release", fields, quiet=True), zmq.NOBLOCK)
             except (zmq.ZMQError, DaemonUnavailableError):
                 pass  # reserve_ttl frees it
 

@@ -226,7 +226,7 @@ class Client:
         """Producer only: cancel a feature that was never dispatched to its consumers."""
         desc = _as_descriptor(desc)
         if not desc.is_inline:
-            self._connect().call("release", lease=desc.lease_ref())
+            self._connect().fd.call("release", lease=desc.lease_ref())
 
     # --- consumer ------------------------------------------------------------------------------
 

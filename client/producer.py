@@ -172,7 +172,7 @@ class Producer:
 
     def _release_quietly(self, session: Session, desc: Descriptor) -> None:
         try:
-            session.call("release", lease=desc.lease_ref())
+            session.fd.call("release", lease=desc.lease_ref())
         except MmfeatError:
             pass  # it expires after reserve_ttl anyway
 

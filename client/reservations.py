@@ -224,7 +224,7 @@ class Reservations:
         # Near or past reserve_ttl the lease may have expired, and another feature may own the bytes
         # now: wait for the daemon's word rather than hand out a descriptor of something else.
         try:
-            session.call("publish", lease=desc.lease_ref())
+            session.fd.call("publish", lease=desc.lease_ref())
         except MmfeatError as exc:
             if isinstance(exc, DaemonUnavailableError):
                 raise
@@ -301,9 +301,9 @@ class Reservations:
             return
         try:
             if wait:
-                session.send("release", lease=desc.lease_ref())
+                session.fd.send("release", lease=desc.lease_ref())
             else:
-                session.try_send("release", lease=desc.lease_ref())  # a full buffer: reserve_ttl frees it
+                session.fd.try_send("release", lease=desc.lease_ref())  # a full buffer: reserve_ttl frees it
         except MmfeatError:
             pass  # the session is gone: the daemon freed its reserved leases with it
         except OSError:

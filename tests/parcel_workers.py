@@ -97,6 +97,6 @@ def drops_the_last_tensor_inside_the_clients_lock(runtime_dir: str, inbox: Any, 
         x = loads(inbox.get(timeout=60), client=c).value["x"]
         session = c.session
         time.sleep(0.01)  # past alive()'s read interval, so that an ack through it would take the lock
-        with session._read_lock:
+        with session.fd._read_lock:
             del x
         outbox.put(c.flush())

@@ -231,7 +231,7 @@ def test_pipelined_failures_are_counted_per_kind_and_logged_once(daemon, caplog)
                 assert consumer.ack(d) is None
             session = consumer.session
             for _ in range(3):
-                session.send_frame(b"\xc1")
+                session.fd.send_frame(b"\xc1")
             assert consumer.flush(5.0)
             assert consumer.async_failures == {"ack NOT_FOUND": 5, "request BAD_REQUEST": 3}
             firsts = [r.getMessage() for r in caplog.records if "pipelined" in r.getMessage()]

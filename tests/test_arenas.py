@@ -305,7 +305,7 @@ def test_arenas_take_at_most_half_the_pool(daemon_factory) -> None:
         for c in clients:
             for _ in range(4):  # arenas_per_session
                 try:
-                    c.session.call("arena")
+                    c.session.fd.call("arena")
                     granted += 1
                 except MmfeatError as exc:
                     assert exc.code is ErrorCode.POOL_FULL and "half" in exc.message

@@ -68,8 +68,8 @@ def test_an_empty_datagram_on_the_fd_channel_is_not_an_end_of_session(daemon) ->
     with daemon.client(inline_threshold=0) as c:
         d = c.put(torch.ones(1000))
         session = c.session
-        session.send_frame(b"")  # zero bytes read like EOF; the session must survive it
-        assert session.sync(5.0)
+        session.fd.send_frame(b"")  # zero bytes read like EOF; the session must survive it
+        assert session.fd.sync(5.0)
         d2 = c.put(torch.ones(1000))
         assert c.session is session
         c.ack(d)

@@ -79,3 +79,23 @@ def test_a_daemon_without_a_mesh_loads_none_of_the_meshs_code(daemon) -> None:
     assert loaded == "[]", f"importing mmfeatd loads {loaded}"
     maps = Path(f"/proc/{daemon.pid}/maps").read_text()
     assert "/_asyncio." not in maps and "nixl" not in maps.lower(), "a daemon without a mesh mapped asyncio or NIXL"
+
+
+def test_only_protos_envelope_makes_request_and_reply_frames() -> None:
+    """The envelope is written once (protos/envelope.py) and used at both ends: no client or daemon module
+    spells out a frame's envelope ({"v": ..., "op"/"ok": ...}) by hand, where it could drift from the
+    other end's. The fd channel's handshake (protos/handshake.py) is its own message, not a request;
+    client/bench's transport benchmark times raw ZeroMQ frames of its own, which no daemon reads."""
+    offenders = []
+    for part in ("client", "daemon"):
+        for path in sorted((ROOT / part).rglob("*.py")):
+            if "bench" in path.relative_to(ROOT).parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Dict):
+                    keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                    if "v" in keys and keys & {"op", "ok", "id"}:
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if "ENVELOPE_FIELDS" in path.read_text():
+                offenders.append(f"{path.relative_to(ROOT)} strips the envelope's fields itself")
+    assert not offenders, f"frames built or read by hand, not with mmfeat.protos.envelope: {offenders}"

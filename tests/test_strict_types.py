@@ -181,8 +181,8 @@ def test_fd_channel_is_as_strict(strict_daemon) -> None:
         assert reply["error"]["code"] == "UNSUPPORTED_VERSION", (v, reply)
     with strict_daemon.client() as c:
         session = c.session
-        session.send_frame(_frame(v=4.0))
-        session.send_frame(_frame(op="ack", lease=LEASE, count=1.0, quiet=True))
-        session.send_frame(_frame(deadline=NAN))
-        assert session.sync(5.0)
+        session.fd.send_frame(_frame(v=4.0))
+        session.fd.send_frame(_frame(op="ack", lease=LEASE, count=1.0, quiet=True))
+        session.fd.send_frame(_frame(deadline=NAN))
+        assert session.fd.sync(5.0)
         assert c.async_failures == {"request BAD_REQUEST": 3}

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
         session_requests = 0
         with Client(root) as c:
-            sess = c.session
+            sess = c.session.fd
             for _ in range(args.handshakes):
                 sess.send_frame(_frame(rng, real))
                 session_requests += 1
