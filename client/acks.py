@@ -20,7 +20,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError
-from mmfeat.protos.messages import MAX_CONSUMERS
+from mmfeat.protos.messages import MAX_CONSUMERS, AckReply
 
 from .acked import AckedLeases
 from .channel import ControlChannel
@@ -113,17 +113,18 @@ class Acks:
         ack_id = self._unconfirmed.pop(key, None) or os.urandom(8)
         try:
             if "node" in fields:  # answered from the owner's node: on the control socket, which waits for it
-                reply = self._channel.call("ack", count=count, ack_id=ack_id, **fields)
+                body = self._channel.call("ack", count=count, ack_id=ack_id, **fields)
             else:  # on the fd channel: ordered after this process's own publishes, which travel there too
-                reply = self._connect().fd.call("ack", count=count, ack_id=ack_id, **fields)
+                body = self._connect().fd.call("ack", count=count, ack_id=ack_id, **fields)
+            reply = AckReply.from_wire(body)
         except DaemonUnavailableError:
             self._unconfirmed[key] = ack_id
             while len(self._unconfirmed) > _MAX_UNCONFIRMED_ACKS:
                 del self._unconfirmed[next(iter(self._unconfirmed))]
             raise
-        if reply["over_acked"]:
-            log.warning("lease %d was acked %d time(s) more than its consumer count", desc.lease, reply["over_acked"])
-        return {k: reply[k] for k in ("remaining", "freed", "over_acked")}
+        if reply.over_acked:
+            log.warning("lease %d was acked %d time(s) more than its consumer count", desc.lease, reply.over_acked)
+        return {"remaining": reply.remaining, "freed": reply.freed, "over_acked": reply.over_acked}
 
     def flush(self, timeout: float, session: Optional[Session]) -> bool:
         """Wait until the daemon has applied every ack sent so far (background ones included)."""

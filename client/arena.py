@@ -23,6 +23,7 @@ from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
 from mmfeat.protos.lease_table import DONE, GEN_MASK, PUBLISHED, state_word
+from mmfeat.protos.messages import ArenaReply
 
 from .fd_transport import FdTransport
 from .table import LeaseTableView
@@ -240,7 +241,7 @@ class ArenaSet:
         log.debug("no arena in pool %d for now: %s", pool, exc)
 
     def _install(self, pool: int, reply: dict[str, Any]) -> None:
-        grant = ArenaGrant.from_wire(reply.get("arena"))
+        grant = ArenaReply.from_wire(reply).arena
         self._arenas.setdefault(pool, []).append(ProducerArena(grant, self._table))
         if self._reaper is None:
             self._reaper = threading.Thread(target=self._reap_idle, name="mmfeat-arenas", daemon=True)
@@ -281,7 +282,7 @@ class ArenaSet:
                 except MmfeatError:
                     continue  # refused: nothing to return
                 if reply is not None:
-                    ids.append(ArenaGrant.from_wire(reply.get("arena")).id)
+                    ids.append(ArenaReply.from_wire(reply).arena.id)
             for arena_id in ids:
                 self._fd.send("arena_return", arena=arena_id)
             if ids:

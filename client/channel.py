@@ -21,7 +21,7 @@ import zmq
 from mmfeat.protos.codec import decode
 from mmfeat.protos.envelope import checked_reply, reply_error, request_frame
 from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
-from mmfeat.protos.messages import REQUEST_MODELS
+from mmfeat.protos.messages import REQUEST_MODELS, LeaseReply
 
 from . import fd_budget
 from .async_failures import AsyncFailures
@@ -152,11 +152,16 @@ class ControlChannel:
         if not reply.get("ok") and isinstance(rid, str) and rid in REQUEST_MODELS:
             self.failures.record(rid, *reply_error(reply))
         abandoned = self._abandoned.pop(rid, None) if isinstance(rid, int) else None
-        if abandoned is not None and abandoned[0] == "reserve" and reply.get("ok") and isinstance(reply.get("lease"), dict):
+        if abandoned is not None and abandoned[0] == "reserve" and reply.get("ok"):
             # The caller fell back inline long ago; nobody will publish this lease.
-            log.info("releasing lease %s, reserved after its request had timed out", reply["lease"].get("lease"))
             try:
-                fields = {"session": abandoned[1].get("session"), "lease": reply["lease"]}
+                lease = LeaseReply.from_wire(reply).lease
+            except MmfeatError as exc:
+                self.failures.record("reserve", exc.code.value, exc.message)
+                return  # names no lease to release: reserve_ttl frees it
+            log.info("releasing lease %s, reserved after its request had timed out", lease.lease)
+            try:
+                fields = {"session": abandoned[1].get("session"), "lease": lease.to_wire()}
                 self._socket().send(request_frame("release", "release", fields, quiet=True), zmq.NOBLOCK)
             except (zmq.ZMQError, DaemonUnavailableError):
                 pass  # reserve_ttl frees it

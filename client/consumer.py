@@ -10,6 +10,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.messages import PoolInfo, RemoteGetReply
 
 from . import tensors as tz
 from .channel import ControlChannel
@@ -43,12 +44,12 @@ class Consumer:
                 ErrorCode.STALE, f"descriptor is from daemon epoch {desc.epoch}, the daemon is now epoch {session.epoch}: it restarted; re-send the feature"
             )
         pool = session.pools.get(desc.pool)
-        if pool is None or desc.offset + desc.nbytes > pool["size"]:
+        if pool is None or desc.offset + desc.nbytes > pool.size:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
         if verify:
             self.verify(session, desc)
         mapping = session.mapping(desc.pool)
-        if device is not None and pool["kind"] == "host" and feature_staging("host", device) == "pinned_async":
+        if device is not None and pool.kind == "host" and feature_staging("host", device) == "pinned_async":
             staged = self._stage(mapping, desc, device)
             if staged is not None:
                 return staged  # the lease cannot end before this consumer's ack, which waits for the copy
@@ -90,27 +91,32 @@ class Consumer:
         """Another node's feature: this node's daemon pulls it into its own pool (and gives the copy's
         lease), or relays the owner's FABRIC handle; either way the read is local from then on."""
         into = _into_pool(session, device)
-        reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout,
-                                   **into)
-        if "fabric" in reply:
+        reply = RemoteGetReply.from_wire(self._channel.call(
+            "remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout, **into))
+        fabric = reply.fabric
+        if fabric is not None:
             from .cuda_import import map_cuda_pool
 
             # The owner's GPU is on another node: a UUID no local GPU has keeps the import from granting
             # a local GPU of the same ordinal access as if it were the owner's.
-            info = {**reply["fabric"], "kind": "cuda", "uuid": f"remote:{desc.node}"}
+            info = PoolInfo(fabric.pool, fabric.epoch, "cuda", fabric.device, fabric.size, fabric.handle, fabric.fabric,
+                            f"remote:{desc.node}")
             try:
-                pool = map_cuda_pool(f"mesh:{info['node']}", info, None, session.readonly).tensor
+                pool = map_cuda_pool(f"mesh:{fabric.node}", info, None, session.readonly).tensor
             except RuntimeError as exc:  # CudaError, PoolMapError: the handle does not import in this process
                 # Same domain by NVML, yet no IMEX channel in this container (or no GPU here): the bytes
                 # can still come as a pull, which the daemon counts per peer (fabric_fallbacks).
                 _warn_fabric_fallback(desc.node, exc)
-                reply = self._channel.call("remote_get", node=desc.node, lease=desc.lease_ref(),
-                                           wait_s=self._channel.timeout, pull=True, **into)
+                reply = RemoteGetReply.from_wire(self._channel.call(
+                    "remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout, pull=True,
+                    **into))
             else:
                 out = [tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors]
                 return _finish(out, desc.many, copy, device)
-        local = dataclasses.replace(desc, node=session.node, **{k: reply["lease"][k] for k in
-                                                                ("pool", "epoch", "lease", "gen", "token", "offset")})
+        copy_ref = reply.lease
+        local = dataclasses.replace(desc, node=session.node, pool=copy_ref.pool, epoch=copy_ref.epoch,
+                                    lease=copy_ref.lease, gen=copy_ref.gen, token=copy_ref.token,
+                                    offset=copy_ref.offset)
         out = self.get(local, copy, verify, device)
         # The caller acks the owner's descriptor, not the copy's: that ack must wait for a staged copy too.
         self._pending.rekey(pending_key(local), pending_key(desc))
@@ -142,7 +148,7 @@ def _into_pool(session: Session, device: Any) -> dict[str, int]:
     a CUDA one, else the current device once CUDA is in use here), so that a node with a pool per GPU
     pulls the copy next to the rank that reads it. Nothing for host pools, or without CUDA in use:
     asking would make a context on a process that never used a GPU."""
-    if not any(info["kind"] == "cuda" for info in session.pools.values()):
+    if not any(info.kind == "cuda" for info in session.pools.values()):
         return {}  # a host daemon: nothing to choose, and no reason to look at CUDA
     if device is not None:
         target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -156,7 +162,7 @@ def _into_pool(session: Session, device: Any) -> dict[str, int]:
     if ordinal is None:
         return {}
     pool = session.pool_on_local_device(ordinal)
-    return {"into_pool": pool["pool"]} if pool is not None else {}
+    return {"into_pool": pool.pool} if pool is not None else {}
 
 
 def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> Tensors:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from mmfeat import cuda_driver as drv
+from mmfeat.protos.messages import PoolInfo
 from . import dlpack
 
 _lock = threading.Lock()
@@ -86,7 +87,7 @@ class CudaMapping:
     tensor: torch.Tensor  # uint8 over the whole pool, on ``device``
 
 
-def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int], readonly: bool = False) -> CudaMapping:
+def map_cuda_pool(endpoint: str, info: PoolInfo, fd: Optional[int], readonly: bool = False) -> CudaMapping:
     """The pool described by ``info`` (from hello) mapped for the current CUDA device, with read-only
     access where ``readonly``. Takes ownership
     of ``fd`` (a POSIX-fd pool) and closes it in every case. Raises PoolMapError, without trying, while
@@ -95,13 +96,13 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int], readon
     owned, fd = fd, None  # from here on `owned` is closed exactly once, on every path
     try:
         if not torch.cuda.is_available():
-            raise RuntimeError("this process has no CUDA device, so it cannot map GPU pool %d" % info["pool"])
+            raise RuntimeError("this process has no CUDA device, so it cannot map GPU pool %d" % info.pool)
         reason = drv.driver_unavailable_reason()
         if reason is not None:
-            raise RuntimeError(f"cannot map GPU pool {info['pool']}: {reason}")
+            raise RuntimeError(f"cannot map GPU pool {info.pool}: {reason}")
         device = torch.cuda.current_device()
         # Keyed by pid too: a forked child must import the pool itself, not reuse the parent's mapping.
-        key = (os.getpid(), endpoint, info["pool"], info["epoch"], device, readonly)
+        key = (os.getpid(), endpoint, info.pool, info.epoch, device, readonly)
         with _lock:
             hit = _cache.get(key)
             if hit is not None:
@@ -109,7 +110,7 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int], readon
             failed = _failed.get(key)
             if failed is not None and time.monotonic() - failed[0] < MAP_RETRY_S:
                 left = MAP_RETRY_S - (time.monotonic() - failed[0])
-                raise PoolMapError(f"GPU pool {info['pool']} failed to map on device {device} ({failed[1]}); "
+                raise PoolMapError(f"GPU pool {info.pool} failed to map on device {device} ({failed[1]}); "
                                    f"tried again in {left:.0f} s, features go inline until then") from failed[1]
             try:
                 mapping = _map_uncached(info, owned, device, readonly)
@@ -118,9 +119,9 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int], readon
                 _failed[key] = (time.monotonic(), exc)
                 raise
             _failed.pop(key, None)
-            for old in [k for k in _cache if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info["epoch"])]:
+            for old in [k for k in _cache if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info.epoch)]:
                 del _cache[old]  # a daemon restart: the old pool goes once its last view is gone
-            for old in [k for k in _failed if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info["epoch"])]:
+            for old in [k for k in _failed if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info.epoch)]:
                 del _failed[old]
             _cache[key] = mapping
             return mapping
@@ -129,7 +130,7 @@ def map_cuda_pool(endpoint: str, info: dict[str, Any], fd: Optional[int], readon
             os.close(owned)  # cuMemImportFromShareableHandle does not take ownership of the fd
 
 
-def _map_uncached(info: dict[str, Any], fd: Optional[int], device: int, readonly: bool) -> CudaMapping:
+def _map_uncached(info: PoolInfo, fd: Optional[int], device: int, readonly: bool) -> CudaMapping:
     """Import and map the pool for ``device``; on failure nothing is left behind (context reference
     included). The VMM calls take no context but need one current: retain ours explicitly (the mapping
     keeps the reference) rather than rely on torch having made one current, and give the thread back
@@ -147,30 +148,30 @@ def _map_uncached(info: dict[str, Any], fd: Optional[int], device: int, readonly
         else:
             holder.close()  # it owns the context reference now: it alone releases it
         raise
-    return CudaMapping(info["pool"], info["epoch"], holder.size, device, tensor)
+    return CudaMapping(info.pool, info.epoch, holder.size, device, tensor)
 
 
-def _import_handle(info: dict[str, Any], fd: Optional[int]) -> Any:
-    if info["handle"] == "fabric":
-        raw: Any = bytes(info["fabric"])
+def _import_handle(info: PoolInfo, fd: Optional[int]) -> Any:
+    if info.handle == "fabric":
+        raw: Any = bytes(info.fabric or b"")
         kind = "fabric"
     else:
         if fd is None:
-            raise RuntimeError(f"the daemon sent no fd for POSIX-fd pool {info['pool']}")
+            raise RuntimeError(f"the daemon sent no fd for POSIX-fd pool {info.pool}")
         raw, kind = fd, "posix_fd"
     return drv.ck("cuMemImportFromShareableHandle", drv.cu.cuMemImportFromShareableHandle(raw, drv.handle_type(kind)))
 
 
-def _map(info: dict[str, Any], handle: Any, device: int, ctx: Any, readonly: bool) -> _DeviceRange:
+def _map(info: PoolInfo, handle: Any, device: int, ctx: Any, readonly: bool) -> _DeviceRange:
     """Reserve VA, map the whole allocation, grant access, release the imported handle. The range
     returned owns the context reference ``ctx``."""
     cu = drv.cu
-    size = int(info["size"])
+    size = int(info.size)
     va = None
     mapped = False
     try:
         # Built here, not read from the imported handle (which may not say, for a remote FABRIC handle).
-        gran = drv.granularity(drv.allocation_prop(device, info["handle"]))
+        gran = drv.granularity(drv.allocation_prop(device, info.handle))
         va = drv.ck("cuMemAddressReserve", cu.cuMemAddressReserve(size, gran, 0, 0))
         drv.ck("cuMemMap", cu.cuMemMap(va, size, 0, handle, 0))  # whole allocation at offset 0
         mapped = True
@@ -187,11 +188,11 @@ def _map(info: dict[str, Any], handle: Any, device: int, ctx: Any, readonly: boo
     return _DeviceRange(va, size, devices, ctx)
 
 
-def _grant_owner_access(va: Any, size: int, info: dict[str, Any], device: int, readonly: bool) -> list[int]:
+def _grant_owner_access(va: Any, size: int, info: PoolInfo, device: int, readonly: bool) -> list[int]:
     """Best effort: also let the pool's own GPU reach this mapping, so that work queued on it can read
     the pool. The owner is found by UUID among this process's GPUs (ordinals differ between processes).
     Returns the extra local ordinals granted."""
-    owner = drv.local_ordinal(info)
+    owner = drv.gpu_ordinal(info.uuid, info.device)
     if owner is None or owner == device:
         return []
     try:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mmfeat.cuda_driver import IMEX_CHANNELS
+from mmfeat.protos.messages import PoolInfo
 
 log = logging.getLogger("mmfeat.policy")
 
@@ -148,15 +149,15 @@ def resolve_transport(requested: str, topology: Topology, model_opt_in: bool) ->
     return decision
 
 
-def feature_pool(pools: list[dict[str, Any]], gpu_pool: Optional[dict[str, Any]]) -> dict[str, Any]:
+def feature_pool(pools: list[PoolInfo], gpu_pool: Optional[PoolInfo]) -> PoolInfo:
     """The pool a producer puts a feature in. ``pools``: the daemon's pools (pool_info); ``gpu_pool``: the
     pool on the GPU the tensor is on, None for a CPU tensor (or a GPU without a pool). A CPU tensor goes
     to a host pool where the daemon has one and no FABRIC pool (one node: consumers stage it with a DMA
     each, the producer copies nothing into HBM); across nodes the FABRIC pool lets other nodes map it."""
     if gpu_pool is not None:
         return gpu_pool
-    if not any(p["kind"] == "cuda" and p["handle"] == "fabric" for p in pools):
-        host = next((p for p in pools if p["kind"] == "host"), None)
+    if not any(p.kind == "cuda" and p.handle == "fabric" for p in pools):
+        host = next((p for p in pools if p.kind == "host"), None)
         if host is not None:
             return host
     return pools[0]

@@ -15,7 +15,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
-from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, FallbackReason
+from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, FallbackReason, LeaseReply, PoolInfo
 
 from . import tensors as tz
 from .channel import ControlChannel
@@ -70,11 +70,11 @@ class Producer:
         try:
             session = self._connect()
             pool = self._pool_for(session, device)
-            if pool["kind"] == "cuda":
+            if pool.kind == "cuda":
                 # Mapped (or known not to map) before any lease exists: a pool that cannot be mapped here
                 # costs no reserve and release round trip per put.
                 try:
-                    self._pool_tensor(session, pool["pool"], device)
+                    self._pool_tensor(session, pool.pool, device)
                 except (RuntimeError, OSError) as exc:  # CudaError and PoolMapError too
                     return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.MAP_FAILED, exc)
             desc = self._put_in_arena(session, pool, device, tensors, specs, nbytes, consumers, many)
@@ -92,9 +92,9 @@ class Producer:
             if reason is None:
                 raise
             return self._fallback_or_raise(tensors, specs, nbytes, many, reason, exc)
-        lease = reply["lease"]
-        desc = self._descriptor(session, lease["pool"], specs, nbytes, many, lease["lease"], lease["gen"], lease["token"],
-                                lease["offset"])
+        lease = reply.lease
+        desc = self._descriptor(session, lease.pool, specs, nbytes, many, lease.lease, lease.gen, lease.token,
+                                lease.offset)
         try:
             try:
                 pool_tensor = self._pool_tensor(session, desc.pool, device)
@@ -111,17 +111,17 @@ class Producer:
             raise
         return desc
 
-    def _put_in_arena(self, session: Session, pool: dict[str, Any], device: Optional[int], tensors: list[torch.Tensor],
+    def _put_in_arena(self, session: Session, pool: PoolInfo, device: Optional[int], tensors: list[torch.Tensor],
                       specs: list[TensorSpec], nbytes: int, consumers: int, many: bool) -> Optional[Descriptor]:
         """The descriptor of the feature placed and published in an arena; None to reserve instead."""
         arenas = session.arenas
         if arenas is None:
             return None
-        placed = arenas.place(pool["pool"], pool["device"], nbytes)
+        placed = arenas.place(pool.pool, pool.device, nbytes)
         if placed is None:
             return None
         token = os.urandom(TOKEN_BYTES)
-        desc = self._descriptor(session, pool["pool"], specs, nbytes, many, placed.slot, placed.gen, token, placed.offset)
+        desc = self._descriptor(session, pool.pool, specs, nbytes, many, placed.slot, placed.gen, token, placed.offset)
         try:
             pool_tensor = self._pool_tensor(session, desc.pool, device)
         except (RuntimeError, OSError):
@@ -136,15 +136,15 @@ class Producer:
         arenas.publish(placed, nbytes, consumers, token)
         return desc
 
-    def _pool_for(self, session: Session, device: Optional[int]) -> dict[str, Any]:
+    def _pool_for(self, session: Session, device: Optional[int]) -> PoolInfo:
         gpu_pool = session.pool_on_local_device(device) if device is not None else None
         return feature_pool(list(session.pools.values()), gpu_pool)
 
     def _descriptor(self, session: Session, pool_id: int, specs: list[TensorSpec], nbytes: int, many: bool, lease: int,
                     gen: int, token: bytes, offset: int) -> Descriptor:
         pool = session.pools[pool_id]
-        return Descriptor.checked(pool["kind"], tuple(specs), nbytes, many, session.node, self._channel.endpoint,
-                                  pool["device"], pool_id, session.epoch, lease, gen, token, offset, None)
+        return Descriptor.checked(pool.kind, tuple(specs), nbytes, many, session.node, self._channel.endpoint,
+                                  pool.device, pool_id, session.epoch, lease, gen, token, offset, None)
 
     def _pool_tensor(self, session: Session, pool_id: int, device: Optional[int]) -> torch.Tensor:
         """The whole pool as a uint8 tensor; a GPU pool mapped (once) on the producer tensor's device."""
@@ -153,14 +153,14 @@ class Producer:
         with torch.cuda.device(device):
             return session.mapping(pool_id, device).tensor
 
-    def _reserve(self, session: Session, pool: dict[str, Any], nbytes: int, consumers: int) -> tuple[Session, dict[str, Any]]:
+    def _reserve(self, session: Session, pool: PoolInfo, nbytes: int, consumers: int) -> tuple[Session, LeaseReply]:
         """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
         fields: dict[str, Any] = {"session": session.token, "nbytes": nbytes, "consumers": consumers}
         # The daemon's ordinal of the GPU this tensor is on, or -1: its host pool, which on a GPU node is
         # not its first pool.
-        fields["device"] = pool["device"]
+        fields["device"] = pool.device
         try:
-            return session, self._channel.call("reserve", **fields)
+            return session, LeaseReply.from_wire(self._channel.call("reserve", **fields))
         except MmfeatError as exc:
             if exc.code is not ErrorCode.SESSION_CUT and (exc.code is not ErrorCode.NOT_FOUND or session.alive()):
                 raise
@@ -168,7 +168,7 @@ class Producer:
         # one fresh session, one retry.
         session = self._reconnect(session)
         fields["session"] = session.token
-        return session, self._channel.call("reserve", **fields)
+        return session, LeaseReply.from_wire(self._channel.call("reserve", **fields))
 
     def _release_quietly(self, session: Session, desc: Descriptor) -> None:
         try:

@@ -23,7 +23,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
-from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES
+from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, PoolInfo
 
 from . import dlpack
 from . import tensors as tz
@@ -121,7 +121,7 @@ class Reservations:
         try:
             session = p._connect()
             pool = p._pool_for(session, device)
-            if device is not None and pool["kind"] != "cuda":
+            if device is not None and pool.kind != "cuda":
                 return None  # no pool on that GPU: a device tensor, which publish puts into a host pool
             r = self._in_arena(session, pool, specs, nbytes, many, consumers, device)
             if r is not None:
@@ -136,25 +136,25 @@ class Reservations:
             if exc.code not in _FALLBACK_ERRORS or p.fallback == "error":
                 raise
             return None
-        lease = reply["lease"]
+        lease = reply.lease
         r = Reservation(self, "lease", specs, nbytes, many, consumers, device)
         r.session = session
-        r.desc = p._descriptor(session, lease["pool"], specs, nbytes, many, lease["lease"], lease["gen"],
-                               lease["token"], lease["offset"])
+        r.desc = p._descriptor(session, lease.pool, specs, nbytes, many, lease.lease, lease.gen, lease.token,
+                               lease.offset)
         return r
 
-    def _in_arena(self, session: Session, pool: dict[str, Any], specs: list[TensorSpec], nbytes: int, many: bool,
+    def _in_arena(self, session: Session, pool: PoolInfo, specs: list[TensorSpec], nbytes: int, many: bool,
                   consumers: int, device: Optional[int]) -> Optional[Reservation]:
         arenas = session.arenas
         if arenas is None:
             return None
-        placed = arenas.place(pool["pool"], pool["device"] if pool["kind"] == "cuda" else None, nbytes)
+        placed = arenas.place(pool.pool, pool.device if pool.kind == "cuda" else None, nbytes)
         if placed is None:
             return None
         token = os.urandom(TOKEN_BYTES)
         r = Reservation(self, "arena", specs, nbytes, many, consumers, device)
         r.session, r.placed = session, placed
-        r.desc = self._producer._descriptor(session, pool["pool"], specs, nbytes, many, placed.slot, placed.gen,
+        r.desc = self._producer._descriptor(session, pool.pool, specs, nbytes, many, placed.slot, placed.gen,
                                             token, placed.offset)
         return r
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
+from mmfeat.protos.messages import ArenaReply, HelloReply, PoolInfo
 from mmfeat.protos.paths import fd_socket_path
 
 from mmfeat import atomics
@@ -28,7 +29,7 @@ class Session:
 
     def __init__(
         self,
-        hello: dict[str, Any],
+        hello: HelloReply,
         endpoint: str,
         fd: FdTransport,
         fds: dict[int, int],
@@ -36,12 +37,12 @@ class Session:
         timeout: float,
         readonly: bool = False,
     ) -> None:
-        self.token: bytes = hello["session"]
-        self.epoch: int = hello["epoch"]
-        self.node: str = hello["node"]
-        self.reserve_ttl: float = float(hello.get("reserve_ttl", 30.0))
+        self.token = hello.session
+        self.epoch = hello.epoch
+        self.node = hello.node
+        self.reserve_ttl = float(hello.reserve_ttl)
         self.endpoint = endpoint
-        self.pools: dict[int, dict[str, Any]] = {p["pool"]: p for p in hello["pools"]}
+        self.pools: dict[int, PoolInfo] = {p.pool: p for p in hello.pools}
         self.mappings: dict[tuple[int, int], Any] = {}  # (pool id, device) -> HostMapping or CudaMapping
         self.fds = fds  # pool fds kept for pools mapped lazily (GPU pools: once per device)
         self.pid = fd.pid  # the process that opened it: a forked child must open its own
@@ -61,22 +62,24 @@ class Session:
         self.fd.send("publish", lease=lease)
 
     def _on_unclaimed(self, reply: dict[str, Any]) -> None:
-        if isinstance(reply.get("arena"), dict):
+        if "arena" in reply:
             # An arena granted after its request timed out: nobody will place features in it.
             try:
-                self.fd.send("arena_return", arena=reply["arena"].get("id"))
+                self.fd.send("arena_return", arena=ArenaReply.from_wire(reply).arena.id)
             except DaemonUnavailableError:
                 pass  # the session is ending: the daemon takes its arenas back anyway
+            except MmfeatError as exc:  # a grant that does not parse names no arena to return
+                self.fd.failures.record("arena", exc.code.value, exc.message)
 
     # --- mappings ------------------------------------------------------------------------------
 
-    def pool_on_local_device(self, ordinal: int) -> Optional[dict[str, Any]]:
+    def pool_on_local_device(self, ordinal: int) -> Optional[PoolInfo]:
         """The GPU pool on this process's CUDA device ``ordinal``, matched by GPU UUID: the daemon and
         this process may number GPUs differently (CUDA_VISIBLE_DEVICES in a pod)."""
-        from mmfeat.cuda_driver import local_ordinal
+        from mmfeat.cuda_driver import gpu_ordinal
 
         for info in self.pools.values():
-            if info["kind"] == "cuda" and local_ordinal(info) == ordinal:
+            if info.kind == "cuda" and gpu_ordinal(info.uuid, info.device) == ordinal:
                 return info
         return None
 
@@ -84,14 +87,14 @@ class Session:
         """The process-wide mapping of a pool: host pools once, GPU pools once per device (default: the
         caller's current one)."""
         info = self.pools[pool_id]
-        if info["kind"] == "host":
+        if info.kind == "host":
             key = (pool_id, -1)
             if key not in self.mappings:
                 fd = self.fds.pop(pool_id, None)
                 if fd is None:
                     raise MmfeatError(ErrorCode.INTERNAL, f"daemon sent no fd for host pool {pool_id}")
                 self.mappings[key] = mapping_cache.map_host_pool(
-                    self.endpoint, pool_id, info["epoch"], fd, info["size"], self.readonly)
+                    self.endpoint, pool_id, info.epoch, fd, info.size, self.readonly)
             return self.mappings[key]
         if device is None:
             import torch
@@ -133,16 +136,15 @@ def _open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout
     # One pool for the count before hello (a daemon has at least one); the exact count once it says.
     fd_budget.ensure(fd_budget.session_fds(1), "opening a session with mmfeatd")
     sent = time.monotonic()
-    hello = channel.call("hello", name=name[:128], pid=os.getpid())
+    hello = HelloReply.from_wire(channel.call("hello", name=name[:128], pid=os.getpid()))
     # Same kernel, same CLOCK_MONOTONIC (unless a time namespace shifts it): then deadlines mean the same.
-    clock = hello.get("clock")
-    channel.send_deadlines = isinstance(clock, (int, float)) and sent - 1.0 <= clock <= time.monotonic() + 1.0
-    fd_budget.ensure(fd_budget.session_fds(len(hello["pools"])), "opening a session with mmfeatd")
-    fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(runtime_dir), hello["session"], timeout)
+    channel.send_deadlines = sent - 1.0 <= hello.clock <= time.monotonic() + 1.0
+    fd_budget.ensure(fd_budget.session_fds(len(hello.pools)), "opening a session with mmfeatd")
+    fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(runtime_dir), hello.session, timeout)
     try:
         # Writable only where this process will publish and ack in it (SPEC.md, section 9).
-        writable = bool(hello.get("arenas")) and atomics.AVAILABLE
-        table = map_lease_table(channel.endpoint, hello["epoch"], table_fd, hello["table_slots"], writable)
+        writable = hello.arenas and atomics.AVAILABLE
+        table = map_lease_table(channel.endpoint, hello.epoch, table_fd, hello.table_slots, writable)
     except BaseException:
         fd_sock.close()
         for fd in fds.values():
@@ -153,7 +155,7 @@ def _open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout
     session = Session(hello, channel.endpoint, fd, fds, table, timeout, readonly)
     try:
         for pool_id, info in session.pools.items():
-            if info["kind"] == "host":  # map host pools now; GPU pools on first use, on the caller's device
+            if info.kind == "host":  # map host pools now; GPU pools on first use, on the caller's device
                 session.mapping(pool_id, None)
     except BaseException:
         session.close()

@@ -84,11 +84,11 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
         return error_frame(req_id, ErrorCode.INTERNAL, f"{op} failed inside the daemon; see its log")
     if quiet:
         return None
-    return ok_frame(req_id, body)
+    return ok_frame(req_id, body.to_wire())
 
 
 def _result_reply(req_id: Any, result: Any) -> bytes:
     """The reply to a deferred request: its body, or the error it ended with."""
     if isinstance(result, MmfeatError):
         return error_frame(req_id, result.code, result.message)
-    return ok_frame(req_id, result)
+    return ok_frame(req_id, result.to_wire())

@@ -1,6 +1,7 @@
 """One handler per op, in one explicit table. Each takes the validated request and returns the reply body.
 
-A handler raises MmfeatError for a refusal; daemon/dispatch.py turns it into a typed error reply.
+A handler returns its op's reply type (protos/messages.py, REPLY_TYPES) or a Deferred one, and raises
+MmfeatError for a refusal; daemon/dispatch.py turns either into a reply frame.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from .sessions import MAX_PENDING_SESSIONS
 
 log = logging.getLogger("mmfeatd")
 
-Reply = dict[str, Any]
-Respond = Callable[[Any], None]  # a reply body, or the MmfeatError the request ended with
+Reply = m.Reply
+Respond = Callable[[Any], None]  # a reply, or the MmfeatError the request ended with
 
 
 @dataclass(frozen=True)
@@ -39,24 +40,12 @@ def _remote(core: DaemonCore) -> Any:
     return core.remote
 
 
-def _lease_reply(core: DaemonCore, lease: Any) -> Reply:
-    return {
-        "lease": {
-            "pool": lease.pool_id,
-            "epoch": core.epoch,
-            "lease": lease.lease_id,
-            "gen": lease.gen,
-            "token": lease.token,
-            "offset": lease.offset,
-            "nbytes": lease.nbytes,
-        },
-        "state": lease.state.value,
-        "consumers": lease.consumers,
-        "remaining": lease.remaining,
-    }
+def _lease_reply(core: DaemonCore, lease: Any) -> m.LeaseReply:
+    ref = m.LeaseRefReply(lease.pool_id, core.epoch, lease.lease_id, lease.gen, lease.token, lease.offset, lease.nbytes)
+    return m.LeaseReply(ref, lease.state.value, lease.consumers, lease.remaining)
 
 
-def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> Reply:
+def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> m.HelloReply:
     """Open a session; the client then presents ``session`` on the fd channel to receive pool fds."""
     session, dropped = core.sessions.open(req.name, req.pid, now)
     if dropped:
@@ -68,25 +57,25 @@ def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> Reply:
                 "that says hello without connecting to the fd socket is flooding or crash-looping (%d dropped so far)",
                 MAX_PENDING_SESSIONS, dropped[0].name, dropped[0].pid, core.counters.sessions_dropped,
             )
-    return {
-        "session": session.token,
-        "epoch": core.epoch,
-        "node": core.settings.node_id,
-        "endpoint": core.endpoint,
-        "pools": [p.info(core.epoch) for p in core.pools.values()],
-        "reserve_ttl": core.ledger.reserve_ttl,
-        "ack_ttl": core.ledger.ack_ttl,
-        "max_request_bytes": MAX_REQUEST_BYTES,
-        "table_slots": core.table.slots,
+    return m.HelloReply(
+        session=session.token,
+        epoch=core.epoch,
+        node=core.settings.node_id,
+        endpoint=core.endpoint,
+        pools=tuple(p.info(core.epoch) for p in core.pools.values()),
+        reserve_ttl=core.ledger.reserve_ttl,
+        ack_ttl=core.ledger.ack_ttl,
+        max_request_bytes=MAX_REQUEST_BYTES,
+        table_slots=core.table.slots,
         # Producers may ask for arenas and ack in the lease table (SPEC.md, section 5).
-        "arenas": core.arenas_enabled,
+        arenas=core.arenas_enabled,
         # CLOCK_MONOTONIC here: a client on the same kernel sees the same clock and may then send
         # request deadlines (SPEC.md, section 2).
-        "clock": now,
-    }
+        clock=now,
+    )
 
 
-def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> Reply:
+def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> m.LeaseReply:
     """Allocate a slice for ``nbytes`` that ``consumers`` consumers will acknowledge."""
     if core.draining:
         raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; send this feature inline")
@@ -107,7 +96,7 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> Reply:
     return _lease_reply(core, lease)
 
 
-def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> Reply:
+def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
     """Grant the producer an arena: a slice of the pool and a block of lease slots it publishes in."""
     if core.draining:
         raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; no new arenas")
@@ -121,26 +110,26 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> Reply:
         raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before asking for an arena, so a crash returns it")
     pool_id = core.pool_for(req.device)
     a = core.ledger.grant_arena(req.session, pool_id)
-    return {"arena": ArenaGrant(a.arena_id, a.pool_id, a.offset, a.size, a.slot_base, a.slots).to_wire()}
+    return m.ArenaReply(ArenaGrant(a.arena_id, a.pool_id, a.offset, a.size, a.slot_base, a.slots))
 
 
-def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> Reply:
+def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> m.EmptyReply:
     """The producer places nothing more in this arena; it is freed once no feature in it is live."""
     a = core.ledger.arenas.get(req.arena)
     if a is None or a.session != req.session:
         raise MmfeatError(ErrorCode.NOT_FOUND, f"this session holds no arena {req.arena}")
     core.sweep(now)  # adopt what it published there first
     core.ledger.return_arena(a)
-    return {}
+    return m.EmptyReply()
 
 
-def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> Reply:
+def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> m.LeaseReply:
     """The producer finished writing: the lease becomes readable and its ack deadline starts."""
     core.sweep(now)  # so a feature published in an arena is known (and refused here as already published)
     return _lease_reply(core, core.ledger.publish(req.lease, req.session, now))
 
 
-def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Union[Reply, Deferred]:
+def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Union[m.AckReply, Deferred]:
     """``count`` consumers are done; acks beyond what the lease expects are counted, not applied. An ack
     of another node's feature is relayed to its daemon, batched; a waiting one is answered from there."""
     if req.node is not None and req.node != core.settings.node_id:
@@ -148,18 +137,17 @@ def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Union[Reply, Deferre
         return Deferred(lambda respond: remote.relay_ack(req.node, req.lease, req.count, req.ack_id, respond, now))
     core.sweep(now)  # the lease may be a feature published in an arena since the last sweep
     result = core.ledger.ack(req.lease, req.count, now, req.ack_id)
-    return {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked,
-            "duplicate": result.duplicate}
+    return m.AckReply(result.remaining, result.freed, result.over_acked, result.duplicate)
 
 
-def release(core: DaemonCore, req: m.ReleaseRequest, now: float) -> Reply:
+def release(core: DaemonCore, req: m.ReleaseRequest, now: float) -> m.ReleaseReply:
     """The producer cancels a lease it never dispatched; it is freed at once."""
     core.sweep(now)
     core.ledger.release(req.lease, req.session, now)
-    return {"freed": True}
+    return m.ReleaseReply(True)
 
 
-def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> Reply:
+def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> m.LeaseReply:
     """Is this lease live, with this generation and token? Consumers verify before reading."""
     core.sweep(now)
     return _lease_reply(core, core.ledger.lookup(req.lease))
@@ -173,26 +161,26 @@ def remote_get(core: DaemonCore, req: m.RemoteGetRequest, now: float) -> Deferre
     return Deferred(lambda respond: remote.get(req.node, req.lease, req.wait_s, respond, now, req.into_pool, req.pull))
 
 
-def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> Reply:
+def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> m.EmptyReply:
     """A client sent ``count`` features inline for ``reason``; counted for operators."""
     fb = core.counters.fallbacks
     fb[req.reason.value] = fb.get(req.reason.value, 0) + req.count
-    return {}
+    return m.EmptyReply()
 
 
-def ping(core: DaemonCore, req: m.EmptyRequest, now: float) -> Reply:
+def ping(core: DaemonCore, req: m.EmptyRequest, now: float) -> m.PingReply:
     """Liveness; it also applies what clients wrote in the lease table, so a client's flush() (a ping on
     its fd channel) returns once its table acks are applied."""
     core.sweep(now)
-    return {"epoch": core.epoch, "node": core.settings.node_id, "draining": core.draining}
+    return m.PingReply(core.epoch, core.settings.node_id, core.draining)
 
 
-def stats(core: DaemonCore, req: m.EmptyRequest, now: float) -> Reply:
-    return core.stats()
+def stats(core: DaemonCore, req: m.EmptyRequest, now: float) -> m.StatsReply:
+    return m.StatsReply(**core.stats())
 
 
-def pool_info(core: DaemonCore, req: m.EmptyRequest, now: float) -> Reply:
-    return {"epoch": core.epoch, "pools": [p.info(core.epoch) for p in core.pools.values()]}
+def pool_info(core: DaemonCore, req: m.EmptyRequest, now: float) -> m.PoolInfoReply:
+    return m.PoolInfoReply(core.epoch, tuple(p.info(core.epoch) for p in core.pools.values()))
 
 
 Handler = Callable[[DaemonCore, Any, float], Union[Reply, Deferred]]
@@ -213,4 +201,5 @@ HANDLERS: dict[str, Handler] = {
     "pool_info": pool_info,
 }
 
-assert HANDLERS.keys() == m.REQUEST_MODELS.keys(), "every op needs a model and a handler"
+assert HANDLERS.keys() == m.REQUEST_MODELS.keys() == m.REPLY_TYPES.keys(), \
+    "every op needs a request model, a reply type and a handler"

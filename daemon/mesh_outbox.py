@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.mesh import MAX_MESH_BATCH, MeshAck
+from mmfeat.protos.messages import AckReply
 
 from .mesh import Mesh, PeerState
 
@@ -24,7 +25,7 @@ ACK_BATCH_S = 0.002
 # An acks batch whose answer takes longer than this means the owner is gone.
 ANSWER_TIMEOUT_S = 30.0
 
-Respond = Callable[[Any], None]  # called once with a reply body (dict) or an MmfeatError
+Respond = Callable[[Any], None]  # called once with a reply (protos.messages) or an MmfeatError
 
 
 @dataclass
@@ -89,7 +90,7 @@ class MeshOutbox:
         for respond, result in zip(entry[1], results):
             if respond is not None:
                 respond(peer_error(result.code, result.message, peer) if result.code else
-                        {"remaining": result.remaining, "freed": result.freed, "over_acked": result.over_acked})
+                        AckReply(result.remaining, result.freed, result.over_acked))
 
     def drop_peer(self, peer: str, error: MmfeatError) -> None:
         """The peer went down or restarted: nothing more goes to it, and whoever waits hears ``error``.

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.mesh import MeshAck, MeshFabricDomain, MeshPool
-from mmfeat.protos.messages import LeaseRef
+from mmfeat.protos.messages import FabricPool, LeaseRef, LeaseRefReply, RemoteGetReply
 
 from .core import DaemonCore
 from .ledger import EndReason, Lease, LeaseState
@@ -93,13 +93,12 @@ def copy_pool(pullable: dict[int, Any], into_pool: Optional[int]) -> int:
     return into_pool if into_pool is not None and into_pool in pullable else next(iter(pullable))
 
 
-def fabric_reply(node: str, epoch: int, pool: MeshPool, ref: LeaseRef) -> dict[str, Any]:
+def fabric_reply(node: str, epoch: int, pool: MeshPool, ref: LeaseRef) -> RemoteGetReply:
     """remote_get's answer on the FABRIC route: the owner's pool as a client maps a FABRIC pool of its own
     daemon (client/cuda_import.py reads ``handle``, ``fabric``, ``size``, ``pool`` and ``epoch``), and the
     owner's lease to read in it."""
-    return {"fabric": {"node": node, "epoch": epoch, "pool": pool.pool, "size": pool.size, "device": pool.device,
-                       "handle": "fabric", "fabric": pool.fabric},
-            "lease": ref.model_dump()}
+    return RemoteGetReply(_lease_ref(ref), FabricPool(node, epoch, pool.pool, pool.size, pool.device, "fabric",
+                                                      pool.fabric))
 
 
 class RemoteFeatures:
@@ -287,8 +286,8 @@ class RemoteFeatures:
             respond(reply)
         copy.waiters = []
 
-    def _copy_reply(self, copy: _Copy) -> dict[str, Any]:
-        return {"lease": _ref(self.core, copy.local).model_dump()}
+    def _copy_reply(self, copy: _Copy) -> RemoteGetReply:
+        return RemoteGetReply(_lease_ref(_ref(self.core, copy.local)))
 
     def _fail(self, copy: _Copy, error: MmfeatError, now: float) -> None:
         for respond, _ in copy.waiters:
@@ -474,6 +473,10 @@ class RemoteFeatures:
         return {"copies": len(ready), "copy_bytes": sum(c.local.size for c in ready),
                 "pulls_in_flight": len(self._by_job), "transport": "nixl" if self.puller else None,
                 "transport_error": None if self.puller else self._no_puller}
+
+
+def _lease_ref(ref: LeaseRef) -> LeaseRefReply:
+    return LeaseRefReply(ref.pool, ref.epoch, ref.lease, ref.gen, ref.token, ref.offset, ref.nbytes)
 
 
 def _ref(core: DaemonCore, lease: Lease) -> LeaseRef:

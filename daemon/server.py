@@ -197,7 +197,7 @@ class Server:
         regions = self._puller.regions if self._puller is not None else {}
         pools = []
         for p in self.core.pools.values():
-            info = {k: v for k, v in p.info(self.core.epoch).items() if k not in ("epoch", "uuid")}
+            info = {k: v for k, v in p.info(self.core.epoch).to_wire().items() if k not in ("epoch", "uuid")}
             info["addr"] = regions[p.pool_id].addr if p.pool_id in regions else 0
             pools.append(info)
         return {"node": self.settings.node_id, "epoch": self.core.epoch, "pools": pools,

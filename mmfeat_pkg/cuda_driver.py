@@ -164,11 +164,15 @@ _uuid_to_local: dict[str, Optional[int]] = {}
 
 
 def local_ordinal(pool_info: dict[str, Any]) -> Optional[int]:
-    """This process's ordinal of the GPU a pool lives on (by its UUID), or None if it is not visible
-    here. Without a UUID (an older daemon) the daemon's ordinal is taken as ours."""
-    uuid = pool_info.get("uuid")
+    """gpu_ordinal of a pool info map as hello sends it."""
+    return gpu_ordinal(pool_info.get("uuid"), pool_info.get("device"))
+
+
+def gpu_ordinal(uuid: Optional[str], device: Optional[int]) -> Optional[int]:
+    """This process's ordinal of the GPU ``uuid`` (a pool's), or None if it is not visible here. Without
+    a UUID (an older daemon) the daemon's ordinal ``device`` is taken as ours."""
     if not uuid:
-        return pool_info.get("device")
+        return device
     if uuid not in _uuid_to_local:
         found = None
         if driver_unavailable_reason() is None:

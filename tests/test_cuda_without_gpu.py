@@ -355,15 +355,18 @@ def test_the_gpu_suites_import_stage_runs_here() -> None:
 
 
 def test_cpu_features_go_to_the_host_pool_on_one_node_and_gpu_features_to_their_gpu() -> None:
-    from mmfeat.client.policy import feature_pool
+    import dataclasses
 
-    gpu = {"pool": 0, "kind": "cuda", "device": 0, "handle": "posix_fd"}
-    host = {"pool": 1, "kind": "host", "device": -1, "handle": "posix_fd"}
+    from mmfeat.client.policy import feature_pool
+    from mmfeat.protos.messages import PoolInfo
+
+    gpu = PoolInfo(pool=0, epoch=1, kind="cuda", device=0, size=1 << 20, handle="posix_fd", fabric=None, uuid="GPU-0")
+    host = PoolInfo(pool=1, epoch=1, kind="host", device=-1, size=1 << 20, handle="posix_fd", fabric=None, uuid=None)
     assert feature_pool([gpu, host], None) is host  # made on the CPU: consumers stage it, the producer copies nothing
     assert feature_pool([gpu, host], gpu) is gpu  # already on a GPU: its pool
     assert feature_pool([gpu], None) is gpu  # no host pool: as before, into HBM
     assert feature_pool([host], None) is host
-    fabric = {**gpu, "handle": "fabric"}
+    fabric = dataclasses.replace(gpu, handle="fabric")
     assert feature_pool([fabric, host], None) is fabric  # across nodes other nodes map the FABRIC pool
 
 

@@ -112,3 +112,25 @@ def test_request_and_reply_frames_are_the_documented_envelope() -> None:
         assert (exc.code, exc.message) == (ErrorCode.STALE, "restarted")
     else:
         raise AssertionError("an error reply read as a success")
+
+
+def test_every_reply_field_is_documented() -> None:
+    """As each request field is: each op's reply type (protos/messages.py) has every field named in the
+    op's section, or in the one it refers to ("as reserve", "as in hello", "a lease reference")."""
+    from mmfeat.protos.messages import REPLY_TYPES
+
+    def section(title: str) -> str:
+        return SPEC.split(f"### {title}\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+
+    assert set(REPLY_TYPES) == set(REQUEST_MODELS)
+    for op, reply in REPLY_TYPES.items():
+        text = section(op)
+        refers = (("as reserve", "reserve"), ("as in hello", "hello"), ("lease reference", "The lease reference"))
+        for phrase, other in refers:
+            if phrase in text:
+                text += section(other)
+        for name in reply._WIRE:
+            assert f"`{name}`" in text, f"field {name} of {op}'s reply is not in SPEC.md"
+        for name, nested in {**reply._NESTED, **reply._ITEMS}.items():
+            for sub in getattr(nested, "_WIRE", None) or nested.__dataclass_fields__:
+                assert re.search(rf"\b{sub}\b", text), f"field {name}.{sub} of {op}'s reply is not in SPEC.md"

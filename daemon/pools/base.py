@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
+from mmfeat.protos.messages import PoolInfo
+
 
 class PoolCreateError(RuntimeError):
     """The backend cannot create its pool here; the message says what is missing."""
@@ -38,14 +40,6 @@ class Pool(ABC):
     def close(self) -> None:
         """Release the memory and every fd; idempotent."""
 
-    def info(self, epoch: int) -> dict[str, Any]:
-        return {
-            "pool": self.pool_id,
-            "epoch": epoch,
-            "kind": self.kind,
-            "device": self.device,
-            "size": self.size,
-            "handle": self.handle,
-            "fabric": self.fabric_handle(),
-            "uuid": self.uuid,
-        }
+    def info(self, epoch: int) -> PoolInfo:
+        return PoolInfo(self.pool_id, epoch, self.kind, self.device, self.size, self.handle, self.fabric_handle(),
+                        self.uuid)

@@ -10,6 +10,7 @@ import gc
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent.parent.parent))  # run by path: `tests` is importable
 
@@ -42,10 +43,12 @@ def fake_torch_cuda(device: int) -> None:
     torch.cuda.synchronize = lambda d=None: runtime_context(device if d is None else d)
 
 
-def pool_info(owner_phys: int = 0, daemon_ordinal: int = 0) -> dict:
+def pool_info(owner_phys: int = 0, daemon_ordinal: int = 0) -> Any:
+    from mmfeat.protos.messages import PoolInfo
+
     uuid = f"GPU-aa000000-0000-0000-0000-0000000000{owner_phys:02x}"
-    return {"pool": 0, "epoch": 1, "size": 64 << 20, "device": daemon_ordinal, "handle": "posix_fd", "fabric": None,
-            "uuid": uuid, "kind": "cuda"}
+    return PoolInfo(pool=0, epoch=1, kind="cuda", device=daemon_ordinal, size=64 << 20, handle="posix_fd", fabric=None,
+                    uuid=uuid)
 
 
 def cpu_dlpack() -> None:

@@ -39,8 +39,8 @@ def gpu_daemon(runtime_dir):
 
 def _pool_and_fd(client) -> tuple[dict, int]:
     session = client.session
-    info = next(p for p in session.pools.values() if p["kind"] == "cuda")
-    return info, os.dup(session.fds[info["pool"]])
+    info = next(p for p in session.pools.values() if p.kind == "cuda")
+    return info, os.dup(session.fds[info.pool])
 
 
 def test_a_mapping_gives_the_thread_back_its_context_and_torch_keeps_working(gpu_daemon) -> None:

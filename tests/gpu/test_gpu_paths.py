@@ -30,11 +30,11 @@ def test_a_posix_fd_export_imported_twice_in_one_process(gpu_daemon) -> None:
     torch.cuda.set_device(0)
     with gpu_daemon.client() as c:
         session = c.session
-        info = next(p for p in session.pools.values() if p["kind"] == "cuda")
+        info = next(p for p in session.pools.values() if p.kind == "cuda")
         before = torch.cuda.memory_allocated(0)
         # Two imports under two cache keys: two VA ranges over the same physical pool.
-        a = cuda_import.map_cuda_pool("first", info, os.dup(session.fds[info["pool"]]))
-        b = cuda_import.map_cuda_pool("second", info, os.dup(session.fds[info["pool"]]))
+        a = cuda_import.map_cuda_pool("first", info, os.dup(session.fds[info.pool]))
+        b = cuda_import.map_cuda_pool("second", info, os.dup(session.fds[info.pool]))
         assert a.tensor.data_ptr() != b.tensor.data_ptr(), "one VA for two imports"
         assert a.tensor.device == b.tensor.device == torch.device("cuda", 0)
         a.tensor[:4096].fill_(0x5A)
@@ -43,7 +43,7 @@ def test_a_posix_fd_export_imported_twice_in_one_process(gpu_daemon) -> None:
         grown = torch.cuda.memory_allocated(0) - before
         print(f"two imports of a {POOL_MB} MiB pool: VAs {a.tensor.data_ptr():#x} and {b.tensor.data_ptr():#x}; "
               f"torch's caching allocator grew by {grown} B")
-        assert grown < info["size"], "the pool was copied into torch's allocator instead of viewed"
+        assert grown < info.size, "the pool was copied into torch's allocator instead of viewed"
 
 
 def _acker_cpu_seconds() -> float:

@@ -1,0 +1,68 @@
+"""Replies have one type per op (protos/messages.py, REPLY_TYPES): what a real daemon sends for each op
+reads as that type at the client, and the type writes back exactly those bytes' fields, so the two ends
+read the same contract. A reply that is not what the type says is a typed error at the read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mmfeat.protos import ErrorCode, MmfeatError
+from mmfeat.protos.messages import REPLY_TYPES, AckReply, HelloReply, LeaseReply
+
+_ENVELOPE = ("v", "id", "ok")
+
+
+def _roundtrip(op: str, body: dict[str, Any]) -> Any:
+    reply = REPLY_TYPES[op].from_wire(body)
+    assert reply.to_wire() == {k: v for k, v in body.items() if k not in _ENVELOPE}, op
+    return reply
+
+
+def test_every_ops_reply_from_a_real_daemon_reads_as_its_type(daemon) -> None:
+    seen = set()
+    with daemon.client() as c:
+        session = c.session
+        ch, fd = c._channel, session.fd
+
+        def call(op: str, via: Any = ch, **fields: Any) -> Any:
+            seen.add(op)
+            return _roundtrip(op, via.call(op, **fields))
+
+        hello = call("hello", name="replies")
+        assert isinstance(hello, HelloReply) and hello.pools and hello.pools[0].pool == 0
+        reserved = call("reserve", session=session.token, nbytes=4096, consumers=1)
+        assert isinstance(reserved, LeaseReply) and reserved.state == "RESERVED"
+        ref = reserved.lease.to_wire()
+        assert call("publish", via=fd, lease=ref).state == "PUBLISHED"
+        assert call("lookup", lease=ref).remaining == 1
+        ack = call("ack", via=fd, lease=ref, count=1, ack_id=b"a" * 8)
+        assert isinstance(ack, AckReply) and ack.freed and ack.duplicate is False
+        other = call("reserve", session=session.token, nbytes=4096).lease.to_wire()
+        assert call("release", via=fd, lease=other).freed is True
+        grant = call("arena", via=fd).arena
+        call("arena_return", via=fd, arena=grant.id)
+        call("fallback", reason="pool_full")
+        assert call("ping", via=fd).epoch == hello.epoch
+        assert call("stats").node == hello.node
+        assert call("pool_info").pools == hello.pools
+    # remote_get needs a second node: tests/test_remote.py reads its replies through the client.
+    assert seen == set(REPLY_TYPES) - {"remote_get"}
+
+
+@pytest.mark.parametrize("body, problem", [
+    ({"remaining": 0, "freed": True}, "lacks field over_acked"),
+    ({"remaining": 0, "freed": 1, "over_acked": 0}, "has freed = int, not bool"),
+    ([0, True, 0], "is a list, not a map"),
+])
+def test_a_reply_that_is_not_its_type_is_a_typed_error(body: Any, problem: str) -> None:
+    with pytest.raises(MmfeatError) as info:
+        AckReply.from_wire(body)
+    assert info.value.code is ErrorCode.INTERNAL and problem in info.value.message
+
+
+def test_a_lease_reply_with_a_malformed_lease_is_a_typed_error() -> None:
+    lease = {"pool": 0, "epoch": 1, "lease": 2, "gen": 3, "token": "not bytes", "offset": 0, "nbytes": 8}
+    with pytest.raises(MmfeatError, match="token = str, not bytes"):
+        LeaseReply.from_wire({"lease": lease, "state": "RESERVED", "consumers": 1, "remaining": 1})
