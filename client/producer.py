@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mmfeat.protos.descriptor import Descriptor, TensorSpec
+from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
 from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, FallbackReason, LeaseReply, PoolInfo
 
@@ -21,6 +21,7 @@ from . import tensors as tz
 from .channel import ControlChannel
 from .fallbacks import FallbackTracker
 from .policy import feature_pool
+from .put_in_flight import PutInFlight
 from .session import Session
 from .stream_wait import wait_for_current_stream
 
@@ -51,21 +52,18 @@ class Producer:
         if not 1 <= consumers <= MAX_CONSUMERS:
             raise ValueError(f"consumers must be between 1 and {MAX_CONSUMERS}")
         specs, nbytes = tz.layout(tensors)
+        device = next((t.device.index for t in tensors if t.is_cuda), None)
+        put = PutInFlight(tuple(specs), nbytes, many, consumers, device, tensors)
         if nbytes < self.inline_threshold or nbytes == 0:
-            return self._inline(tensors, specs, nbytes, many, FallbackReason.BELOW_THRESHOLD, "")
-        device = None
-        for t in tensors:
-            if t.is_cuda:
-                device = t.device.index
-                break
+            return self._inline(put, FallbackReason.BELOW_THRESHOLD, "")
         if self._fallbacks.daemon_down:
             # Known down: inline at once instead of waiting out a timeout per put; a background probe
             # notices when it answers again.
             exc = DaemonUnavailableError(f"mmfeatd at {self._channel.endpoint} stopped answering; probing it once a second")
-            return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
+            return self._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
         if self._fd_short is not None:
             if time.monotonic() < self._fd_short[0]:
-                return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.FD_LIMIT, self._fd_short[1])
+                return self._fallback_or_raise(put, FallbackReason.FD_LIMIT, self._fd_short[1])
             self._fd_short = None
         try:
             session = self._connect()
@@ -76,32 +74,32 @@ class Producer:
                 try:
                     self._pool_tensor(session, pool.pool, device)
                 except (RuntimeError, OSError) as exc:  # CudaError and PoolMapError too
-                    return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.MAP_FAILED, exc)
-            desc = self._put_in_arena(session, pool, device, tensors, specs, nbytes, consumers, many)
+                    return self._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
+            desc = self._put_in_arena(session, pool, put)
             if desc is not None:
                 return desc
-            session, reply = self._reserve(session, pool, nbytes, consumers)
+            session, reply = self._reserve(session, pool, put)
         except FdLimitError as exc:  # the daemon may be fine: no probing, only a pause
             self._fd_short = (time.monotonic() + _FD_SHORT_S, exc)
-            return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.FD_LIMIT, exc)
+            return self._fallback_or_raise(put, FallbackReason.FD_LIMIT, exc)
         except DaemonUnavailableError as exc:
             self._fallbacks.mark_down()
-            return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.UNREACHABLE, exc)
+            return self._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
         except MmfeatError as exc:
             reason = _FALLBACK_ERRORS.get(exc.code)
             if reason is None:
                 raise
-            return self._fallback_or_raise(tensors, specs, nbytes, many, reason, exc)
+            return self._fallback_or_raise(put, reason, exc)
         lease = reply.lease
-        desc = self._descriptor(session, lease.pool, specs, nbytes, many, lease.lease, lease.gen, lease.token,
-                                lease.offset)
+        desc = put.descriptor(session, self._channel.endpoint, lease.pool, lease.lease, lease.gen, lease.token,
+                              lease.offset)
         try:
             try:
                 pool_tensor = self._pool_tensor(session, desc.pool, device)
             except (RuntimeError, OSError) as exc:  # CudaError too: no IMEX channel, no peer access, ...
                 self._release_quietly(session, desc)
-                return self._fallback_or_raise(tensors, specs, nbytes, many, FallbackReason.MAP_FAILED, exc)
-            _write(pool_tensor, desc.offset, tensors, specs, device)
+                return self._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
+            _write(pool_tensor, desc.offset, put)
             # On the fd channel: in the daemon's socket buffer when this returns, so it is handled even
             # if this process dies now. Nothing waits for it (a consumer's table check and lookup accept
             # a RESERVED lease, and its ack counts early); a failure is logged when its reply is read.
@@ -111,40 +109,33 @@ class Producer:
             raise
         return desc
 
-    def _put_in_arena(self, session: Session, pool: PoolInfo, device: Optional[int], tensors: list[torch.Tensor],
-                      specs: list[TensorSpec], nbytes: int, consumers: int, many: bool) -> Optional[Descriptor]:
+    def _put_in_arena(self, session: Session, pool: PoolInfo, put: PutInFlight) -> Optional[Descriptor]:
         """The descriptor of the feature placed and published in an arena; None to reserve instead."""
         arenas = session.arenas
         if arenas is None:
             return None
-        placed = arenas.place(pool.pool, pool.device, nbytes)
+        placed = arenas.place(pool.pool, pool.device, put.nbytes)
         if placed is None:
             return None
         token = os.urandom(TOKEN_BYTES)
-        desc = self._descriptor(session, pool.pool, specs, nbytes, many, placed.slot, placed.gen, token, placed.offset)
+        desc = put.descriptor(session, self._channel.endpoint, pool.pool, placed.slot, placed.gen, token, placed.offset)
         try:
-            pool_tensor = self._pool_tensor(session, desc.pool, device)
+            pool_tensor = self._pool_tensor(session, desc.pool, put.device)
         except (RuntimeError, OSError):
             arenas.abandon(placed)
             return None  # the reserve path meets the same failure and falls back, saying why
         try:
-            _write(pool_tensor, desc.offset, tensors, specs, device)
+            _write(pool_tensor, desc.offset, put)
         except BaseException:
             arenas.abandon(placed)
             raise
         # The payload is complete (and, on a GPU, synchronised): the STATE store may make it visible.
-        arenas.publish(placed, nbytes, consumers, token)
+        arenas.publish(placed, put.nbytes, put.consumers, token)
         return desc
 
     def _pool_for(self, session: Session, device: Optional[int]) -> PoolInfo:
         gpu_pool = session.pool_on_local_device(device) if device is not None else None
         return feature_pool(list(session.pools.values()), gpu_pool)
-
-    def _descriptor(self, session: Session, pool_id: int, specs: list[TensorSpec], nbytes: int, many: bool, lease: int,
-                    gen: int, token: bytes, offset: int) -> Descriptor:
-        pool = session.pools[pool_id]
-        return Descriptor.checked(pool.kind, tuple(specs), nbytes, many, session.node, self._channel.endpoint,
-                                  pool.device, pool_id, session.epoch, lease, gen, token, offset, None)
 
     def _pool_tensor(self, session: Session, pool_id: int, device: Optional[int]) -> torch.Tensor:
         """The whole pool as a uint8 tensor; a GPU pool mapped (once) on the producer tensor's device."""
@@ -153,9 +144,9 @@ class Producer:
         with torch.cuda.device(device):
             return session.mapping(pool_id, device).tensor
 
-    def _reserve(self, session: Session, pool: PoolInfo, nbytes: int, consumers: int) -> tuple[Session, LeaseReply]:
+    def _reserve(self, session: Session, pool: PoolInfo, put: PutInFlight) -> tuple[Session, LeaseReply]:
         """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
-        fields: dict[str, Any] = {"session": session.token, "nbytes": nbytes, "consumers": consumers}
+        fields: dict[str, Any] = {"session": session.token, "nbytes": put.nbytes, "consumers": put.consumers}
         # The daemon's ordinal of the GPU this tensor is on, or -1: its host pool, which on a GPU node is
         # not its first pool.
         fields["device"] = pool.device
@@ -176,35 +167,29 @@ class Producer:
         except MmfeatError:
             pass  # it expires after reserve_ttl anyway
 
-    def _fallback_or_raise(self, tensors: list[torch.Tensor], specs: list[TensorSpec], nbytes: int, many: bool,
-                           reason: FallbackReason, exc: Exception) -> Descriptor:
+    def _fallback_or_raise(self, put: PutInFlight, reason: FallbackReason, exc: Exception) -> Descriptor:
         if self.fallback == "error":
             raise exc
-        if nbytes > self.inline_max:
+        if put.nbytes > self.inline_max:
             # Gigabytes in a message would stall every process it passes through, and a server that
             # sends one after a single warning learns of it from its memory use.
             raise MmfeatError(
                 ErrorCode.TOO_LARGE,
-                f"a {nbytes} B feature cannot go inline, over inline_max ({self.inline_max} B), and the pool did not "
-                f"take it ({reason.value}: {exc}). Fix that, raise inline_max (Client(inline_max=...) or "
+                f"a {put.nbytes} B feature cannot go inline, over inline_max ({self.inline_max} B), and the pool did "
+                f"not take it ({reason.value}: {exc}). Fix that, raise inline_max (Client(inline_max=...) or "
                 "$MMFEAT_INLINE_MAX), or send smaller features",
             ) from exc
-        return self._inline(tensors, specs, nbytes, many, reason, str(exc))
+        return self._inline(put, reason, str(exc))
 
-    def _inline(self, tensors: list[torch.Tensor], specs: list[TensorSpec], nbytes: int, many: bool,
-                reason: FallbackReason, detail: str) -> Descriptor:
+    def _inline(self, put: PutInFlight, reason: FallbackReason, detail: str) -> Descriptor:
         self._fallbacks.record(reason, detail, self.inline_threshold)
-        # One copy into a bytearray that msgpack packs as-is.
-        buf = bytearray(nbytes)
-        if nbytes:
-            tz.write_packed(torch.frombuffer(buf, dtype=torch.uint8), [t.cpu() for t in tensors], specs)
-        return Descriptor(kind="inline", tensors=tuple(specs), nbytes=nbytes, many=many, inline=buf)
+        return put.inline()
 
 
-def _write(pool: torch.Tensor, offset: int, tensors: list[torch.Tensor], specs: list[TensorSpec],
-           device: Optional[int]) -> None:
-    tz.write_into_pool(pool, offset, tensors, specs)
-    if pool.is_cuda or device is not None:
+def _write(pool: torch.Tensor, offset: int, put: PutInFlight) -> None:
+    tensors = put.tensors
+    tz.write_into_pool(pool, offset, tensors, put.specs)
+    if pool.is_cuda or put.device is not None:
         # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the copy
         # must be complete before the descriptor exists (docs/design.md, GPU pools). The copy ran on the
         # current stream of the destination or of a source device: finish them all.

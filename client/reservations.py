@@ -29,6 +29,7 @@ from . import dlpack
 from . import tensors as tz
 from .arena import Placement
 from .producer import _FALLBACK_ERRORS, Producer
+from .put_in_flight import PutInFlight
 from .session import Session
 from .stream_wait import wait_for_current_stream
 
@@ -47,15 +48,10 @@ class Reservation:
     ``kind`` is "arena" (a placement in an arena), "lease" (a reserved lease) or "plain" (an ordinary
     tensor that ``publish`` puts)."""
 
-    def __init__(self, owner: "Reservations", kind: str, specs: list[TensorSpec], nbytes: int, many: bool,
-                 consumers: int, device: Optional[int]) -> None:
+    def __init__(self, owner: "Reservations", kind: str, put: PutInFlight) -> None:
         self.owner = owner
         self.kind = kind
-        self.specs = specs
-        self.nbytes = nbytes
-        self.many = many
-        self.consumers = consumers
-        self.device = device  # local CUDA ordinal of the memory, None on the host
+        self.put = put  # its layout, consumers and device (the local CUDA ordinal of the memory)
         self.state = OPEN
         self.session: Optional[Session] = None
         self.desc: Optional[Descriptor] = None
@@ -98,20 +94,19 @@ class Reservations:
         target = _device(device)
         metas = [torch.empty(_shape(shape), dtype=_dtype(dtype), device="meta") for shape, dtype in layout]
         specs, nbytes = tz.layout(metas)
-        ordinal = target.index if target.type == "cuda" else None
-        r = self._in_pool(specs, nbytes, many, consumers, ordinal)
+        put = PutInFlight(tuple(specs), nbytes, many, consumers, target.index if target.type == "cuda" else None)
+        r = self._in_pool(put)
         if r is None:
-            r = Reservation(self, "plain", specs, nbytes, many, consumers, ordinal)
+            r = Reservation(self, "plain", put)
             base = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=target)
         else:
             base = self._pool_bytes(r)
         return self._hand_out(r, base)
 
-    def _in_pool(self, specs: list[TensorSpec], nbytes: int, many: bool, consumers: int,
-                 device: Optional[int]) -> Optional[Reservation]:
+    def _in_pool(self, put: PutInFlight) -> Optional[Reservation]:
         """A reservation in the pool, as ``put`` would place the feature; None where put would not."""
-        p = self._producer
-        if nbytes == 0 or nbytes < p.inline_threshold:
+        p, device = self._producer, put.device
+        if put.nbytes == 0 or put.nbytes < p.inline_threshold:
             return None
         if p._fallbacks.daemon_down:
             if p.fallback == "error":
@@ -123,10 +118,10 @@ class Reservations:
             pool = p._pool_for(session, device)
             if device is not None and pool.kind != "cuda":
                 return None  # no pool on that GPU: a device tensor, which publish puts into a host pool
-            r = self._in_arena(session, pool, specs, nbytes, many, consumers, device)
+            r = self._in_arena(session, pool, put)
             if r is not None:
                 return r
-            session, reply = p._reserve(session, pool, nbytes, consumers)
+            session, reply = p._reserve(session, pool, put)
         except DaemonUnavailableError:
             p._fallbacks.mark_down()
             if p.fallback == "error":
@@ -137,25 +132,24 @@ class Reservations:
                 raise
             return None
         lease = reply.lease
-        r = Reservation(self, "lease", specs, nbytes, many, consumers, device)
+        r = Reservation(self, "lease", put)
         r.session = session
-        r.desc = p._descriptor(session, lease.pool, specs, nbytes, many, lease.lease, lease.gen, lease.token,
-                               lease.offset)
+        r.desc = put.descriptor(session, p._channel.endpoint, lease.pool, lease.lease, lease.gen, lease.token,
+                                lease.offset)
         return r
 
-    def _in_arena(self, session: Session, pool: PoolInfo, specs: list[TensorSpec], nbytes: int, many: bool,
-                  consumers: int, device: Optional[int]) -> Optional[Reservation]:
+    def _in_arena(self, session: Session, pool: PoolInfo, put: PutInFlight) -> Optional[Reservation]:
         arenas = session.arenas
         if arenas is None:
             return None
-        placed = arenas.place(pool.pool, pool.device if pool.kind == "cuda" else None, nbytes)
+        placed = arenas.place(pool.pool, pool.device if pool.kind == "cuda" else None, put.nbytes)
         if placed is None:
             return None
         token = os.urandom(TOKEN_BYTES)
-        r = Reservation(self, "arena", specs, nbytes, many, consumers, device)
+        r = Reservation(self, "arena", put)
         r.session, r.placed = session, placed
-        r.desc = self._producer._descriptor(session, pool.pool, specs, nbytes, many, placed.slot, placed.gen,
-                                            token, placed.offset)
+        r.desc = put.descriptor(session, self._producer._channel.endpoint, pool.pool, placed.slot, placed.gen, token,
+                                placed.offset)
         return r
 
     def _pool_bytes(self, r: Reservation) -> torch.Tensor:
@@ -163,17 +157,17 @@ class Reservations:
         cannot be mapped gives the space back and makes the reservation plain."""
         assert r.session is not None and r.desc is not None
         try:
-            pool = self._producer._pool_tensor(r.session, r.desc.pool, r.device)
+            pool = self._producer._pool_tensor(r.session, r.desc.pool, r.put.device)
         except (RuntimeError, OSError):  # CudaError too: no IMEX channel, no peer access
             self._give_back(r)
             r.kind, r.session, r.desc, r.placed = "plain", None, None, None
-            target = torch.device("cuda", r.device) if r.device is not None else torch.device("cpu")
-            return torch.empty(max(r.nbytes, 1), dtype=torch.uint8, device=target)
-        if r.desc.offset + r.nbytes > pool.numel():
+            target = torch.device("cuda", r.put.device) if r.put.device is not None else torch.device("cpu")
+            return torch.empty(max(r.put.nbytes, 1), dtype=torch.uint8, device=target)
+        if r.desc.offset + r.put.nbytes > pool.numel():
             self._give_back(r)
-            raise MmfeatError(ErrorCode.INTERNAL, f"the daemon placed {r.nbytes} B at {r.desc.offset} of a "
+            raise MmfeatError(ErrorCode.INTERNAL, f"the daemon placed {r.put.nbytes} B at {r.desc.offset} of a "
                               f"{pool.numel()}-byte pool")
-        return pool[r.desc.offset: r.desc.offset + r.nbytes]
+        return pool[r.desc.offset: r.desc.offset + r.put.nbytes]
 
     def _hand_out(self, r: Reservation, memory: torch.Tensor) -> list[torch.Tensor]:
         """The caller's tensors over ``memory``, one DLPack tensor whose last view's end ends ``r``."""
@@ -183,7 +177,7 @@ class Reservations:
         except BaseException:
             self._give_back(r)
             raise
-        out = [_view(base, spec) for spec in r.specs]
+        out = [_view(base, spec) for spec in r.put.specs]
         for t in out:
             setattr(t, _ATTR, r)
         r.refs = [weakref.ref(t) for t in out]
@@ -198,7 +192,7 @@ class Reservations:
         p = self._producer
         if r.kind == "plain":
             try:
-                return p.put(given, r.consumers, r.many)
+                return p.put(given, r.put.consumers, r.put.many)
             except BaseException:
                 self._reopen(r)  # nothing was sent: the caller may publish again or discard
                 raise
@@ -208,7 +202,7 @@ class Reservations:
             # The daemon restarted or went away since the reservation: the bytes are still mapped here,
             # so put carries them as it can (a new pool, or inline).
             self._give_back(r)
-            return p.put(given, r.consumers, r.many)
+            return p.put(given, r.put.consumers, r.put.many)
         try:
             _ready_for_consumers(r)
         except BaseException:
@@ -216,7 +210,7 @@ class Reservations:
             raise
         if r.kind == "arena":
             assert r.placed is not None and session.arenas is not None
-            session.arenas.publish(r.placed, r.nbytes, r.consumers, desc.token)
+            session.arenas.publish(r.placed, r.put.nbytes, r.put.consumers, desc.token)
             return desc
         if time.monotonic() - r.reserved_at < session.reserve_ttl / 2:
             session.publish(desc.lease_ref())  # as put does: in the daemon's socket buffer on return
@@ -256,8 +250,9 @@ class Reservations:
             whose = "another Client's reserve" if r is not None else "Client.reserve or reserve_many"
             raise MmfeatError(ErrorCode.BAD_REQUEST, f"{op}: not a tensor from {whose} (a view, copy or slice of "
                               f"one is not either): {op} exactly what reserve returned")
-        if r.many != many or len(given) != len(r.refs) or any(ref() is not t for ref, t in zip(r.refs, given)):
-            what = "the list reserve_many returned, all of it, in order" if r.many else "the tensor reserve returned"
+        if r.put.many != many or len(given) != len(r.refs) or any(ref() is not t for ref, t in zip(r.refs, given)):
+            what = ("the list reserve_many returned, all of it, in order" if r.put.many
+                    else "the tensor reserve returned")
             raise MmfeatError(ErrorCode.BAD_REQUEST, f"{op}: pass {what}")
         with self._lock:
             if r.state != OPEN:
@@ -314,8 +309,8 @@ def _ready_for_consumers(r: Reservation) -> None:
     """The producer's writes must be complete before the feature is visible. On a GPU that is the
     current stream of the memory's device, synchronised here; an interprocess event that the consumer's
     stream waits on would take this host wait out of the producer and belongs here."""
-    if r.device is not None:
-        wait_for_current_stream(torch.device("cuda", r.device))
+    if r.put.device is not None:
+        wait_for_current_stream(torch.device("cuda", r.put.device))
 
 
 def _view(base: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -285,8 +285,9 @@ class Descriptor:
             _known.remember_tail(tail_bytes, tail)
         if offset % LEASE_ALIGNMENT:
             raise DescriptorError(f"lease offset {offset} is not {LEASE_ALIGNMENT}-byte aligned, as every lease is")
-        return cls.checked(kind, tail[2], tail[0], tail[1], node, endpoint, device, pool, epoch, lease, gen, token,
-                           offset, None)
+        return cls.checked(kind=kind, tensors=tail[2], nbytes=tail[0], many=tail[1], node=node, endpoint=endpoint,
+                           device=device, pool=pool, epoch=epoch, lease=lease, gen=gen, token=token, offset=offset,
+                           inline=None)
 
     @classmethod
     def _parse(cls, data: bytes) -> "Descriptor":
@@ -321,17 +322,19 @@ class Descriptor:
                 raise DescriptorError(f"lease offset {offset} is not {LEASE_ALIGNMENT}-byte aligned, as every lease is")
             if nbytes == 0:
                 raise DescriptorError("a pool descriptor names at least one byte")
-        return cls.checked(kind, _tensor_specs(tensors, many, nbytes), nbytes, many, node, endpoint, device, pool, epoch,
-                           lease, gen, token, offset, inline)
+        return cls.checked(kind=kind, tensors=_tensor_specs(tensors, many, nbytes), nbytes=nbytes, many=many, node=node,
+                           endpoint=endpoint, device=device, pool=pool, epoch=epoch, lease=lease, gen=gen, token=token,
+                           offset=offset, inline=inline)
 
     @classmethod
-    def checked(cls, kind: str, tensors: tuple[TensorSpec, ...], nbytes: int, many: bool, node: str, endpoint: str,
-                device: int, pool: int, epoch: int, lease: int, gen: int, token: bytes, offset: int,
+    def checked(cls, *, kind: str, tensors: tuple[TensorSpec, ...], nbytes: int, many: bool, node: str,
+                endpoint: str, device: int, pool: int, epoch: int, lease: int, gen: int, token: bytes, offset: int,
                 inline: Optional[Union[bytes, bytearray]]) -> "Descriptor":
         """The descriptor of fields that are already checked (a parse, or a producer's own placement),
-        every field given. The same object the constructor makes, without its 14 ``object.__setattr__``
-        calls (frozen dataclasses set each field that way): a third of a parse's instructions, paid by
-        every consumer and producer once per feature. ``test_descriptors`` keeps the two in step."""
+        every field given, by name (fourteen in a row are too easy to swap). The same object the
+        constructor makes, without its 14 ``object.__setattr__`` calls (frozen dataclasses set each field
+        that way): a third of a parse's instructions, paid by every consumer and producer once per
+        feature. ``test_descriptors`` keeps the two in step."""
         desc = object.__new__(cls)
         desc.__dict__.update(kind=kind, tensors=tensors, nbytes=nbytes, many=many, node=node, endpoint=endpoint,
                              device=device, pool=pool, epoch=epoch, lease=lease, gen=gen, token=token, offset=offset,

@@ -167,6 +167,8 @@ def test_checked_descriptors_are_the_constructors_and_stay_frozen() -> None:
     assert made.lease_ref() == Descriptor(**values).lease_ref()
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.offset = 0  # type: ignore[misc]
+    with pytest.raises(TypeError):  # by name only: fourteen positional fields are too easy to swap
+        Descriptor.checked(*values.values())  # type: ignore[misc]
     parsed = Descriptor.from_bytes(_spec_bytes(nbytes=256))
     assert Descriptor.from_bytes(parsed.to_bytes()) == parsed and type(parsed) is Descriptor
 

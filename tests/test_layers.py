@@ -99,3 +99,19 @@ def test_only_protos_envelope_makes_request_and_reply_frames() -> None:
             if "ENVELOPE_FIELDS" in path.read_text():
                 offenders.append(f"{path.relative_to(ROOT)} strips the envelope's fields itself")
     assert not offenders, f"frames built or read by hand, not with mmfeat.protos.envelope: {offenders}"
+
+
+def test_a_put_in_flight_travels_as_one_object() -> None:
+    """The producer's path (client/producer.py) and the zero-copy one (client/reservations.py) hand a
+    feature on its way into the pool from step to step as one PutInFlight (client/put_in_flight.py), not
+    as loose (tensors, specs, nbytes, many, ...) arguments each step must pass on in the same order."""
+    loose = {"specs", "nbytes", "many", "tensors", "consumers"}
+    offenders = []
+    for name in ("producer.py", "reservations.py"):
+        path = ROOT / "client" / name
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("_"):  # put and reserve make one
+                args = {a.arg for a in node.args.args + node.args.kwonlyargs}
+                if len(args & loose) >= 2:
+                    offenders.append(f"{name}:{node.lineno} {node.name}({', '.join(sorted(args & loose))})")
+    assert not offenders, f"a put's parts passed loose instead of as a PutInFlight: {offenders}"
