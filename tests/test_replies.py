@@ -66,3 +66,14 @@ def test_a_lease_reply_with_a_malformed_lease_is_a_typed_error() -> None:
     lease = {"pool": 0, "epoch": 1, "lease": 2, "gen": 3, "token": "not bytes", "offset": 0, "nbytes": 8}
     with pytest.raises(MmfeatError, match="token = str, not bytes"):
         LeaseReply.from_wire({"lease": lease, "state": "RESERVED", "consumers": 1, "remaining": 1})
+
+
+def test_both_transports_send_a_quiet_request_and_count_its_failure_under_its_op(daemon) -> None:
+    """The control channel and the fd channel are one interface (client/transport.py): ``send`` is a
+    quiet request on either, and its error reply, read by a later call, is counted under the op."""
+    lease = {"pool": 0, "epoch": 0, "lease": 1 << 20, "gen": 0, "token": b"t" * 16, "offset": 0, "nbytes": 1}
+    with daemon.client() as c:
+        for transport in (c._channel, c.session.fd):
+            transport.send("release", session=c.session.token, lease=lease)
+            transport.call("ping")  # answered after the release: its error reply is in by now
+        assert c.async_failures == {"release STALE": 2}
