@@ -142,7 +142,7 @@ class Reservations:
         arenas = session.arenas
         if arenas is None:
             return None
-        placed = arenas.place(pool.pool, pool.device if pool.kind == "cuda" else None, put.nbytes)
+        placed = arenas.place(pool.pool, pool.device, put.nbytes)
         if placed is None:
             return None
         token = os.urandom(TOKEN_BYTES)
