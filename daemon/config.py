@@ -159,7 +159,7 @@ class ConfigError(Exception):
 
 class MeshConfigError(Exception):
     """The mesh cannot start as configured (found when it starts: keys, the listen address); the
-    message says what to change. Here, not in mesh.py, so that a daemon without a mesh never imports it."""
+    message says what to change. Here, not in mesh/peers.py, so that a daemon without a mesh never imports it."""
 
 
 # Fields the daemon may change on SIGHUP without a restart.
@@ -228,7 +228,7 @@ def _secret_next_to(config_file: Path, values: dict[str, Any], sources: dict[str
     ``mesh_secret_file`` in the file names one beside it, and with none set, ``mesh.secret`` beside the
     config is used unless systemd handed the daemon one (a copy it can read; the file beside the config
     may be root's alone)."""
-    from .mesh_keys import credential
+    from .mesh.keys import credential
 
     here = config_file.parent
     name = values.get("mesh_secret_file")

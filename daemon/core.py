@@ -11,14 +11,14 @@ from typing import Any, Callable, Optional
 from mmfeat import atomics
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
-from .allocator import Allocator
 from .config import Settings
-from .counters import Counters
-from .lease_table import LeaseTable
-from .ledger import FreeObserver, Ledger, QuickObserver
+from .leases.allocator import Allocator
+from .leases.counters import Counters
+from .leases.lease_table import LeaseTable
+from .leases.ledger import FreeObserver, Ledger, QuickObserver
+from .leases.sessions import ATTACH_GRACE_S, PeerCred, SessionTable
+from .leases.sweeper import Sweeper
 from .pools import Pool
-from .sessions import ATTACH_GRACE_S, PeerCred, SessionTable
-from .sweeper import Sweeper
 
 log = logging.getLogger("mmfeatd")
 _CUT_LOG_EVERY_S = 10.0
@@ -46,7 +46,7 @@ class DaemonCore:
         self.resource_stats: Callable[[], dict] = dict
         # Set by the server when it runs a mesh: its peers, for stats (None without one).
         self.mesh_stats: Callable[[], Optional[dict]] = lambda: None
-        # Set by the server when it runs a mesh: gets and acks of other nodes' features (daemon/remote.py).
+        # Set by the server when it runs a mesh: gets and acks of other nodes' features (daemon/mesh/remote.py).
         self.remote: Optional[Any] = None
         self.table = LeaseTable(settings.max_leases, self.epoch)
         self.ledger = Ledger(

@@ -17,7 +17,7 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
 
 from .core import DaemonCore
-from .sessions import MAX_PENDING_SESSIONS
+from .leases.sessions import MAX_PENDING_SESSIONS
 
 log = logging.getLogger("mmfeatd")
 

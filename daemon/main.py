@@ -13,14 +13,13 @@ from typing import Optional, Sequence
 from .backends import create_pools
 from .config import HELP, RELOADABLE, ConfigError, MeshConfigError, Settings, adjusted, load_settings, render_config
 from .core import DaemonCore
-from . import mesh_keys
 from .logs import setup_logging
 from .pools import PoolCreateError
-from .resources import FdLimitError, raise_fd_limit
-from .runtime_dir import RuntimeDir, RuntimeDirError
 from .sd_notify import Notifier
 from .server import Server
 from .settings_help import SettingsParser, unknown_env
+from .sockets.resources import FdLimitError, raise_fd_limit
+from .sockets.runtime_dir import RuntimeDir, RuntimeDirError
 
 log = logging.getLogger("mmfeatd")
 
@@ -154,6 +153,9 @@ def _serve(settings: Settings, config_file: Optional[Path], flags: dict) -> int:
 
 
 def _gen_keys(directory: Path) -> int:
+    # The mesh's package is loaded only by a daemon that runs a mesh or makes its keys.
+    from .mesh import keys as mesh_keys
+
     try:
         public, secret = mesh_keys.generate(directory)
     except (mesh_keys.KeyFileError, OSError) as exc:

@@ -24,17 +24,17 @@ from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint, fd_socket_path
 from .config import Settings
 from .core import DaemonCore
 from .dispatch import dispatch
-from .fd_channel import FdChannel
-from .memory_watch import MemoryWatch
-from .control_socket import ControlSocket
-from .resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .sd_notify import Notifier
+from .sockets.control_socket import ControlSocket
+from .sockets.fd_channel import FdChannel
+from .sockets.memory_watch import MemoryWatch
+from .sockets.resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 
 if TYPE_CHECKING:
-    from .mesh import Mesh
+    from .mesh.peers import Mesh
+    from .mesh.puller import Puller
+    from .mesh.remote import RemoteFeatures
     from .metrics import Metrics  # prometheus-client is imported only by a daemon that serves metrics
-    from .puller import Puller
-    from .remote import RemoteFeatures
 
 log = logging.getLogger("mmfeatd")
 
@@ -134,8 +134,8 @@ class Server:
         if self.settings.listen:
             # Imported only here: the mesh's modules (ZeroMQ's authenticator, asyncio) are a tenth of a
             # daemon's start-up, which a daemon without a mesh need not pay.
-            from .mesh import Mesh
-            from .remote import RemoteFeatures
+            from .mesh.peers import Mesh
+            from .mesh.remote import RemoteFeatures
 
             no_puller = self._start_puller()
             if any(p.handle == "fabric" for p in self.core.pools.values()):
@@ -166,8 +166,8 @@ class Server:
         """NIXL, with every pool it can register; what a client is told if it cannot start ("" if it did)."""
         from mmfeat.nixl import NixlUnavailable
 
-        from .data_plane import choose_devices, explain
-        from .puller import Puller, Region, agent_name
+        from .mesh.data_plane import choose_devices, explain
+        from .mesh.puller import Puller, Region, agent_name
 
         regions = []
         for pool in self.core.pools.values():

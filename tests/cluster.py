@@ -13,8 +13,8 @@ import zmq
 
 from mmfeat.bench.netns import TCP_ENV
 from mmfeat.testing import free_tcp_port
-from mmfeat.daemon import mesh_keys
-from mmfeat.daemon.mesh_keys import load_secret
+from mmfeat.daemon.mesh import keys as mesh_keys
+from mmfeat.daemon.mesh.keys import load_secret
 
 from .conftest import Daemon, start_daemon
 from .netns import NetnsPair, tcp_listeners

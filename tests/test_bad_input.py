@@ -194,8 +194,8 @@ def test_a_quiet_request_that_succeeds_gets_no_reply(daemon) -> None:
 
 
 def test_floods_of_hellos_and_silent_connections_are_bounded(daemon, raw) -> None:
-    from mmfeat.daemon.fd_channel import MAX_PENDING_HANDSHAKES
-    from mmfeat.daemon.sessions import MAX_PENDING_SESSIONS
+    from mmfeat.daemon.sockets.fd_channel import MAX_PENDING_HANDSHAKES
+    from mmfeat.daemon.leases.sessions import MAX_PENDING_SESSIONS
 
     before = fd_count(daemon.pid)
     replies = [raw(_req("hello")) for _ in range(MAX_PENDING_SESSIONS + 5)]

@@ -158,7 +158,7 @@ def test_a_daemon_starts_through_a_clients_momentary_probe_of_its_lock(daemon_fa
     runtime_dir_of_dead, _ = _killed(daemon_factory)
     fd = os.open(runtime_dir_of_dead / "mmfeatd.lock", os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # what a client's probe holds, for a moment
-    from mmfeat.daemon.runtime_dir import RuntimeDir
+    from mmfeat.daemon.sockets.runtime_dir import RuntimeDir
 
     rd = RuntimeDir(runtime_dir_of_dead)
     threading.Timer(0.05, fcntl.flock, (fd, fcntl.LOCK_UN)).start()

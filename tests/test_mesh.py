@@ -22,8 +22,8 @@ import torch
 import zmq
 
 from mmfeat.daemon.config import MeshConfigError
-from mmfeat.daemon.data_plane import interface_addresses, interface_of, net_devices
-from mmfeat.daemon.mesh_keys import KeyFileError, load_secret
+from mmfeat.daemon.mesh.data_plane import interface_addresses, interface_of, net_devices
+from mmfeat.daemon.mesh.keys import KeyFileError, load_secret
 from mmfeat.protos.mesh import MESH_VERSION, encode_mesh
 
 from .cluster import _free_port, _gen_keys, idle

@@ -18,7 +18,7 @@ import torch
 
 from mmfeat.client.channel import ControlChannel
 from mmfeat.daemon.metrics import _mesh_metrics
-from mmfeat.daemon.remote import copy_pool, fabric_reply, route
+from mmfeat.daemon.mesh.remote import copy_pool, fabric_reply, route
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.mesh import (FABRIC_HANDLE_BYTES, MeshError, MeshFabricDomain, MeshPool, decode_mesh,
                                  encode_mesh)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mmfeat.daemon.counters import Counters
+from mmfeat.daemon.leases.counters import Counters
 from mmfeat.daemon.handlers import HANDLERS
 from mmfeat.protos import HANDLE_KINDS, POOL_KINDS, PROTOCOL_VERSION, REQUEST_MODELS, ErrorCode
 from mmfeat.protos.dtypes import DTYPE_SIZES

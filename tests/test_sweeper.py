@@ -10,11 +10,11 @@ import struct
 import pytest
 
 from mmfeat import atomics
-from mmfeat.daemon.allocator import Allocator
-from mmfeat.daemon.counters import Counters
-from mmfeat.daemon.lease_table import LeaseTable
-from mmfeat.daemon.ledger import Ledger
-from mmfeat.daemon.sweeper import Sweeper
+from mmfeat.daemon.leases.allocator import Allocator
+from mmfeat.daemon.leases.counters import Counters
+from mmfeat.daemon.leases.lease_table import LeaseTable
+from mmfeat.daemon.leases.ledger import Ledger
+from mmfeat.daemon.leases.sweeper import Sweeper
 from mmfeat.protos.lease_table import (
     ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, table_bytes,
     word_offset,

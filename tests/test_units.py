@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from mmfeat.daemon.allocator import Allocator
+from mmfeat.daemon.leases.allocator import Allocator
 from mmfeat.daemon.config import ConfigError, load_settings, render_config
-from mmfeat.daemon.sessions import MAX_PENDING_SESSIONS, PeerCred, SessionTable
+from mmfeat.daemon.leases.sessions import MAX_PENDING_SESSIONS, PeerCred, SessionTable
 from mmfeat.protos import Descriptor, DescriptorError, TensorSpec
 
 
@@ -134,8 +134,8 @@ def test_unknown_key_in_file(tmp_path) -> None:
 
 
 def test_ledger_state_accounting_and_fits_match_a_walk() -> None:
-    from mmfeat.daemon.counters import Counters
-    from mmfeat.daemon.ledger import Ledger, LeaseState
+    from mmfeat.daemon.leases.counters import Counters
+    from mmfeat.daemon.leases.ledger import Ledger, LeaseState
     from mmfeat.protos.messages import LeaseRef
 
     rng = random.Random(3)

@@ -12,7 +12,7 @@ As the consumer's node (a client here asks for a feature another node's daemon o
 - A FABRIC pool in the same NVLink domain (both nodes announce the same cluster UUID and clique id) is
   not pulled: the client gets the relayed handle and maps the owner's memory itself, after a ``check``.
   A client whose import of it fails anyway asks again with ``pull``, and the feature is pulled.
-- ``relay_ack`` hands consumers' acks to the owner, batched (mesh_outbox.py).
+- ``relay_ack`` hands consumers' acks to the owner, batched (outbox.py).
 
 As the owner (another node pulls or acks a feature of ours): ``on_check`` records who pulled what,
 ``on_acks`` applies acks with the usual clamp and counts, and every freed feature that a peer pulled
@@ -34,10 +34,10 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.mesh import MeshAck, MeshFabricDomain, MeshPool
 from mmfeat.protos.messages import FabricPool, LeaseRef, LeaseRefReply, RemoteGetReply
 
-from .core import DaemonCore
-from .ledger import EndReason, Lease, LeaseState
-from .mesh import Mesh, PeerState
-from .mesh_outbox import MeshOutbox, PeerCounters, Respond, peer_error
+from ..core import DaemonCore
+from ..leases.ledger import EndReason, Lease, LeaseState
+from .outbox import MeshOutbox, PeerCounters, Respond, peer_error
+from .peers import Mesh, PeerState
 from .puller import Puller, ReadJob, Result, Verify
 
 log = logging.getLogger("mmfeatd.remote")

@@ -19,7 +19,7 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.mesh import MAX_MESH_BATCH, MeshAck
 from mmfeat.protos.messages import AckReply
 
-from .mesh import Mesh, PeerState
+from .peers import Mesh, PeerState
 
 ACK_BATCH_S = 0.002
 # An acks batch whose answer takes longer than this means the owner is gone.

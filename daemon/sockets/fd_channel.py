@@ -25,8 +25,8 @@ from typing import Callable, Optional
 from mmfeat.protos import handshake
 from mmfeat.protos.errors import MmfeatError
 
+from ..leases.sessions import PeerCred
 from .runtime_dir import SocketFile
-from .sessions import PeerCred
 
 log = logging.getLogger("mmfeatd.fds")
 

@@ -92,7 +92,7 @@ class Puller:
     def __init__(self, name: str, regions: list[Region], table: Optional[tuple[int, int]] = None,
                  net_devices: Optional[str] = None) -> None:
         """``table``: (address, size) of this daemon's lease table, registered so that pullers can check
-        features in it; ``net_devices``: UCX_NET_DEVICES for the agent (daemon/data_plane.py)."""
+        features in it; ``net_devices``: UCX_NET_DEVICES for the agent (daemon/mesh/data_plane.py)."""
         api = load_nixl()
         try:
             self._agent = make_agent(api, name, net_devices)

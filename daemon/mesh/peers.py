@@ -13,7 +13,7 @@ are states of their own, logged once per peer: ``auth_failed`` (the peer's ZAP r
 a monitor of our DEALER reports) and ``node_id_conflict`` (the peer announces our own node id).
 
 This is the membership layer; what travels over it for features (checks after pulls, relayed acks,
-ended notices) is daemon/remote.py's, which the mesh hands every other request and reply to. Every
+ended notices) is daemon/mesh/remote.py's, which the mesh hands every other request and reply to. Every
 frame is untrusted input: validated by protos.mesh, counted when bad, never a crash.
 """
 
@@ -35,9 +35,9 @@ from mmfeat.protos.mesh import (
     MAX_MESH_FRAME, MESH_REPLIES, MESH_REQUESTS, MeshError, MeshHello, MeshPing, MeshPong, decode_mesh, encode_mesh,
 )
 
-from .config import MeshConfigError, Peer, Settings
-from .connection_cap import ConnectionCap, IsOurs
-from .mesh_keys import SECRET_FILE, KeyFileError, credential, load_secret
+from ..config import MeshConfigError, Peer, Settings
+from ..sockets.connection_cap import ConnectionCap, IsOurs
+from .keys import SECRET_FILE, KeyFileError, credential, load_secret
 
 log = logging.getLogger("mmfeatd.mesh")
 

@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 
 from mmfeat.nixl import NixlUnavailable
 
-from .config import MeshConfigError
+from ..config import MeshConfigError
 
 log = logging.getLogger("mmfeatd.mesh")
 

@@ -3,7 +3,7 @@ mmfeat.protos.lease_table.
 
 Consumers read it to check a descriptor without a round trip and add their acks to it; producers
 publish the features of their arenas in it. The daemon creates it, writes the entries of the leases
-it reserves and every FREE, and sweeps it (daemon/sweeper.py) for what clients wrote. It holds no
+it reserves and every FREE, and sweeps it (daemon/leases/sweeper.py) for what clients wrote. It holds no
 feature bytes; the daemon still never touches those.
 """
 
@@ -46,7 +46,7 @@ class LeaseTable:
         self.entries = np.frombuffer(self._mm, dtype="<u8", count=slots * ENTRY_WORDS,
                                      offset=word_offset(slots, 0, POOL)).reshape(slots, ENTRY_WORDS)
         # What the daemon last wrote or accounted for in each STATE and ACKS word; a sweep looks at the
-        # words that differ (daemon/sweeper.py).
+        # words that differ (daemon/leases/sweeper.py).
         self.seen_state = np.zeros(slots, dtype=np.uint64)
         self.seen_acks = np.zeros(slots, dtype=np.uint64)
         # Where the STATE column and the entries start: the sweep writes a STATE and reads an entry per

@@ -1,7 +1,7 @@
 """Producer arenas: slices of a pool, each with a block of lease slots, granted to one session.
 
 A producer places features in its arena and publishes them in the lease table without a message; the
-daemon adopts them on its next sweep (daemon/sweeper.py). An arena is granted from the same allocator
+daemon adopts them on its next sweep (daemon/leases/sweeper.py). An arena is granted from the same allocator
 as reserved leases, so one budget covers both. When its producer gives it back or its session ends,
 the arena is trimmed: the space not under a live feature goes back to the pool at once, each live
 feature keeps its own range until it ends, and the slot block goes back with the last of them.
