@@ -15,8 +15,12 @@ from .config import Settings
 from .leases.allocator import Allocator
 from .leases.counters import Counters
 from .leases.lease_table import LeaseTable
-from .leases.ledger import FreeObserver, Ledger, QuickObserver
+from .leases.arenas import Arenas
+from .leases.lease import FreeObserver, QuickObserver
+from .leases.ledger import Ledger
+from .leases.session_books import SessionBooks
 from .leases.sessions import ATTACH_GRACE_S, PeerCred, SessionTable
+from .leases.slots import SlotSpace
 from .leases.sweeper import Sweeper
 from .pools import Pool
 
@@ -49,21 +53,23 @@ class DaemonCore:
         # Set by the server when it runs a mesh: gets and acks of other nodes' features (daemon/mesh/remote.py).
         self.remote: Optional[Any] = None
         self.table = LeaseTable(settings.max_leases, self.epoch)
+        allocators = {p.pool_id: Allocator(p.size) for p in pools}
+        space = SlotSpace(settings.max_leases, min(settings.arena_slots, settings.max_leases))
+        self.books = SessionBooks(self.counters, settings.max_session_mb << 20, settings.max_session_leases)
+        self.arenas = Arenas(allocators, space, self.counters, self.books, settings.arena_mb << 20,
+                             settings.arenas_per_session)
         self.ledger = Ledger(
-            {p.pool_id: Allocator(p.size) for p in pools},
+            allocators,
             self.epoch,
             self.counters,
             settings.reserve_ttl,
             settings.ack_ttl,
-            settings.max_leases,
+            space,
+            self.arenas,
+            self.books,
             self.free_observers,  # the list itself: the server adds the mesh's later
             self.table,
-            settings.max_session_mb << 20,
-            settings.arena_mb << 20,
-            settings.arena_slots,
-            settings.arenas_per_session,
             [quick_observer] if quick_observer is not None else [],
-            max_session_leases=settings.max_session_leases,
         )
         self.sweeper = Sweeper(self.table, self.ledger)
         self.sweeper.charge = self._charge
@@ -115,7 +121,7 @@ class DaemonCore:
         self.settings = settings
         self.ledger.reserve_ttl = settings.reserve_ttl
         self.ledger.ack_ttl = settings.ack_ttl
-        self.ledger.books.quota_bytes = settings.max_session_mb << 20
+        self.books.quota_bytes = settings.max_session_mb << 20
 
     def pool_for(self, device: Optional[int]) -> int:
         if device is None:
@@ -166,7 +172,7 @@ class DaemonCore:
         now = time.monotonic()
         self.sweep(now)
         self.sessions.close(token)
-        self.ledger.return_session_arenas(token)
+        self.arenas.give_back_session(token)
         return self.ledger.reclaim_session(token, now)
 
     def tick(self, now: float) -> None:
@@ -175,7 +181,7 @@ class DaemonCore:
 
     def stats(self) -> dict:
         self.sweep(time.monotonic())  # exact as of this reply: what clients wrote so far is applied
-        arenas = self.ledger.arenas
+        arenas = self.arenas
         pools = []
         for pool in self.pools.values():
             alloc = self.ledger.allocators[pool.pool_id]

@@ -109,17 +109,17 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
     if session is None or not session.attached:
         raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before asking for an arena, so a crash returns it")
     pool_id = core.pool_for(req.device)
-    a = core.ledger.grant_arena(req.session, pool_id)
+    a = core.arenas.grant(req.session, pool_id)
     return m.ArenaReply(ArenaGrant(a.arena_id, a.pool_id, a.offset, a.size, a.slot_base, a.slots))
 
 
 def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> m.EmptyReply:
     """The producer places nothing more in this arena; it is freed once no feature in it is live."""
-    a = core.ledger.arenas.get(req.arena)
+    a = core.arenas.get(req.arena)
     if a is None or a.session != req.session:
         raise MmfeatError(ErrorCode.NOT_FOUND, f"this session holds no arena {req.arena}")
     core.sweep(now)  # adopt what it published there first
-    core.ledger.return_arena(a)
+    core.arenas.give_back(a)
     return m.EmptyReply()
 
 

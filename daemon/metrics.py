@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .leases.ledger import EndReason, Lease
+from .leases.lease import EndReason, Lease
 
 _COUNTERS = {
     "reserves": "Leases reserved",

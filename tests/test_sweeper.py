@@ -11,9 +11,12 @@ import pytest
 
 from mmfeat import atomics
 from mmfeat.daemon.leases.allocator import Allocator
+from mmfeat.daemon.leases.arenas import Arenas
 from mmfeat.daemon.leases.counters import Counters
 from mmfeat.daemon.leases.lease_table import LeaseTable
 from mmfeat.daemon.leases.ledger import Ledger
+from mmfeat.daemon.leases.session_books import SessionBooks
+from mmfeat.daemon.leases.slots import SlotSpace
 from mmfeat.daemon.leases.sweeper import Sweeper
 from mmfeat.protos.lease_table import (
     ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, table_bytes,
@@ -34,10 +37,13 @@ class Books:
         self.table = LeaseTable(SLOTS, 7)
         self.counters = Counters()
         self.quick: list[int] = []  # what the ledger tells a QuickObserver (metrics): features ended in a batch
-        self.ledger = Ledger({0: Allocator(1 << 24)}, 7, self.counters, 5.0, ACK_TTL, SLOTS, (), self.table,
-                             0, 1 << 20, 16, 4, [self.quick.append])
+        allocators, space = {0: Allocator(1 << 24)}, SlotSpace(SLOTS, 16)
+        books = SessionBooks(self.counters)
+        self.arenas = Arenas(allocators, space, self.counters, books, 1 << 20, 4)
+        self.ledger = Ledger(allocators, 7, self.counters, 5.0, ACK_TTL, space, self.arenas, books, (), self.table,
+                             [self.quick.append])
         self.sweeper = Sweeper(self.table, self.ledger)
-        self.arena = self.ledger.grant_arena(b"s" * 16, 0)
+        self.arena = self.arenas.grant(b"s" * 16, 0)
         self.mm = mmap.mmap(self.table.fd, table_bytes(SLOTS), flags=mmap.MAP_SHARED)
 
     def write(self, slot: int, word: int, value: int) -> None:

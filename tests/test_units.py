@@ -134,12 +134,18 @@ def test_unknown_key_in_file(tmp_path) -> None:
 
 
 def test_ledger_state_accounting_and_fits_match_a_walk() -> None:
+    from mmfeat.daemon.leases.arenas import Arenas
     from mmfeat.daemon.leases.counters import Counters
-    from mmfeat.daemon.leases.ledger import Ledger, LeaseState
+    from mmfeat.daemon.leases.lease import LeaseState
+    from mmfeat.daemon.leases.ledger import Ledger
+    from mmfeat.daemon.leases.session_books import SessionBooks
+    from mmfeat.daemon.leases.slots import SlotSpace
     from mmfeat.protos.messages import LeaseRef
 
     rng = random.Random(3)
-    ledger = Ledger({0: Allocator(1 << 20), 1: Allocator(1 << 18)}, 9, Counters(), 5.0, 5.0, 1000)
+    allocators, counters, space = {0: Allocator(1 << 20), 1: Allocator(1 << 18)}, Counters(), SlotSpace(1000, 256)
+    books = SessionBooks(counters)
+    ledger = Ledger(allocators, 9, counters, 5.0, 5.0, space, Arenas(allocators, space, counters, books, 0, 4), books)
     live = []
     for step in range(3000):
         op = rng.random()

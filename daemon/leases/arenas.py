@@ -19,6 +19,7 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 from .allocator import Allocator
 from .counters import Counters
+from .session_books import SessionBooks
 from .slots import SlotSpace
 
 
@@ -82,11 +83,12 @@ ARENA_SHARE = 0.5
 
 
 class Arenas:
-    def __init__(self, allocators: dict[int, Allocator], space: SlotSpace, counters: Counters, arena_bytes: int,
-                 per_session: int) -> None:
+    def __init__(self, allocators: dict[int, Allocator], space: SlotSpace, counters: Counters, books: SessionBooks,
+                 arena_bytes: int, per_session: int) -> None:
         self.allocators = allocators
         self.space = space
         self.counters = counters
+        self.books = books  # an arena's bytes count against its session's quota like its leases' do
         self.arena_bytes = arena_bytes
         self.per_session = per_session
         self._by_id: dict[int, Arena] = {}
@@ -106,6 +108,12 @@ class Arenas:
         return max(alloc.alignment, min(self.arena_bytes, alloc.capacity // 16 // alloc.alignment * alloc.alignment))
 
     def grant(self, session: bytes, pool_id: int) -> Arena:
+        """A new arena in ``pool_id`` for ``session``, or the typed error that says why not."""
+        try:
+            self.books.check_bytes(session, self.size_for(pool_id), "no arena for it")
+        except MmfeatError:
+            self.counters.arenas_refused += 1
+            raise
         held = self._by_session.get(session, set())
         if len([a for a in held if not self._by_id[a].returned]) >= self.per_session:
             self.counters.arenas_refused += 1
@@ -134,6 +142,7 @@ class Arenas:
         self.blocks[block] = (pool_id, offset, size)
         self._by_session.setdefault(session, set()).add(arena.arena_id)
         self.bytes[pool_id] += size
+        self.books.hold(session, size)
         self.counters.arenas_granted += 1
         return arena
 
@@ -166,12 +175,14 @@ class Arenas:
             return 0
         self.allocators[arena.pool_id].release(offset)
         self.bytes[arena.pool_id] -= size
+        self.books.unhold(arena.session, size)
         if arena.live == 0:
             self._drop(arena)
         return size
 
     def give_back(self, arena: Arena) -> int:
-        """Its producer is done with it (or gone): trim it to its live features. The bytes freed."""
+        """Its producer will place nothing more in it (or is gone): the space outside its live features
+        goes back now, theirs as each ends. The bytes freed now."""
         if arena.returned:
             return 0
         arena.returned = True
@@ -180,9 +191,18 @@ class Arenas:
         keep = [(offset, end - offset) for offset, end in arena.features.items()]
         freed = self.allocators[arena.pool_id].trim(arena.offset, keep)
         self.bytes[arena.pool_id] -= freed
+        if freed:
+            self.books.unhold(arena.session, freed)
         if arena.live == 0:
             self._drop(arena)
         return freed
+
+    def give_back_session(self, session: bytes) -> int:
+        """The session ended: every arena it held goes back (each once its live features end). How many."""
+        arenas = self.of_session(session)
+        for arena in arenas:
+            self.give_back(arena)
+        return len(arenas)
 
     def _drop(self, arena: Arena) -> None:
         """Nothing in the returned arena is live: its slot block goes back too."""

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:
-    from .ledger import Lease
+from .lease import Lease
 
 # The heap is rebuilt once it holds this many entries more than twice the live leases.
 _SLACK = 64
 
 
 class Deadlines:
-    def __init__(self, leases: dict[int, "Lease"]) -> None:
+    def __init__(self, leases: dict[int, Lease]) -> None:
         self._leases = leases  # the ledger's live leases by slot: read, never changed here
         self._heap: list[tuple[float, int, int]] = []  # (deadline, lease_id, gen)
 
@@ -28,7 +27,7 @@ class Deadlines:
         """Entries, stale ones included (stats shows it: it must follow live leases)."""
         return len(self._heap)
 
-    def push(self, lease: "Lease") -> None:
+    def push(self, lease: Lease) -> None:
         heapq.heappush(self._heap, (lease.deadline, lease.lease_id, lease.gen))
         self.compact()
 
@@ -37,7 +36,7 @@ class Deadlines:
             self._heap = [e for e in self._heap if self._current(e)]
             heapq.heapify(self._heap)
 
-    def due(self, now: float) -> Iterator["Lease"]:
+    def due(self, now: float) -> Iterator[Lease]:
         """Each live lease whose deadline is at or before ``now``, earliest first; the caller may free
         each before taking the next."""
         # self._heap read afresh each time: a free may compact it into a new list meanwhile.

@@ -12,66 +12,25 @@ from __future__ import annotations
 import hmac
 import secrets
 from dataclasses import dataclass
-from enum import Enum
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
-
 from mmfeat.protos.lease_table import FREE, PUBLISHED, RESERVED
+from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 
 from .allocator import Allocator, align_up
 from .arenas import BLOCK_SIZE, Arena, Arenas
 from .counters import Counters
 from .deadlines import Deadlines
+from .lease import END_CODE, END_REASONS, EndReason, FreeObserver, Lease, LeaseState, QuickObserver
 from .lease_table import LeaseTable
 from .session_books import SessionBooks
 from .slots import SlotSpace
 
 
-class LeaseState(str, Enum):
-    RESERVED = "RESERVED"
-    PUBLISHED = "PUBLISHED"
-
-
-class EndReason(str, Enum):
-    ACKED = "all acks received"
-    RELEASED = "released by its producer"
-    EXPIRED_RESERVED = "expired unpublished after reserve_ttl"
-    EXPIRED_PUBLISHED = "expired waiting for acks after ack_ttl"
-    RECLAIMED = "reclaimed: its producer disconnected before publishing"
-    SHUTDOWN = "cut at daemon shutdown"
-    REFUSED = "refused: its producer published it with words the daemon could not accept"
-    CUT = "cut: its session wrote lease table words the daemon refused, past max_refused_words"
-
-
-@dataclass
-class Lease:
-    lease_id: int
-    gen: int
-    pool_id: int
-    offset: int
-    nbytes: int
-    token: bytes
-    consumers: int
-    remaining: int
-    state: LeaseState
-    session: bytes
-    deadline: float
-    reserved_at: float
-    published_at: float = 0.0
-    size: int = 0  # bytes it holds: nbytes rounded up to the lease alignment
-    arena: Optional[Arena] = None  # set for a feature published in a producer arena
-    # Ack ids already applied, so that a consumer's retry of an ack whose reply it lost counts once.
-    ack_ids: Optional[set[bytes]] = None
-
-
-# Why a slot's last generation ended, as stored per slot: 0 while it never ended (or was never used).
-_END_REASONS = (None, *EndReason)
-_END_CODE = {reason: code for code, reason in enumerate(_END_REASONS) if reason is not None}
-_ACKED = _END_CODE[EndReason.ACKED]
+_ACKED = END_CODE[EndReason.ACKED]
 LIVE_GATE = np.iinfo(np.uint64).max  # the gate of a slot with a live lease
 
 
@@ -83,13 +42,6 @@ class AckResult:
     duplicate: bool = False
 
 
-# Called as observer(lease, reason, now) whenever a lease is freed; metrics and the mesh hang off it.
-FreeObserver = Callable[[Lease, EndReason, float], None]
-# Called with the number of features a sweep found published and acked by all since the last one:
-# they end without ever being a live lease, so no FreeObserver sees them.
-QuickObserver = Callable[[int], None]
-
-
 class Ledger:
     def __init__(
         self,
@@ -98,16 +50,17 @@ class Ledger:
         counters: Counters,
         reserve_ttl: float,
         ack_ttl: float,
-        max_leases: int,
+        space: SlotSpace,
+        arenas: Arenas,
+        books: SessionBooks,
         observers: Sequence[FreeObserver] = (),
         table: Optional[LeaseTable] = None,
-        session_quota: int = 0,
-        arena_bytes: int = 0,
-        arena_slots: int = 256,
-        arenas_per_session: int = 4,
         quick_observers: Sequence[QuickObserver] = (),
-        max_session_leases: int = 0,
     ) -> None:
+        """``space``, ``arenas`` and ``books`` are the slots, the arenas and the per-session quotas this
+        ledger draws on: their owners grant arenas and set quotas; the ledger keeps them in step with
+        each lease's life."""
+        max_leases = space.slots
         self.allocators = allocators
         self.epoch = epoch
         self.counters = counters
@@ -126,9 +79,9 @@ class Ledger:
         self.gate = np.zeros(max_leases, dtype=np.uint64)
         self._leases: dict[int, Lease] = {}  # slot -> its live lease
         self._deadlines = Deadlines(self._leases)
-        self.space = SlotSpace(max_leases, min(arena_slots, max_leases))
-        self.arenas = Arenas(allocators, self.space, counters, arena_bytes, arenas_per_session)
-        self.books = SessionBooks(session_quota, max_session_leases)
+        self.space = space
+        self.arenas = arenas
+        self.books = books
         # Per pool and state: live leases and their allocated bytes, kept as they change so that stats
         # (and the metrics refresh) never walk the slot table.
         self._count = {p: {st: 0 for st in LeaseState} for p in allocators}
@@ -157,13 +110,7 @@ class Ledger:
             self.counters.pool_full += 1
             raise MmfeatError(ErrorCode.POOL_FULL, f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
         if quota:
-            try:
-                self.books.check_bytes(session, align_up(nbytes, alloc.alignment),
-                                       "send inline, or ack and release features sooner")
-                self.books.check_single(session)
-            except MmfeatError:
-                self.counters.over_quota += 1
-                raise
+            self.books.admit_single(session, align_up(nbytes, alloc.alignment))
         lease_id = self.space.take()
         if lease_id is None:
             self.counters.pool_full += 1
@@ -197,8 +144,7 @@ class Ledger:
         self._account(lease, +1)
         if self._table is not None:
             self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes, consumers, lease.token)
-        self.books.single_taken(session, lease_id)
-        self.books.hold(session, lease.size)
+        self.books.single_taken(session, lease_id, lease.size)
         self._deadlines.push(lease)
         self.counters.reserves += 1
         return lease
@@ -311,7 +257,7 @@ class Ledger:
         for lease in leases:
             self._free(lease, EndReason.CUT, now)
         self.books.pop_reserved(session)
-        return len(leases), self.return_session_arenas(session)
+        return len(leases), self.arenas.give_back_session(session)
 
     def reclaim_session(self, session: bytes, now: float) -> int:
         """Free the RESERVED leases of a session whose process is gone; published ones stay for consumers."""
@@ -323,7 +269,7 @@ class Ledger:
                 self._free(lease, EndReason.RECLAIMED, now)
         return len(ids)
 
-    # --- arenas --------------------------------------------------------------------------------
+    # --- the sweep's --------------------------------------------------------------------------------
 
     def adopt_acked(self, slots: np.ndarray, gens: np.ndarray, consumers: np.ndarray, acks: np.ndarray) -> None:
         """Features their producers published and all their consumers acked between two sweeps (the
@@ -346,30 +292,6 @@ class Ledger:
         for observe in self._quick_observers:
             observe(n)
 
-    def grant_arena(self, session: bytes, pool_id: int) -> Arena:
-        try:
-            self.books.check_bytes(session, self.arenas.size_for(pool_id), "no arena for it")
-        except MmfeatError:
-            self.counters.arenas_refused += 1
-            raise
-        arena = self.arenas.grant(session, pool_id)
-        self.books.hold(session, arena.size)
-        return arena
-
-    def return_arena(self, arena: Arena) -> None:
-        """Its producer will place nothing more in it: the space outside its live features goes back now,
-        theirs as each ends."""
-        freed = self.arenas.give_back(arena)
-        if freed:
-            self.books.unhold(arena.session, freed)
-
-    def return_session_arenas(self, session: bytes) -> int:
-        """The session ended: every arena it held goes back (each once its live features end)."""
-        arenas = self.arenas.of_session(session)
-        for arena in arenas:
-            self.return_arena(arena)
-        return len(arenas)
-
     def unheld(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` nobody holds: no live lease, and no arena that takes features."""
         blocks = self.arenas.blocks[slots // self.space.block, BLOCK_SIZE]
@@ -384,7 +306,7 @@ class Ledger:
     def end_generation(self, slot_id: int, gen: int) -> None:
         """A producer took generation ``gen`` of its slot for a feature the sweep refused: it is over."""
         self.gens[slot_id] = self.gate[slot_id] = max(int(self.gens[slot_id]), gen)
-        self._ended[slot_id] = _END_CODE[EndReason.REFUSED]
+        self._ended[slot_id] = END_CODE[EndReason.REFUSED]
 
     def cut_all(self, now: float) -> int:
         """Free everything still live (shutdown); the number cut."""
@@ -442,7 +364,7 @@ class Ledger:
         lease = self._leases.get(ref.lease)
         if lease is None:
             self.counters.not_found += 1
-            reason = _END_REASONS[self._ended[ref.lease]]
+            reason = END_REASONS[self._ended[ref.lease]]
             why = reason.value if reason is not None else "never reserved"
             raise MmfeatError(ErrorCode.NOT_FOUND, f"lease {ref.lease} generation {ref.gen} is gone: {why}")
         if not hmac.compare_digest(ref.token, lease.token):
@@ -480,17 +402,14 @@ class Ledger:
         self._account(lease, -1)
         del self._leases[slot]
         self.gate[slot] = lease.gen
-        self._ended[slot] = _END_CODE[reason]
+        self._ended[slot] = END_CODE[reason]
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         self._mirror(lease.lease_id, lease.gen, FREE)
         if lease.arena is not None:
-            freed = self.arenas.feature_ended(lease.arena, lease.offset, lease.size)
-            if freed:
-                self.books.unhold(lease.session, freed)
+            self.arenas.feature_ended(lease.arena, lease.offset, lease.size)
         else:
             self.allocators[lease.pool_id].release(lease.offset)
-            self.books.unhold(lease.session, lease.size)
-            self.books.single_freed(lease.session)
+            self.books.single_freed(lease.session, lease.size)
             self.space.give(lease.lease_id)
         self.live -= 1
         self.counters.frees += 1

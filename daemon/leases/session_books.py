@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
+from .counters import Counters
+
 
 class SessionBooks:
-    def __init__(self, quota_bytes: int = 0, max_singles: int = 0) -> None:
+    def __init__(self, counters: Counters, quota_bytes: int = 0, max_singles: int = 0) -> None:
+        self.counters = counters
         self.quota_bytes = quota_bytes  # bytes a session's live leases and arenas may hold; 0: no limit
         self.max_singles = max_singles  # single slots a session may hold; 0: no limit
         self._bytes: dict[bytes, int] = {}
@@ -36,6 +39,15 @@ class SessionBooks:
             raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {held} leases outside arenas, the "
                               "max_session_leases limit; send inline, or ack and release features sooner")
 
+    def admit_single(self, session: bytes, size: int) -> None:
+        """Raise OVER_QUOTA (and count it) unless the session may reserve one more single lease of ``size``."""
+        try:
+            self.check_bytes(session, size, "send inline, or ack and release features sooner")
+            self.check_single(session)
+        except MmfeatError:
+            self.counters.over_quota += 1
+            raise
+
     # --- bookkeeping -----------------------------------------------------------------------------
 
     def hold(self, session: bytes, size: int) -> None:
@@ -46,12 +58,15 @@ class SessionBooks:
         if left:
             self._bytes[session] = left
 
-    def single_taken(self, session: bytes, slot: int) -> None:
-        """A RESERVED lease of the session took single slot ``slot``."""
+    def single_taken(self, session: bytes, slot: int, size: int) -> None:
+        """A RESERVED lease of the session took single slot ``slot`` and ``size`` bytes."""
+        self.hold(session, size)
         self._singles[session] = self._singles.get(session, 0) + 1
         self._reserved.setdefault(session, set()).add(slot)
 
-    def single_freed(self, session: bytes) -> None:
+    def single_freed(self, session: bytes, size: int) -> None:
+        """A lease of the session in a single slot ended: its slot and ``size`` bytes are back."""
+        self.unhold(session, size)
         left = self._singles.pop(session) - 1
         if left:
             self._singles[session] = left

@@ -35,7 +35,8 @@ from mmfeat.protos.messages import MAX_CONSUMERS
 
 from .arenas import BLOCK_OFFSET, BLOCK_POOL, BLOCK_SIZE, Arena
 from .lease_table import LeaseTable
-from .ledger import LIVE_GATE, EndReason, Lease, LeaseState, Ledger
+from .lease import EndReason, Lease, LeaseState
+from .ledger import LIVE_GATE, Ledger
 
 log = logging.getLogger("mmfeatd.sweep")
 

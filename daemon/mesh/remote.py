@@ -35,7 +35,7 @@ from mmfeat.protos.mesh import MeshAck, MeshFabricDomain, MeshPool
 from mmfeat.protos.messages import FabricPool, LeaseRef, LeaseRefReply, RemoteGetReply
 
 from ..core import DaemonCore
-from ..leases.ledger import EndReason, Lease, LeaseState
+from ..leases.lease import EndReason, Lease, LeaseState
 from .outbox import MeshOutbox, PeerCounters, Respond, peer_error
 from .peers import Mesh, PeerState
 from .puller import Puller, ReadJob, Result, Verify
