@@ -6,13 +6,14 @@ a second one stops at once. SIGHUP reloads what can change without a restart.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import signal
 import socket
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import zmq
 
@@ -29,6 +30,7 @@ from .sockets.control_socket import ControlSocket
 from .sockets.fd_channel import FdChannel
 from .sockets.memory_watch import MemoryWatch
 from .sockets.resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
+from .timers import Timers
 
 if TYPE_CHECKING:
     from .mesh.peers import Mesh
@@ -73,6 +75,7 @@ _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 
 Reload = Callable[[], None]
+T = TypeVar("T")
 
 
 class Server:
@@ -84,8 +87,12 @@ class Server:
         reload: Optional[Reload] = None,
     ) -> None:
         self.core = core
+        # What the server holds, closed in the reverse order it was taken: the mesh's sockets before the
+        # context they belong to, which waits for every socket of its own to close.
+        self._exit = contextlib.ExitStack()
         self.notifier = notifier or Notifier({})
-        self.metrics = metrics
+        self._exit.callback(self.notifier.close)
+        self.metrics = self._hold("metrics", metrics, lambda m: m.close()) if metrics is not None else None
         self._reload = reload
         self._stop_requests = 0
         self._reload_requested = False
@@ -116,18 +123,18 @@ class Server:
         runtime = self.settings.runtime_dir
         fd_limit = self._fd_limit = raise_fd_limit()
         clients = client_budget(fd_limit, self.settings.max_clients)
-        self._ctx = zmq.Context()
+        self._ctx = self._hold("_ctx", zmq.Context(), zmq.Context.term)
         # The daemon's own sockets only (connections are not sockets): a few, and per mesh peer its DEALER
         # and the two ends of that DEALER's monitor.
         self._ctx.set(zmq.MAX_SOCKETS, 64 + 3 * len(self.settings.peers))
-        self._fds = FdChannel(
+        self._fds = self._hold("_fds", FdChannel(
             fd_socket_path(runtime), self.settings.socket_mode, self.core.authorize_fds, self._on_fd_close,
             lambda session, frame: dispatch(self.core, frame, session=session), clients,
-        )
-        self._control = ControlSocket(
+        ), FdChannel.close)
+        self._control = self._hold("_control", ControlSocket(
             self._ctx, runtime / CONTROL_SOCKET, control_endpoint(runtime), self.settings.socket_mode,
             max(1, (fd_limit - FD_RESERVE) // 2 - clients), self._owns, self._peer_arrived,
-        )
+        ), ControlSocket.close)
         self.core.endpoint = self._control.endpoint
         self.core.close_channel = self._fds.drop_session
         self.core.resource_stats = self._resource_stats
@@ -142,13 +149,13 @@ class Server:
                 from .pools.fabric_probe import pools_fabric_domain
 
                 self._fabric_domain = pools_fabric_domain(self.core.pools.values())
-            self._mesh = Mesh(self._ctx, self.settings, self._mesh_hello, self._owns)
+            self._mesh = self._hold("_mesh", Mesh(self._ctx, self.settings, self._mesh_hello, self._owns), Mesh.close)
             self._remote = RemoteFeatures(self.core, self._mesh, self._puller, no_puller, self._fabric_domain)
             self._mesh.handler = self._remote
             self.core.remote = self._remote
             self.core.free_observers.append(self._remote.on_free)
             self.core.mesh_stats = self._mesh_stats
-        self._guard = MemoryGuard(self.settings.control_memory_mb << 20)
+        self._guard = self._hold("_guard", MemoryGuard(self.settings.control_memory_mb << 20), MemoryGuard.close)
         log.info("fd limit %d: up to %d clients and %d control connections", fd_limit, clients, self._control.max_connections)
 
     def _resource_stats(self) -> dict:
@@ -184,8 +191,9 @@ class Server:
                 raise NixlUnavailable("no pool of this daemon can be registered with NIXL")
             devices = choose_devices(self.settings.listen, self.settings.data_devices)
             try:
-                self._puller = Puller(agent_name(self.settings.node_id, self.core.epoch), regions,
-                                      (self.core.table.address(), self.core.table.size), devices)
+                self._puller = self._hold("_puller", Puller(
+                    agent_name(self.settings.node_id, self.core.epoch), regions,
+                    (self.core.table.address(), self.core.table.size), devices), Puller.close)
             except NixlUnavailable as exc:
                 raise explain(exc, devices) from None
         except NixlUnavailable as exc:
@@ -261,14 +269,19 @@ class Server:
         meshed = self._mesh is not None or self._remote is not None
         tick_every = MESH_TICK_S if meshed else TICK_S
         sweep_longest = MESH_TICK_S if meshed else SWEEP_MAX_S
-        next_tick = now + tick_every
         sweep_every = sweep_longest
-        next_sweep = now + sweep_every
-        next_status = now + STATUS_EVERY_S
-        next_metrics = now
-        next_trim = now + TRIM_EVERY_S
+        timers = Timers()
+        timers.add("tick", now + tick_every)
+        timers.add("sweep", now + sweep_every)
+        # The watchdog wakes the loop: an idle loop sleeps a second, and WatchdogSec may ask for pings
+        # more often. The rest ride on wake-ups that something else caused.
         wd = self.notifier.watchdog_interval
-        next_watchdog = now + wd if wd else None
+        if wd:
+            timers.add("watchdog", now + wd)
+        timers.add("status", now + STATUS_EVERY_S, wakes=False)
+        timers.add("trim", now + TRIM_EVERY_S, wakes=False)
+        if self.metrics is not None:
+            timers.add("metrics", now, wakes=False)
         while True:
             if self._stop_requests and not self._drain_step():
                 break
@@ -279,10 +292,9 @@ class Server:
                     self._reload()
                     self.notifier.ready(self._status())
             # Rounded up: pyzmq truncates to whole milliseconds, and 0 would spin until the next sweep.
-            # The watchdog too: an idle loop sleeps a second, and WatchdogSec may ask for pings more often.
-            wake_at = min(next_tick, next_sweep, ledger.next_deadline(),
+            # Lease expiry, the outbox's flush and the puller's polls keep their own due times.
+            wake_at = min(timers.wake_at(), ledger.next_deadline(),
                           time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf,
-                          next_watchdog if next_watchdog is not None else math.inf,
                           self._remote.outbox.next_flush if self._remote is not None else math.inf,
                           self._puller.next_poll if self._puller is not None else math.inf)
             timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
@@ -306,12 +318,12 @@ class Server:
             idle = len(self._fds) == 0 and self._control.connections == 0 and ledger.live == 0
             if not idle:  # timers an idle loop set far ahead come back in when something arrives
                 watch.wake()
-                next_sweep = min(next_sweep, now + sweep_every)
-                next_tick = min(next_tick, now + tick_every)
-            swept = now >= next_sweep
+                timers.not_after("sweep", now + sweep_every)
+                timers.not_after("tick", now + tick_every)
+            swept = timers.due("sweep", now)
             if swept:
                 sweep_every = sweep_interval(sweep_every, self.core.sweep(now, defer_unacked=True), sweep_longest)
-                next_sweep = now + (IDLE_WAKE_S if idle else sweep_every)
+                timers["sweep"] = now + (IDLE_WAKE_S if idle else sweep_every)
             if now >= ledger.next_deadline():  # on time, whatever the tick
                 ledger.expire(now)
             if watch.tripped:
@@ -320,30 +332,30 @@ class Server:
                 watch.rearm()
             # A tick due before the next sweep runs on this sweep's wake-up, a little early, instead of
             # taking a wake-up of its own: while clients write, every tick rides on a sweep.
-            if now >= next_tick or (swept and next_tick < next_sweep):
+            if timers.due("tick", now) or (swept and timers["tick"] < timers["sweep"]):
                 self.core.tick(now)
                 if self._mesh is not None:
                     self._mesh.tick(now)
                 if self._remote is not None:
                     self._remote.tick(now)
                 self._fds.close_stale_handshakes()
-                next_tick = now + (IDLE_WAKE_S if idle else tick_every)
+                timers["tick"] = now + (IDLE_WAKE_S if idle else tick_every)
             if sweep_every >= tick_every:
                 # Nothing written lately: the next sweep rides on the tick's wake-up instead of taking one
                 # of its own (a server's idle client otherwise costs twice the wake-ups).
-                next_sweep = next_tick
-            if now >= next_trim:
+                timers["sweep"] = timers["tick"]
+            if timers.due("trim", now):
                 malloc_trim()  # what a burst of connections or requests left in the heap goes back
-                next_trim = now + TRIM_EVERY_S
-            if next_watchdog is not None and now >= next_watchdog:
+                timers["trim"] = now + TRIM_EVERY_S
+            if timers.due("watchdog", now):
                 self.notifier.watchdog()
-                next_watchdog = now + (wd or 1.0)
-            if now >= next_status:
+                timers["watchdog"] = now + wd
+            if timers.due("status", now):
                 self.notifier.status(self._status())
-                next_status = now + STATUS_EVERY_S
-            if self.metrics is not None and now >= next_metrics:
+                timers["status"] = now + STATUS_EVERY_S
+            if self.metrics is not None and timers.due("metrics", now):
                 self.metrics.update(self.core.stats())
-                next_metrics = now + METRICS_EVERY_S
+                timers["metrics"] = now + METRICS_EVERY_S
         return 0
 
     def _poller(self) -> zmq.Poller:
@@ -447,29 +459,23 @@ class Server:
         except zmq.ZMQError:
             pass  # the client gave up and left
 
+    def _hold(self, name: str, thing: T, close: Callable[[T], object]) -> T:
+        """Keep ``thing`` as attribute ``name`` until close(), which closes it and clears the attribute
+        (threads that outlive serve() look there: None means gone)."""
+
+        def release() -> None:
+            try:
+                close(thing)
+            finally:
+                setattr(self, name, None)
+
+        self._exit.callback(release)
+        return thing
+
     def close(self) -> None:
-        if self._mesh is not None:
-            self._mesh.close()
-            self._mesh = None
-        if self._puller is not None:
-            self._puller.close()
-            self._puller = None
-        if self._fds is not None:
-            self._fds.close()
-            self._fds = None
-        if self._control is not None:
-            self._control.close()
-            self._control = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
-        if self._guard is not None:
-            self._guard.close()
-            self._guard = None
-        self.notifier.close()
+        """Close what bind() and the constructor took, newest first; each is closed once, even if another
+        one's close raised (that error is raised after the rest are closed)."""
+        self._exit.close()
 
 
 def _drain(sock: socket.socket) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 import random
 
 import pytest
 
-from mmfeat.daemon.leases.allocator import Allocator
 from mmfeat.daemon.config import ConfigError, load_settings, render_config
+from mmfeat.daemon.leases.allocator import Allocator
 from mmfeat.daemon.leases.sessions import MAX_PENDING_SESSIONS, PeerCred, SessionTable
 from mmfeat.protos import Descriptor, DescriptorError, TensorSpec
 
@@ -236,3 +237,24 @@ def test_one_tensors_layout_from_the_cache_is_the_one_it_would_build() -> None:
     for n in range(tz.LAYOUT_CACHE_ENTRIES + 8):  # more shapes than it keeps: it starts again, and stays bounded
         assert tz.layout([torch.zeros(n + 1, dtype=torch.uint8)]) == ([TensorSpec("uint8", (n + 1,), (1,), 0)], n + 1)
     assert 0 < tz.layout_cache_len() <= tz.LAYOUT_CACHE_ENTRIES
+
+
+def test_timers_wake_the_loop_only_for_those_that_wake_it() -> None:
+    """The loop sleeps until the earliest timer that wakes it; a status line or a heap trim rides on a
+    wake-up something else caused, and a job the loop does not have is never due."""
+    from mmfeat.daemon.timers import Timers
+
+    timers = Timers()
+    assert timers.wake_at() == math.inf
+    timers.add("tick", 5.0)
+    timers.add("status", 1.0, wakes=False)
+    assert timers.wake_at() == 5.0 and timers.due("status", 1.0) and not timers.due("tick", 4.9)
+    timers.not_after("tick", 7.0)
+    assert timers["tick"] == 5.0
+    timers.not_after("tick", 2.0)
+    assert timers.wake_at() == 2.0
+    assert not timers.due("watchdog", 100.0)
+    with pytest.raises(KeyError):
+        timers["watchdog"] = 1.0
+    with pytest.raises(ValueError):
+        timers.add("tick", 1.0)
