@@ -6,17 +6,18 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from mmfeat import atomics
 from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.messages import LeaseRef
 
 from .config import Settings
 from .leases.allocator import Allocator
-from .leases.counters import Counters
-from .leases.lease_table import LeaseTable
 from .leases.arenas import Arenas
+from .leases.counters import Counters
 from .leases.lease import FreeObserver, QuickObserver
+from .leases.lease_table import LeaseTable
 from .leases.ledger import Ledger
 from .leases.session_books import SessionBooks
 from .leases.sessions import ATTACH_GRACE_S, PeerCred, SessionTable
@@ -26,6 +27,23 @@ from .pools import Pool
 
 log = logging.getLogger("mmfeatd")
 _CUT_LOG_EVERY_S = 10.0
+
+
+# Called once with a reply body (dict) or the MmfeatError the request ended with.
+Respond = Callable[[Any], None]
+
+
+class Remote(Protocol):
+    """What the handlers ask of a daemon's mesh (mesh/remote.py's RemoteFeatures). A Protocol, so that a
+    daemon without a mesh names it without importing any of the mesh's code."""
+
+    def get(self, node: str, ref: LeaseRef, timeout: float, respond: Optional[Respond], now: float,
+            into_pool: Optional[int] = None) -> None:
+        """Make node ``node``'s feature ``ref`` readable here; ``respond`` None: a prefetch."""
+
+    def relay_ack(self, node: str, ref: LeaseRef, count: int, ack_id: Optional[bytes], respond: Optional[Respond],
+                  now: float) -> None:
+        """Hand ``count`` acks of node ``node``'s feature ``ref`` to its daemon."""
 
 
 class DaemonCore:
@@ -51,7 +69,7 @@ class DaemonCore:
         # Set by the server when it runs a mesh: its peers, for stats (None without one).
         self.mesh_stats: Callable[[], Optional[dict]] = lambda: None
         # Set by the server when it runs a mesh: gets and acks of other nodes' features (daemon/mesh/remote.py).
-        self.remote: Optional[Any] = None
+        self.remote: Optional[Remote] = None
         self.table = LeaseTable(settings.max_leases, self.epoch)
         allocators = {p.pool_id: Allocator(p.size) for p in pools}
         space = SlotSpace(settings.max_leases, min(settings.arena_slots, settings.max_leases))

@@ -16,7 +16,7 @@ from mmfeat.protos.codec import MAX_REQUEST_BYTES
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
 
-from .core import DaemonCore
+from .core import DaemonCore, Remote
 from .leases.sessions import MAX_PENDING_SESSIONS
 
 log = logging.getLogger("mmfeatd")
@@ -33,7 +33,7 @@ class Deferred:
     start: Callable[[Optional[Respond]], None]
 
 
-def _remote(core: DaemonCore) -> Any:
+def _remote(core: DaemonCore) -> Remote:
     if core.remote is None:
         raise MmfeatError(ErrorCode.FORBIDDEN, "the feature is another node's and this daemon has no mesh: set listen "
                                                "and peers on both nodes to reach other nodes' features")
