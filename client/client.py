@@ -21,15 +21,15 @@ from mmfeat.protos.descriptor import Descriptor, DescriptorError
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.paths import control_endpoint, default_runtime_dir
 
-from .acks import Acks
+from .ack_routes import Acks
 from .channel import ControlChannel
 from .consumer import Consumer
 from .fallbacks import FallbackTracker
+from .lease_table import LeaseTableView
 from .pinned import PendingCopies
 from .producer import Producer
 from .reservations import Reservations, ShapeLike, TensorOrList
 from .session import Session, open_session
-from .table import LeaseTableView
 
 log = logging.getLogger("mmfeat.client")
 

@@ -19,7 +19,7 @@ from .stream_wait import wait_for_current_stream
 from .mapping import HostMapping
 from .pinned import PendingCopies, pending_key, pinned_view
 from .policy import feature_staging
-from .table import STATE_FREE, STATE_MISMATCH
+from .lease_table import STATE_FREE, STATE_MISMATCH
 
 log = logging.getLogger("mmfeat.client")
 

@@ -27,7 +27,7 @@ from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, PoolInfo
 
 from . import dlpack
 from . import tensors as tz
-from .arena import Placement
+from .arenas import Placement
 from .producer import _FALLBACK_ERRORS, Producer
 from .put_in_flight import PutInFlight
 from .session import Session

@@ -16,11 +16,11 @@ from mmfeat import atomics
 
 from . import fd_budget
 from . import mapping as mapping_cache
-from .arena import ArenaSet
+from .arenas import ArenaSet
 from .channel import ControlChannel
-from .fd_receiver import open_fd_channel
+from .fd_channel import open_fd_channel
 from .fd_transport import FdTransport
-from .table import LeaseTableView, map_lease_table
+from .lease_table import LeaseTableView, map_lease_table
 
 
 class Session:

@@ -18,7 +18,7 @@ from .pools import PoolCreateError
 from .sd_notify import Notifier
 from .server import Server
 from .settings_help import SettingsParser, unknown_env
-from .sockets.resources import FdLimitError, raise_fd_limit
+from .sockets.budgets import FdLimitError, raise_fd_limit
 from .sockets.runtime_dir import RuntimeDir, RuntimeDirError
 
 log = logging.getLogger("mmfeatd")

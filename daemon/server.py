@@ -26,10 +26,10 @@ from .config import Settings
 from .core import DaemonCore
 from .dispatch import dispatch
 from .sd_notify import Notifier
+from .sockets.budgets import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .sockets.control_socket import ControlSocket
 from .sockets.fd_channel import FdChannel
 from .sockets.memory_watch import MemoryWatch
-from .sockets.resources import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .timers import Timers
 
 if TYPE_CHECKING:

@@ -207,9 +207,9 @@ def test_a_consumer_that_never_acks_stalls_nothing_past_ack_ttl(daemon_factory) 
 
 
 def test_an_idle_producer_gives_its_arena_back(daemon, monkeypatch) -> None:
-    from mmfeat.client import arena
+    from mmfeat.client import arenas
 
-    monkeypatch.setattr(arena, "IDLE_S", 0.4)
+    monkeypatch.setattr(arenas, "IDLE_S", 0.4)
     with daemon.client(inline_threshold=0) as c:
         c.ack(c.put(torch.ones(4096)))
         assert daemon.pool()["arenas"]["count"] == 1

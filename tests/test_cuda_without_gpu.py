@@ -302,7 +302,7 @@ def test_the_acker_sleeps_on_the_event_and_acks_when_it_wakes() -> None:
     import threading
     import time
 
-    from mmfeat.client.acker import Acker
+    from mmfeat.client.ack_thread import Acker
     from mmfeat.client.async_failures import AsyncFailures
 
     class GpuWork:  # what ack(after=) hands the acker: a blocking torch.cuda.Event (no `blocking` attribute)

@@ -16,7 +16,7 @@ import select
 import threading
 from typing import Callable
 
-from .resources import MemoryGuard
+from .budgets import MemoryGuard
 
 log = logging.getLogger("mmfeatd")
 

@@ -15,7 +15,7 @@ from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 from .session import Session
-from .table import STATE_FREE
+from .lease_table import STATE_FREE
 
 # A repeat further back than this many acks goes on the wire and is counted as a pipelined failure.
 MAX_REMEMBERED = 4096

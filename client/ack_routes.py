@@ -22,7 +22,7 @@ from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError
 from mmfeat.protos.messages import MAX_CONSUMERS, AckReply
 
-from .acked import AckedLeases
+from .acked_leases import AckedLeases
 from .channel import ControlChannel
 from .pinned import PendingCopies, pending_key
 from .session import Session
@@ -134,7 +134,7 @@ class Acks:
 
     def _background(self) -> Any:
         if self._acker is None or self._acker.pid != os.getpid():
-            from .acker import Acker
+            from .ack_thread import Acker
 
             def send(fields: dict[str, Any], count: int, ack_id: bytes) -> None:
                 session = self._connect()

@@ -2,7 +2,7 @@
 sends the ack once the consumer's GPU work is done; a ``wait=False`` ack whose fd channel is full (the
 daemon is behind) is handed over here too, so the caller never blocks.
 
-The GPU work is waited for in a blocking event's ``synchronize()`` (acks.py records one): the thread
+The GPU work is waited for in a blocking event's ``synchronize()`` (ack_routes.py records one): the thread
 sleeps in the driver until the GPU signals the event, so it neither spins a core nor polls, and the
 ack goes out as soon as the thread wakes. The thread sends on the client's fd channel, like every
 background ack.

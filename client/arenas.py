@@ -26,7 +26,7 @@ from mmfeat.protos.lease_table import DONE, GEN_MASK, PUBLISHED, state_word
 from mmfeat.protos.messages import ArenaReply
 
 from .fd_transport import FdTransport
-from .table import LeaseTableView
+from .lease_table import LeaseTableView
 
 log = logging.getLogger("mmfeat.client")
 
