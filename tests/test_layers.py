@@ -1,14 +1,18 @@
 """The parts depend on each other only as docs/design.md ("Parts") says: protos on nothing of ours,
 client and daemon on protos (and the shared CUDA wrapper in the top package), never on each other; and
 none of them on the tools (the `mmfeat` command, the bench, the helpers that start daemons), which a
-producer or consumer process never loads."""
+producer or consumer process never loads. Inside them no module imports itself back through others,
+and the daemon's wings import each other and its top only as docs/design.md says."""
 
 from __future__ import annotations
 
 import ast
+import inspect
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -115,3 +119,114 @@ def test_a_put_in_flight_travels_as_one_object() -> None:
                 if len(args & loose) >= 2:
                     offenders.append(f"{name}:{node.lineno} {node.name}({', '.join(sorted(args & loose))})")
     assert not offenders, f"a put's parts passed loose instead of as a PutInFlight: {offenders}"
+
+
+PARTS = ("protos", "client", "daemon")
+# What each wing of the daemon may import of the daemon outside itself: other wings, and modules of the
+# daemon's top by name. The top (server, dispatch, handlers, main, core, ...) may import any wing.
+WINGS = {
+    "leases": set(),
+    "sockets": {"leases"},
+    "pools": {"config"},
+    "mesh": {"leases", "sockets", "config", "core"},
+}
+
+
+def _module(root: Path, path: Path) -> str:
+    parts = ["mmfeat", *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the three parts it imports, anywhere in it: at the top, in a function, or
+    for type checking alone (a circle a checker must follow is a circle a reader must follow too)."""
+    files = {_module(root, p): p for part in PARTS for p in (root / part).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                # `from . import x` imports the submodule x, not what the package's __init__ imports.
+                for a in node.names:
+                    sub = f"{module}.{a.name}"
+                    deps.add(sub if sub in files else module)
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
+    """A circle of imports (its modules, the first repeated at the end), or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        path, on_path = [start], {start}
+        stack = [iter(sorted(graph[start]))]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                node = path.pop()
+                done.add(node)
+                on_path.discard(node)
+                continue
+            if nxt in on_path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in done:
+                path.append(nxt)
+                on_path.add(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def test_no_module_imports_itself_back() -> None:
+    circle = _cycle(_graph(ROOT))
+    assert circle is None, "an import circle: " + " -> ".join(circle or [])
+
+
+def test_a_planted_circle_is_found(tmp_path: Path) -> None:
+    """The check above must see a circle that exists only for the type checker."""
+    for part in PARTS:
+        shutil.copytree(ROOT / part, tmp_path / part)
+    lease = tmp_path / "daemon" / "leases" / "lease.py"
+    lease.write_text(lease.read_text() + "\nif False:\n    from .ledger import Ledger\n")
+    circle = _cycle(_graph(tmp_path))
+    assert circle is not None and {"mmfeat.daemon.leases.lease", "mmfeat.daemon.leases.ledger"} <= set(circle), circle
+
+
+def _wing(module: str) -> str:
+    """leases, sockets, mesh or pools for a module of a wing; the module's own name for one of the top."""
+    return module.split(".")[2] if module.count(".") >= 2 else ""
+
+
+def test_the_daemons_wings_import_as_documented() -> None:
+    graph = _graph(ROOT)
+    wings = {m.split(".")[2] for m in graph if m.startswith("mmfeat.daemon.") and m.count(".") >= 3}
+    assert wings == set(WINGS), f"the daemon's wings are {sorted(wings)}; docs/design.md and WINGS say {sorted(WINGS)}"
+    for module, deps in sorted(graph.items()):
+        if not module.startswith("mmfeat.daemon.") or _wing(module) not in WINGS:
+            continue
+        wing = _wing(module)
+        for dep in sorted(deps):
+            if dep.startswith("mmfeat.daemon") and _wing(dep) != wing:
+                assert _wing(dep) in WINGS[wing], f"{module} (wing {wing}) imports {dep}: not in WINGS[{wing!r}]"
+
+
+def _same_signatures(protocol: type, cls: type, names: tuple[str, ...]) -> None:
+    for name in names:
+        want, got = inspect.signature(getattr(protocol, name)), inspect.signature(getattr(cls, name))
+        assert list(want.parameters.items()) == list(got.parameters.items()), \
+            f"{cls.__name__}.{name}{got} is not {want}"
+
+
+def test_the_protocols_that_cut_circles_match_what_they_stand_for() -> None:
+    """The Protocols that name a module's counterpart without importing it stay true to it."""
+    from mmfeat.daemon.core import Remote
+    from mmfeat.daemon.mesh.remote import RemoteFeatures
+
+    _same_signatures(Remote, RemoteFeatures, ("get", "relay_ack"))
