@@ -38,8 +38,9 @@ class Remote(Protocol):
     daemon without a mesh names it without importing any of the mesh's code."""
 
     def get(self, node: str, ref: LeaseRef, timeout: float, respond: Optional[Respond], now: float,
-            into_pool: Optional[int] = None) -> None:
-        """Make node ``node``'s feature ``ref`` readable here; ``respond`` None: a prefetch."""
+            into_pool: Optional[int] = None, pull: bool = False) -> None:
+        """Make node ``node``'s feature ``ref`` readable here; ``respond`` None: a prefetch; ``pull``: pull
+        it even where its FABRIC handle could be relayed (the client's import of that failed)."""
 
     def relay_ack(self, node: str, ref: LeaseRef, count: int, ack_id: Optional[bytes], respond: Optional[Respond],
                   now: float) -> None:

@@ -18,8 +18,8 @@ import torch
 import zmq
 
 from mmfeat.daemon.config import Peer, Settings
-from mmfeat.daemon.mesh import MAX_EARLY, MAX_EARLY_BYTES, Mesh
-from mmfeat.daemon.mesh_outbox import MeshOutbox, PeerCounters
+from mmfeat.daemon.mesh.outbox import MeshOutbox, PeerCounters
+from mmfeat.daemon.mesh.peers import MAX_EARLY, MAX_EARLY_BYTES, Mesh
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.mesh import MeshAck, decode_mesh, encode_mesh
 
