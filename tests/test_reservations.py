@@ -186,3 +186,18 @@ def test_publish_after_reserve_ttl_raises_instead_of_naming_reused_memory(daemon
             c.publish(t)
         assert info.value.code is ErrorCode.NOT_FOUND and "reserve_ttl" in info.value.message
     assert d.pool()["used"] == 0
+
+
+def test_a_feature_neither_the_pool_nor_inline_can_take_is_refused_at_reserve(daemon_factory) -> None:
+    """Larger than the pool and over inline_max: its publish could only raise TOO_LARGE, so reserve
+    raises it, instead of allocating (or failing to allocate) an ordinary tensor of that size."""
+    d = daemon_factory("--pool-mb", "1")
+    with d.client(inline_threshold=0, inline_max=1 << 20) as c:
+        for shape in [(2, 1 << 20), (1 << 42,)]:  # 2 MiB, and 4 TiB: more than this host could allocate
+            with pytest.raises(MmfeatError) as info:
+                c.reserve(shape, torch.uint8)
+            assert info.value.code is ErrorCode.TOO_LARGE and "inline_max" in info.value.message
+        t = c.reserve((1 << 19,), torch.uint8)  # within the pool: reserved there as before
+        assert d.pool()["used"] >= 1 << 19
+        c.discard(t)
+
