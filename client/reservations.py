@@ -13,6 +13,7 @@ when torch frees the last view of it. That is how a reservation dropped without 
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
-from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, PoolInfo
+from mmfeat.protos.messages import MAX_CONSUMERS, MAX_NBYTES, TOKEN_BYTES, PoolInfo
 
 from . import dlpack
 from . import tensors as tz
@@ -37,6 +38,7 @@ ShapeLike = Union[int, Sequence[int], torch.Size]
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 _ATTR = "_mmfeat_reservation"
+_MAX_STRIDE = 1 << 62  # protos/descriptor.py's bound on shapes and strides
 OPEN, PUBLISHED, DISCARDED, CLOSED, DROPPED = "open", "published", "discarded", "closed", "dropped"
 _ENDED_BY = {PUBLISHED: "was published already", DISCARDED: "was discarded",
              CLOSED: "belonged to a Client that was closed", DROPPED: "was dropped"}
@@ -92,7 +94,9 @@ class Reservations:
         if not isinstance(consumers, int) or isinstance(consumers, bool) or not 1 <= consumers <= MAX_CONSUMERS:
             raise ValueError(f"consumers must be an int between 1 and {MAX_CONSUMERS}")
         target = _device(device)
-        metas = [torch.empty(_shape(shape), dtype=_dtype(dtype), device="meta") for shape, dtype in layout]
+        checked = [(_shape(shape), _dtype(dtype)) for shape, dtype in layout]
+        _check_size(checked)
+        metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in checked]
         specs, nbytes = tz.layout(metas)
         put = PutInFlight(tuple(specs), nbytes, many, consumers, target.index if target.type == "cuda" else None)
         r = self._in_pool(put)
@@ -334,6 +338,20 @@ def _shape(shape: ShapeLike) -> tuple[int, ...]:
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in out):
         raise ValueError(f"shape must hold non-negative ints, got {out!r}")
     return out
+
+
+def _check_size(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Refuse a layout no feature can have before torch sees it: a size or stride past 2^63 is an overflow
+    error of torch's own, not a typed one. Its bytes are bounded by protos' MAX_NBYTES, and its strides
+    (the dimensions' product, a zero-size one counted as 1) by the 2^62 a descriptor carries."""
+    for shape, _ in layout:
+        if math.prod(max(d, 1) for d in shape) > _MAX_STRIDE:
+            raise ValueError(f"shape {shape} has strides past 2^62 elements, more than a descriptor carries; "
+                             "reserve smaller features")
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
+    if total > MAX_NBYTES:
+        raise ValueError(f"the shapes {[shape for shape, _ in layout]} take {total} bytes, over the {MAX_NBYTES} a "
+                         "feature may have; reserve smaller features")
 
 
 def _dtype(dtype: Any) -> torch.dtype:

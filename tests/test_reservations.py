@@ -201,3 +201,13 @@ def test_a_feature_neither_the_pool_nor_inline_can_take_is_refused_at_reserve(da
         assert d.pool()["used"] >= 1 << 19
         c.discard(t)
 
+
+
+def test_a_shape_whose_bytes_overflow_is_a_value_error(daemon) -> None:
+    with daemon.client(inline_threshold=0) as c:
+        for layout in [[((1 << 62, 4), torch.float32)], [((1 << 63,), torch.uint8)],
+                       [((1 << 40, 1 << 40), torch.int64)], [((1 << 61,), torch.int64), ((1 << 61,), torch.int64)],
+                       [((0, 1 << 63), torch.uint8)], [((0, 1 << 40, 1 << 40), torch.uint8)]]:
+            with pytest.raises(ValueError, match="bytes|strides"):
+                c.reserve_many(layout)
+    assert daemon.stats()["counters"]["reserves"] == 0
