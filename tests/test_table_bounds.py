@@ -155,3 +155,34 @@ def test_honest_clients_succeed_while_a_member_attacks_through_the_table(daemon_
     assert counts["words_written"] > 0 and s["counters"]["sessions_cut"] >= 1 and s["counters"]["bad_table_words"] > 0
     # Garbage the member wrote into its own arena may pass every check: a feature, ended by ack_ttl.
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["clients"] == 0, timeout=40, what="everything back")
+
+
+def test_words_written_into_a_block_before_it_is_granted_are_not_charged_to_its_new_holder(daemon_factory) -> None:
+    """The slots of the next arena block lie outside both swept ranges until it is granted, so a peer's
+    words there are never put back by a sweep. The grant puts the daemon's own words back: the session
+    that gets the block is charged nothing for what was written before it held it, and publishes there."""
+    daemon = daemon_factory("--pool-mb", "64", "--max-refused-words", "50")
+    with daemon.client() as attacker, daemon.client(inline_threshold=0) as victim:
+        hostile = HostileTable(daemon, attacker)
+        try:
+            block = 256
+            top = hostile.slots - hostile.slots % block
+            assert daemon.stats()["swept_slots"] == 0
+            for slot in range(top - block, top):  # the block the first arena gets
+                hostile.write(slot, STATE, state_word(7, PUBLISHED))
+            assert daemon.stats()["counters"]["bad_table_words"] == 0, "outside the swept ranges"
+            x = torch.arange(4096, dtype=torch.float32)
+            desc = victim.put(x)
+            assert not desc.is_inline and top - block <= desc.lease < top, desc
+            s = daemon.stats()
+            assert (s["counters"]["sessions_cut"], s["counters"]["bad_table_words"]) == (0, 0)
+            assert torch.equal(victim.get(desc), x)
+            victim.ack(desc)
+            assert victim.flush()
+            again = victim.put(x + 1)
+            assert torch.equal(victim.get(again), x + 1)
+            victim.ack(again)
+            assert victim.flush()
+        finally:
+            hostile.close()
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="everything freed")

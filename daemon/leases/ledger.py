@@ -292,6 +292,14 @@ class Ledger:
         for observe in self._quick_observers:
             observe(n)
 
+    def clear_block(self, arena: Arena) -> None:
+        """A block just granted: no sweep read it before, so words a peer wrote there meanwhile would be
+        refused in its new holder's name. Store FREE with each slot's last generation over it (not the
+        sweep's last-seen word, which may name an older generation than the daemon spent)."""
+        if self._table is not None:
+            slots = np.arange(arena.slot_base, arena.slot_base + arena.slots)
+            self._table.free_many(slots, self.gens[slots])
+
     def unheld(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` nobody holds: no live lease, and no arena that takes features."""
         blocks = self.arenas.blocks[slots // self.space.block, BLOCK_SIZE]
