@@ -99,6 +99,14 @@ class Session:
         if device is None:
             import torch
 
+            if not torch.cuda.is_available():
+                # torch would assert (a CPU-only build) or raise deep inside; a PoolMapError is what put and
+                # reserve fall back inline on, and what a get raises for a pool it cannot map.
+                from .cuda_import import PoolMapError
+
+                raise PoolMapError(f"pool {pool_id} is GPU memory (device {info['device']}), and this process sees "
+                                   "no CUDA device: get it where one is, or give the daemon a host pool "
+                                   "(host_pool_mb) for features made on the CPU")
             device = torch.cuda.current_device()
         key = (pool_id, device)
         if key not in self.mappings:

@@ -4,6 +4,7 @@ cannot be built or loaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -163,6 +164,45 @@ def test_cpu_features_go_to_the_host_pool_beside_the_gpu_pools(libdir, runtime_d
         assert kinds == {("host", 1)}
         stats = d.wait_for(lambda s: sum(s["leases"].values()) == 0, timeout=20, what="every feature acked")
         assert [p["used"] for p in stats["pools"]] == [0, 0]
+    finally:
+        rc = d.stop()
+        _, err = d.proc.communicate()
+    assert rc == 0, err
+
+
+def test_a_process_without_cuda_puts_and_reserves_inline_where_the_daemon_has_only_gpu_pools(
+        libdir, runtime_dir, tmp_path) -> None:
+    """host_pool_mb 0: a CPU tensor's feature goes to the GPU pool. A producer whose torch sees no CUDA
+    device (a CPU-only build, or no device visible) cannot map it: put and reserve fall back inline,
+    counted as map_failed, and a get of a GPU-pool feature raises a typed error, never torch's own."""
+    import torch
+
+    from mmfeat.client import Client
+    from mmfeat.client.cuda_import import PoolMapError
+
+    if torch.cuda.is_available():
+        pytest.skip("this process sees a CUDA device")
+    env = {"LD_LIBRARY_PATH": str(libdir), "STUB_LOG": str(tmp_path / "daemon.log")}
+    d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", backend="cuda_vmm", env=env)
+    try:
+        assert [p["kind"] for p in d.stats()["pools"]] == ["cuda"]
+        with Client(runtime_dir, inline_threshold=0) as c:
+            x = torch.arange(1024, dtype=torch.float32)
+            desc = c.put(x)
+            assert desc.is_inline and torch.equal(c.get(desc), x)
+            t = c.reserve((1024,), torch.float32)
+            t.copy_(x + 1)
+            assert c.publish(t).is_inline
+            assert c.fallbacks["map_failed"] == 2
+            session = c._connect()
+            lease = c.request("reserve", session=session.token, nbytes=4096, consumers=1)["lease"]
+            in_gpu_pool = dataclasses.replace(desc, kind="cuda", device=0, node=session.node, epoch=session.epoch,
+                                              inline=None, **{k: lease[k] for k in ("pool", "lease", "gen",
+                                                                                    "token", "offset")})
+            with pytest.raises(PoolMapError, match="no CUDA device"):
+                c.get(in_gpu_pool)
+            c.request("release", session=session.token, lease=lease)
+        assert d.stats()["counters"]["reserves"] == 1 and d.pool()["used"] == 0
     finally:
         rc = d.stop()
         _, err = d.proc.communicate()
