@@ -134,10 +134,10 @@ class Reservations:
         except MmfeatError as exc:
             if exc.code not in _FALLBACK_ERRORS or p.fallback == "error":
                 raise
-            if exc.code is ErrorCode.TOO_LARGE and nbytes > p.inline_max:
+            if exc.code is ErrorCode.TOO_LARGE and put.nbytes > p.inline_max:
                 # The pool never takes it and put would refuse it inline: an ordinary tensor of that size
                 # could only be filled for a publish that raises (or not be allocated at all).
-                raise MmfeatError(ErrorCode.TOO_LARGE, f"a {nbytes} B feature is larger than the pool and over "
+                raise MmfeatError(ErrorCode.TOO_LARGE, f"a {put.nbytes} B feature is larger than the pool and over "
                                   f"inline_max ({p.inline_max} B): {exc.message}. Raise inline_max or pool_mb, or "
                                   "reserve smaller features") from None
             return None

@@ -104,7 +104,7 @@ class Session:
                 # reserve fall back inline on, and what a get raises for a pool it cannot map.
                 from .cuda_import import PoolMapError
 
-                raise PoolMapError(f"pool {pool_id} is GPU memory (device {info['device']}), and this process sees "
+                raise PoolMapError(f"pool {pool_id} is GPU memory (device {info.device}), and this process sees "
                                    "no CUDA device: get it where one is, or give the daemon a host pool "
                                    "(host_pool_mb) for features made on the CPU")
             device = torch.cuda.current_device()
