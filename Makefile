@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup test demo run chaos image image-engine clean
+.PHONY: setup test lint demo run chaos image image-engine clean
 
 setup: $(STAMP)
 
@@ -40,8 +40,13 @@ TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 < 8 ? n 
 # ARGS goes to pytest: make test ARGS='-k mesh --durations 20'
 ARGS ?=
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BYTECODE)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(ARGS)
+
+# pyflakes and pycodestyle at 120 columns ([tool.ruff] in pyproject.toml); make test runs it first.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 demo: $(BASE_STAMP)
 	$(BYTECODE)
