@@ -77,6 +77,7 @@ class Acker:
 
     def close(self, timeout: float) -> None:
         if not self.flush(timeout):
-            log.warning("closing with %d acknowledgement(s) unsent; those leases will expire after ack_ttl", self._pending)
+            log.warning("closing with %d acknowledgement(s) unsent; those leases will expire after ack_ttl",
+                        self._pending)
         self._queue.put(None)
         self._thread.join(timeout)

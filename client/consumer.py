@@ -41,7 +41,9 @@ class Consumer:
             return self._remote(session, desc, copy, verify, device)
         if desc.epoch != session.epoch:
             raise MmfeatError(
-                ErrorCode.STALE, f"descriptor is from daemon epoch {desc.epoch}, the daemon is now epoch {session.epoch}: it restarted; re-send the feature"
+                ErrorCode.STALE,
+                f"descriptor is from daemon epoch {desc.epoch}, the daemon is now epoch {session.epoch}: "
+                "it restarted; re-send the feature",
             )
         pool = session.pools.get(desc.pool)
         if pool is None or desc.offset + desc.nbytes > pool.size:
@@ -131,7 +133,8 @@ class Consumer:
             return
         self._channel.call("lookup", lease=desc.lease_ref())
         if state == STATE_MISMATCH:  # the daemon found it fine: the table is the authority on ranges
-            raise MmfeatError(ErrorCode.FORBIDDEN, f"lease {desc.lease}'s range in the lease table differs from the descriptor's")
+            raise MmfeatError(ErrorCode.FORBIDDEN,
+                              f"lease {desc.lease}'s range in the lease table differs from the descriptor's")
 
 
 _fabric_warned: set[str] = set()

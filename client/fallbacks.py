@@ -53,7 +53,8 @@ class FallbackTracker:
             if reason is FallbackReason.BELOW_THRESHOLD:
                 log.info("features under %d B travel inline (inline_threshold); counted in stats", inline_threshold)
             else:
-                log.warning("mmfeat pool unavailable (%s: %s); sending features inline. Warned once; counted in stats", reason.value, detail)
+                log.warning("mmfeat pool unavailable (%s: %s); sending features inline. Warned once; counted in stats",
+                            reason.value, detail)
         self._ensure_thread()
 
     def mark_down(self) -> None:
@@ -111,6 +112,7 @@ class FallbackTracker:
             channel = ControlChannel(self._endpoint, min(self._timeout, timeout, 0.5))
             try:
                 if not self._probe_and_report(channel):
-                    log.warning("closing with %d fallback(s) the daemon never confirmed", sum(self._unreported.values()))
+                    log.warning("closing with %d fallback(s) the daemon never confirmed",
+                                sum(self._unreported.values()))
             finally:
                 channel.close()

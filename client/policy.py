@@ -108,14 +108,16 @@ def _decide(requested: str, topo: Topology, model_opt_in: bool) -> TransportDeci
             return TransportDecision("pool", "posix_fd", "cuda_vmm requested on a single node: POSIX FD sharing")
         if not topo.mnnvl_fabric:
             raise TransportConfigError(
-                f"cuda_vmm across {topo.nnodes} nodes needs a multi-node NVLink (MNNVL) fabric, and NVML reports none; use cpu"
+                f"cuda_vmm across {topo.nnodes} nodes needs a multi-node NVLink (MNNVL) fabric, "
+                "and NVML reports none; use cpu"
             )
         if not topo.imex_channel:
             raise TransportConfigError(
                 f"cuda_vmm across nodes needs an IMEX channel in {IMEX_CHANNELS}; configure the MNNVL compute domain "
                 "(ComputeDomain on Kubernetes) or use cpu"
             )
-        return TransportDecision("pool", "fabric", "cuda_vmm requested on a multi-node MNNVL domain: CUDA FABRIC sharing")
+        return TransportDecision("pool", "fabric",
+                                 "cuda_vmm requested on a multi-node MNNVL domain: CUDA FABRIC sharing")
     # auto
     if not topo.cuda:
         return TransportDecision("inline", None, "no CUDA device on this node")

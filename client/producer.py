@@ -59,7 +59,8 @@ class Producer:
         if self._fallbacks.daemon_down:
             # Known down: inline at once instead of waiting out a timeout per put; a background probe
             # notices when it answers again.
-            exc = DaemonUnavailableError(f"mmfeatd at {self._channel.endpoint} stopped answering; probing it once a second")
+            exc = DaemonUnavailableError(
+                f"mmfeatd at {self._channel.endpoint} stopped answering; probing it once a second")
             return self._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
         if self._fd_short is not None:
             if time.monotonic() < self._fd_short[0]:

@@ -111,7 +111,8 @@ def pool_view(pool: torch.Tensor, lease_offset: int, spec: TensorSpec) -> torch.
     return typed.as_strided(spec.shape, spec.strides, start // DTYPE_SIZES[spec.dtype])
 
 
-def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> None:
+def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[torch.Tensor],
+                    specs: Sequence[TensorSpec]) -> None:
     """Copy each tensor into its packed place in the lease (copy_ reads any layout or device)."""
     for t, spec in zip(tensors, specs):
         if not t.numel():

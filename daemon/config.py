@@ -57,7 +57,8 @@ HELP: dict[str, str] = {
                         "default: systemd's credential, else mesh.secret beside the config file",
     "data_devices": "network devices NIXL's UCX may use for pulls (UCX_NET_DEVICES, e.g. \"mlx5_0:1,eth1\"); "
                     "empty: the interface of listen and every RDMA port",
-    "peers": "the other nodes' daemons: a list of {endpoint = \"tcp://...\", public_key = \"...\"}; no other key gets in",
+    "peers": "the other nodes' daemons: a list of {endpoint = \"tcp://...\", public_key = \"...\"}; "
+             "no other key gets in",
 }
 
 _TCP = r"^tcp://[^\s:/]+:[0-9]{1,5}$"
@@ -281,7 +282,8 @@ def render_config(settings: Settings, sources: Mapping[str, str]) -> str:
             out.append(f"# {name} =   # unset, from {sources[name]}")
             continue
         elif name == "peers":
-            rendered = "[" + ", ".join(f'{{endpoint = "{p.endpoint}", public_key = "{p.public_key}"}}' for p in value) + "]"
+            rendered = "[" + ", ".join(f'{{endpoint = "{p.endpoint}", public_key = "{p.public_key}"}}'
+                                       for p in value) + "]"
         elif isinstance(value, list):
             rendered = "[" + ", ".join(str(v) for v in value) + "]"
         else:

@@ -54,7 +54,8 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
     model = REQUEST_MODELS.get(op) if isinstance(op, str) else None
     if session is not None and model is not None and op not in FD_CHANNEL_OPS:
         core.counters.bad_requests += 1
-        return error_frame(req_id, ErrorCode.UNKNOWN_OP, f"op {op!r} is not taken on the fd channel; only {', '.join(sorted(FD_CHANNEL_OPS))}")
+        return error_frame(req_id, ErrorCode.UNKNOWN_OP,
+                           f"op {op!r} is not taken on the fd channel; only {', '.join(sorted(FD_CHANNEL_OPS))}")
     if model is None:
         core.counters.bad_requests += 1
         return error_frame(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
@@ -66,7 +67,8 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
         core.counters.bad_requests += 1
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "request"
-        return error_frame(req_id, ErrorCode.BAD_REQUEST, f"{op}: field {where}: {first['msg']} ({exc.error_count()} error(s))")
+        return error_frame(req_id, ErrorCode.BAD_REQUEST,
+                           f"{op}: field {where}: {first['msg']} ({exc.error_count()} error(s))")
     try:
         body = HANDLERS[op](core, req, now)
         if isinstance(body, Deferred):
@@ -74,7 +76,8 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
                 body.start(None)
                 return None
             if send_later is None:
-                raise MmfeatError(ErrorCode.BAD_REQUEST, f"{op} waits for another node's daemon; send it on the control socket")
+                raise MmfeatError(ErrorCode.BAD_REQUEST,
+                                  f"{op} waits for another node's daemon; send it on the control socket")
             body.start(lambda result: send_later(_result_reply(req_id, result)))
             return None
     except MmfeatError as exc:

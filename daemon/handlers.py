@@ -101,13 +101,15 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
     if core.draining:
         raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; no new arenas")
     if not core.arenas_enabled:
-        raise MmfeatError(ErrorCode.BAD_STATE, "this daemon grants no arenas (arena_mb = 0, or no libatomic); reserve instead")
+        raise MmfeatError(ErrorCode.BAD_STATE,
+                          "this daemon grants no arenas (arena_mb = 0, or no libatomic); reserve instead")
     core.sweep(now)  # first: it may cut this session
     session = core.sessions.get(req.session)
     if session is None:
         core.check_not_cut(req.session)
     if session is None or not session.attached:
-        raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before asking for an arena, so a crash returns it")
+        raise MmfeatError(ErrorCode.BAD_STATE,
+                          "connect the fd channel before asking for an arena, so a crash returns it")
     pool_id = core.pool_for(req.device)
     a = core.arenas.grant(req.session, pool_id)
     core.ledger.clear_block(a)

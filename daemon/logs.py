@@ -6,7 +6,8 @@ import logging
 import os
 import sys
 
-_SYSLOG_PREFIX = {logging.DEBUG: "<7>", logging.INFO: "<6>", logging.WARNING: "<4>", logging.ERROR: "<3>", logging.CRITICAL: "<2>"}
+_SYSLOG_PREFIX = {logging.DEBUG: "<7>", logging.INFO: "<6>", logging.WARNING: "<4>", logging.ERROR: "<3>",
+                  logging.CRITICAL: "<2>"}
 
 
 class JournalFormatter(logging.Formatter):

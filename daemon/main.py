@@ -123,7 +123,8 @@ def _serve(settings: Settings, config_file: Optional[Path], flags: dict) -> int:
         except OSError as exc:
             for pool in pools:
                 pool.close()
-            print(f"mmfeatd: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc.strerror}", file=sys.stderr)
+            print(f"mmfeatd: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                  f"{exc.strerror}", file=sys.stderr)
             return 1
     core = DaemonCore(settings, pools, observer=metrics.on_free if metrics else None,
                       quick_observer=metrics.on_quick_acks if metrics else None)

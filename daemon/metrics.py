@@ -59,11 +59,14 @@ class _StateCollector:
             s = self.snapshot
         if s is None:
             return
-        pool_bytes = GaugeMetricFamily("mmfeat_pool_bytes", "Pool bytes by state", labels=["pool", "kind", "device", "state"])
+        pool_bytes = GaugeMetricFamily("mmfeat_pool_bytes", "Pool bytes by state",
+                                       labels=["pool", "kind", "device", "state"])
         capacity = GaugeMetricFamily("mmfeat_pool_capacity_bytes", "Pool capacity", labels=["pool", "kind", "device"])
-        largest = GaugeMetricFamily("mmfeat_pool_largest_free_bytes", "Largest free range", labels=["pool", "kind", "device"])
+        largest = GaugeMetricFamily("mmfeat_pool_largest_free_bytes", "Largest free range",
+                                    labels=["pool", "kind", "device"])
         leases = GaugeMetricFamily("mmfeat_leases", "Live leases by state", labels=["pool", "state"])
-        arenas = GaugeMetricFamily("mmfeat_arenas", "Arenas granted and not yet freed", labels=["pool", "kind", "device"])
+        arenas = GaugeMetricFamily("mmfeat_arenas", "Arenas granted and not yet freed",
+                                   labels=["pool", "kind", "device"])
         arena_bytes = GaugeMetricFamily("mmfeat_arena_bytes", "Arena bytes: granted, in live features, slack",
                                         labels=["pool", "kind", "device", "part"])
         for p in s["pools"]:
@@ -85,16 +88,20 @@ class _StateCollector:
         yield GaugeMetricFamily("mmfeat_uptime_seconds", "Seconds since the daemon started", value=s["uptime_s"])
         limits = s.get("limits") or {}
         if limits:
-            yield GaugeMetricFamily("mmfeat_connections", "Connections to the control socket", value=limits["connections"])
-            yield CounterMetricFamily("mmfeat_connections_refused", "Connections shut down or closed past max_connections or max_clients",
+            yield GaugeMetricFamily("mmfeat_connections", "Connections to the control socket",
+                                    value=limits["connections"])
+            yield CounterMetricFamily("mmfeat_connections_refused",
+                                      "Connections shut down or closed past max_connections or max_clients",
                                       value=limits["connections_refused"])
-            yield CounterMetricFamily("mmfeat_control_resets", "Control socket resets after peers made the daemon outgrow control_memory_mb",
+            yield CounterMetricFamily("mmfeat_control_resets",
+                                      "Control socket resets after peers made the daemon outgrow control_memory_mb",
                                       value=limits["control_resets"])
         counters = s["counters"]
         for name, help_text in _COUNTERS.items():
             yield CounterMetricFamily(f"mmfeat_{name}", help_text, value=counters[name])
         yield from _mesh_metrics(s.get("mesh"))
-        fallbacks = CounterMetricFamily("mmfeat_client_fallbacks", "Features clients sent inline, by reason", labels=["reason"])
+        fallbacks = CounterMetricFamily("mmfeat_client_fallbacks", "Features clients sent inline, by reason",
+                                        labels=["reason"])
         for reason, n in sorted(counters["fallbacks"].items()):
             fallbacks.add_metric([reason], n)
         yield fallbacks
@@ -120,7 +127,8 @@ def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
     for state in ("connecting", "up", "down", "auth_failed", "node_id_conflict"):
         states.add_metric([state], sum(p["state"] == state for p in mesh["peers"]))
     yield states
-    rtt = GaugeMetricFamily("mmfeat_mesh_rtt_seconds", "Last heartbeat round trip to a peer that is up", labels=["peer"])
+    rtt = GaugeMetricFamily("mmfeat_mesh_rtt_seconds", "Last heartbeat round trip to a peer that is up",
+                            labels=["peer"])
     for p in mesh["peers"]:
         if p["rtt_ms"] is not None:
             rtt.add_metric([p["node"] or p["endpoint"]], p["rtt_ms"] / 1e3)
@@ -136,9 +144,11 @@ def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
                             value=1 if mesh.get("transport") else 0)
     yield GaugeMetricFamily("mmfeat_mesh_copy_bytes", "Bytes of other nodes' features pulled into this pool, live now",
                             value=mesh.get("copy_bytes", 0))
-    yield CounterMetricFamily("mmfeat_mesh_refused", "Mesh connections refused for an unlisted public key", value=mesh["refused"])
+    yield CounterMetricFamily("mmfeat_mesh_refused", "Mesh connections refused for an unlisted public key",
+                              value=mesh["refused"])
     yield CounterMetricFamily("mmfeat_mesh_bad_messages", "Mesh frames refused as invalid", value=mesh["bad_messages"])
-    yield CounterMetricFamily("mmfeat_mesh_connections_refused", "Connections to the mesh listener shut down past its cap",
+    yield CounterMetricFamily("mmfeat_mesh_connections_refused",
+                              "Connections to the mesh listener shut down past its cap",
                               value=mesh["connections_refused"])
     yield CounterMetricFamily("mmfeat_mesh_connections_evicted",
                               "Connections to the mesh listener shut down to make room for a listed peer's",

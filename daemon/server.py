@@ -156,7 +156,8 @@ class Server:
             self.core.free_observers.append(self._remote.on_free)
             self.core.mesh_stats = self._mesh_stats
         self._guard = self._hold("_guard", MemoryGuard(self.settings.control_memory_mb << 20), MemoryGuard.close)
-        log.info("fd limit %d: up to %d clients and %d control connections", fd_limit, clients, self._control.max_connections)
+        log.info("fd limit %d: up to %d clients and %d control connections",
+                 fd_limit, clients, self._control.max_connections)
 
     def _resource_stats(self) -> dict:
         assert self._control is not None and self._fds is not None
@@ -438,7 +439,8 @@ class Server:
                 reply = error_frame(None, ErrorCode.BAD_REQUEST, f"a request is exactly one frame, got {len(body)}")
             elif len(body[0]) > MAX_REQUEST_BYTES:
                 self.core.counters.bad_requests += 1
-                reply = error_frame(None, ErrorCode.TOO_LARGE, f"request of {len(body[0])} B exceeds {MAX_REQUEST_BYTES} B")
+                reply = error_frame(None, ErrorCode.TOO_LARGE,
+                                    f"request of {len(body[0])} B exceeds {MAX_REQUEST_BYTES} B")
             else:
                 reply = dispatch(self.core, body[0], send_later=functools.partial(self._send_later, identity))
                 if reply is None:

@@ -51,7 +51,8 @@ def _uint(data: bytes, at: int) -> tuple[int, int]:
 
 def head_bytes(fmt: int, kind: str, node: str, endpoint: str, device: int, pool: int, epoch: int) -> bytes:
     """msgpack's bytes for a descriptor's array header and its first seven fields."""
-    return _ARRAY15 + b"".join(msgpack.packb(v, use_bin_type=True) for v in (fmt, kind, node, endpoint, device, pool, epoch))
+    return _ARRAY15 + b"".join(msgpack.packb(v, use_bin_type=True)
+                               for v in (fmt, kind, node, endpoint, device, pool, epoch))
 
 
 Head = tuple[str, str, str, int, int, int]  # kind, node, endpoint, device, pool, epoch

@@ -55,7 +55,8 @@ def parse_answer(data: bytes, fds_received: int) -> list[int]:
         raise MmfeatError.from_reply(reply)
     pools = reply.get("pools", [])
     if not reply.get("table") or not isinstance(pools, list) or len(pools) + 1 != fds_received:
-        raise MmfeatError(ErrorCode.INTERNAL, f"daemon named {len(pools)} pools and a table but sent {fds_received} fds")
+        raise MmfeatError(ErrorCode.INTERNAL,
+                          f"daemon named {len(pools)} pools and a table but sent {fds_received} fds")
     return pools
 
 

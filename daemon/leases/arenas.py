@@ -123,7 +123,8 @@ class Arenas:
         alloc = self.allocators[pool_id]
         if self.bytes[pool_id] + size > alloc.capacity * ARENA_SHARE:
             self.counters.arenas_refused += 1
-            raise MmfeatError(ErrorCode.POOL_FULL, f"arenas hold {self.bytes[pool_id]} B of pool {pool_id}, and at most half "
+            raise MmfeatError(ErrorCode.POOL_FULL,
+                              f"arenas hold {self.bytes[pool_id]} B of pool {pool_id}, and at most half "
                               "of it may be arenas; use reserve")
         base = self.space.take_block()
         if base is None:
@@ -133,7 +134,8 @@ class Arenas:
         if offset is None:
             self.space.give_block(base)
             self.counters.arenas_refused += 1
-            raise MmfeatError(ErrorCode.POOL_FULL, f"pool {pool_id} has no free range of {size} B for an arena; use reserve")
+            raise MmfeatError(ErrorCode.POOL_FULL,
+                              f"pool {pool_id} has no free range of {size} B for an arena; use reserve")
         arena = Arena(self._next_id, session, pool_id, offset, size, base, self.space.block)
         self._next_id += 1
         self._by_id[arena.arena_id] = arena

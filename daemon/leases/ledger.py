@@ -108,20 +108,23 @@ class Ledger:
             )
         if self.live >= self.max_leases:
             self.counters.pool_full += 1
-            raise MmfeatError(ErrorCode.POOL_FULL, f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
+            raise MmfeatError(ErrorCode.POOL_FULL,
+                              f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
         if quota:
             self.books.admit_single(session, align_up(nbytes, alloc.alignment))
         lease_id = self.space.take()
         if lease_id is None:
             self.counters.pool_full += 1
-            raise MmfeatError(ErrorCode.POOL_FULL, "every lease slot is in use (max_leases, arenas included); retry or fall back to inline")
+            raise MmfeatError(ErrorCode.POOL_FULL,
+                              "every lease slot is in use (max_leases, arenas included); retry or fall back to inline")
         offset = alloc.alloc(nbytes)
         if offset is None:
             self.space.give(lease_id)
             self.counters.pool_full += 1
             raise MmfeatError(
                 ErrorCode.POOL_FULL,
-                f"pool {pool_id} has no free range of {nbytes} B (free {alloc.free} B, largest {alloc.largest_free} B); "
+                f"pool {pool_id} has no free range of {nbytes} B "
+                f"(free {alloc.free} B, largest {alloc.largest_free} B); "
                 "fall back to inline or wait for acks",
             )
         lease = Lease(
@@ -182,7 +185,8 @@ class Ledger:
     def publish(self, ref: LeaseRef, session: bytes, now: float) -> Lease:
         lease = self._producers_lease(ref, session, "publish")
         if lease.state is not LeaseState.RESERVED:
-            raise MmfeatError(ErrorCode.BAD_STATE, f"lease {lease.lease_id} is already {lease.state.value}; publish once")
+            raise MmfeatError(ErrorCode.BAD_STATE,
+                              f"lease {lease.lease_id} is already {lease.state.value}; publish once")
         self._account(lease, -1)
         lease.state = LeaseState.PUBLISHED
         self._account(lease, +1)

@@ -61,7 +61,8 @@ def load_secret(path: Path) -> tuple[bytes, bytes]:
         raise KeyFileError(f"cannot read the mesh secret key {path}: {exc.strerror}; make one with "
                            "mmfeatd --gen-keys DIR") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KeyFileError(f"the mesh secret key {path} is readable by others (mode {st.st_mode & 0o777:04o}); chmod 0600 it")
+        raise KeyFileError(f"the mesh secret key {path} is readable by others (mode {st.st_mode & 0o777:04o}); "
+                           "chmod 0600 it")
     secret = text.encode()
     try:
         parse_key(text)

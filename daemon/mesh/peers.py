@@ -380,8 +380,8 @@ class Mesh:
 
     def peer_for_node(self, node: str) -> Optional[PeerState]:
         """The peer that is up and said it is ``node``."""
-        return next((p for p in self.peers.values() if p.state == "up" and p.hello is not None and p.hello.node == node),
-                    None)
+        return next((p for p in self.peers.values()
+                     if p.state == "up" and p.hello is not None and p.hello.node == node), None)
 
     def _reply(self, identity: bytes, frame: bytes) -> None:
         try:

@@ -105,8 +105,8 @@ class Puller:
                     registered.append(r)
                 except Exception as exc:  # e.g. VRAM with a UCX built without CUDA: that pool is not pulled
                     hint = _VRAM_HINT if r.mem == "VRAM" else ""
-                    log.warning("NIXL cannot register pool %d (%s memory): %s: %s%s", r.pool, r.mem, type(exc).__name__, exc,
-                                hint)
+                    log.warning("NIXL cannot register pool %d (%s memory): %s: %s%s",
+                                r.pool, r.mem, type(exc).__name__, exc, hint)
             if not registered:
                 raise NixlUnavailable("NIXL could register none of this daemon's pools")
             self.table_addr = 0

@@ -142,7 +142,8 @@ class RemoteFeatures:
         if pool is None:
             raise MmfeatError(ErrorCode.NOT_FOUND, f"node {node!r}'s daemon has no pool {ref.pool}")
         if ref.offset + ref.nbytes > pool.size:
-            raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{ref.offset}, +{ref.nbytes}) is outside pool {ref.pool} of {node!r}")
+            raise MmfeatError(ErrorCode.FORBIDDEN,
+                              f"lease [{ref.offset}, +{ref.nbytes}) is outside pool {ref.pool} of {node!r}")
         deadline = now + timeout * 0.9
         if pull and respond is not None:
             self.peer_counters(peer.config.public_key).fabric_fallbacks += 1
@@ -183,7 +184,8 @@ class RemoteFeatures:
     def _pull(self, peer: PeerState, node: str, ref: LeaseRef, pool: MeshPool, key: tuple,
               waiters: list[tuple[Respond, float]], deadline: float, now: float, into_pool: Optional[int]) -> None:
         if self.core.draining:
-            raise MmfeatError(ErrorCode.DRAINING, "this daemon is shutting down and pulls nothing more; retry on its successor")
+            raise MmfeatError(ErrorCode.DRAINING,
+                              "this daemon is shutting down and pulls nothing more; retry on its successor")
         if self.puller is None:
             raise MmfeatError(ErrorCode.NO_TRANSPORT, self._no_puller)
         if not pool.addr:
@@ -191,7 +193,8 @@ class RemoteFeatures:
                                                        "(see that daemon's log); send such features inline")
         assert peer.hello is not None
         if peer.hello.nixl is None:
-            raise MmfeatError(ErrorCode.NO_TRANSPORT, f"node {node!r}'s daemon has no NIXL; install 'mmfeat[mesh]' there")
+            raise MmfeatError(ErrorCode.NO_TRANSPORT,
+                              f"node {node!r}'s daemon has no NIXL; install 'mmfeat[mesh]' there")
         table = peer.hello.table
         if table is not None and ref.lease >= table.slots:
             raise MmfeatError(ErrorCode.NOT_FOUND, f"node {node!r}'s daemon has no lease slot {ref.lease}")
@@ -233,7 +236,8 @@ class RemoteFeatures:
                     self._fail(copy, MmfeatError(ErrorCode(result.code), f"node {copy.node!r}: {result.error}"), now)
                     continue
                 self.peer_counters(copy.peer).pull_failures += 1
-                self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"pull from node {copy.node!r} failed: {result.error}"), now)
+                self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE,
+                                             f"pull from node {copy.node!r} failed: {result.error}"), now)
                 continue
             self.peer_counters(copy.peer).bytes_pulled += copy.local.nbytes
             peer = self.mesh.peers.get(copy.peer)
@@ -244,14 +248,16 @@ class RemoteFeatures:
                 continue
             copy.state = "checking"
             if peer is None or not self._check(peer, ref, copy, copy.waiters, None, now):
-                self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {copy.node!r} cannot be asked now"), now)
+                self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE,
+                                             f"node {copy.node!r} cannot be asked now"), now)
 
     def _check(self, peer: PeerState, ref: LeaseRef, copy: Optional[_Copy], waiters: list[tuple[Respond, float]],
                pool: Optional[MeshPool], now: float) -> bool:
         req = next(self._ids)
         if not self.mesh.send(peer, "check", {"req": req, "lease": ref.model_dump()}):
             if copy is None:
-                raise MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {peer.hello.node if peer.hello else '?'!r} is not reading")
+                raise MmfeatError(ErrorCode.PEER_UNAVAILABLE,
+                                  f"node {peer.hello.node if peer.hello else '?'!r} is not reading")
             return False
         deadline = max((d for _, d in waiters), default=now + CHECK_TIMEOUT_S)
         self._checks[req] = _Check(peer.config.public_key, copy, waiters, pool, ref, deadline)
@@ -335,7 +341,8 @@ class RemoteFeatures:
                 self.peer_counters(self._node_keys[node]).acks_dropped += count
             raise
         self._node_keys[node] = peer.config.public_key  # so that an ack it cannot take later is counted
-        self.outbox.ack(peer.config.public_key, MeshAck(lease=ref.model_dump(), count=count, ack_id=ack_id), respond, now)
+        self.outbox.ack(peer.config.public_key, MeshAck(lease=ref.model_dump(), count=count, ack_id=ack_id),
+                        respond, now)
 
     # --- our features, as other nodes see them -------------------------------------------------
 

@@ -49,7 +49,8 @@ def probe_fabric(ordinal: int) -> FabricVerdict:
     reason = drv.driver_unavailable_reason()
     if reason is not None:
         return FabricVerdict(False, reason)
-    checks: list[Any] = [lambda: drv.nvml_fabric_state(ordinal), drv.imex_channel_present, lambda: fabric_cycle_works(ordinal)]
+    checks: list[Any] = [lambda: drv.nvml_fabric_state(ordinal), drv.imex_channel_present,
+                         lambda: fabric_cycle_works(ordinal)]
     passed = []
     try:
         ctx = drv.retain_primary_context(ordinal)

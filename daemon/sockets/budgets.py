@@ -24,8 +24,9 @@ MIN_FD_LIMIT = 4096
 # own, the metrics server, log files.
 FD_RESERVE = 64
 # What one client process may hold: its control DEALER, its fallback probe's, its fd channel, and one
-# to spare (a second Client in the same process, a tool). Connections may use half the fd limit; the other half is headroom for
-# a burst of connections that libzmq accepts before the daemon can shut them down.
+# to spare (a second Client in the same process, a tool). Connections may use half the fd limit; the
+# other half is headroom for a burst of connections that libzmq accepts before the daemon can shut them
+# down.
 FDS_PER_CLIENT = 4
 _HEADROOM = 2
 # libzmq holds tens of KiB per idle connection; 64 KiB per allowed connection, comfortably above that,
@@ -51,7 +52,8 @@ def raise_fd_limit() -> int:
     if soft < MIN_FD_LIMIT:
         raise FdLimitError(
             f"the fd limit is {soft} (hard {hard}); mmfeatd needs at least {MIN_FD_LIMIT}: libzmq aborts the whole "
-            "process when a flood of connections exhausts it. Raise LimitNOFILE (the shipped unit sets 65536) or ulimit -Hn; "
+            "process when a flood of connections exhausts it. "
+            "Raise LimitNOFILE (the shipped unit sets 65536) or ulimit -Hn; "
             "in a container, docker or podman run --ulimit nofile=65536:65536"
         )
     return soft
@@ -88,8 +90,8 @@ def malloc_trim() -> None:
 
 class MemoryGuard:
     """Is the daemon holding more than its budget? ``base`` plus a fixed allowance plus a share per
-    connection and per live lease. After a reset the base moves to what memory settled at, so a heap the allocator cannot
-    shrink does not make the guard reset again and again."""
+    connection and per live lease. After a reset the base moves to what memory settled at, so a heap
+    the allocator cannot shrink does not make the guard reset again and again."""
 
     def __init__(self, allowance: int) -> None:
         self.allowance = allowance

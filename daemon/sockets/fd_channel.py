@@ -136,7 +136,8 @@ class FdChannel:
                 return
             if len(self._attached) >= self.max_clients:
                 self.refused += 1
-                self._warn(f"fd channel: {len(self._attached)} clients attached, the max_clients limit; refused a new one "
+                self._warn(f"fd channel: {len(self._attached)} clients attached, the max_clients limit; "
+                           "refused a new one "
                            f"({self.refused} so far)")
                 sock.close()
                 continue
