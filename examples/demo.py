@@ -33,14 +33,16 @@ def producer(runtime_dir: str, queues: list) -> None:
         for i in range(N_IMAGES):
             pixels = torch.full((3, 448, 448), float(i), dtype=torch.bfloat16)  # one preprocessed image
             grid = torch.tensor([1, 32, 32], dtype=torch.int64)  # its patch grid: tiny, so it goes inline
-            desc = c.put_many([pixels, grid], consumers=len(queues)) if i % 4 == 0 else c.put(pixels, consumers=len(queues))
+            desc = (c.put_many([pixels, grid], consumers=len(queues)) if i % 4 == 0
+                    else c.put(pixels, consumers=len(queues)))
             nbytes += desc.nbytes
             for q in queues:
                 q.put(desc.to_bytes())
         for q in queues:
             q.put(None)
         dt = time.perf_counter() - t0
-        print(f"[producer pid {os.getpid()}] put {N_IMAGES} features, {nbytes / 2**20:.1f} MiB, in {dt * 1e3:.1f} ms", flush=True)
+        print(f"[producer pid {os.getpid()}] put {N_IMAGES} features, {nbytes / 2**20:.1f} MiB, "
+              f"in {dt * 1e3:.1f} ms", flush=True)
 
 
 def consumer(rank: int, runtime_dir: str, q) -> None:

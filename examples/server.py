@@ -85,7 +85,8 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
 
 
-def tokenizer(mode: str, endpoint: str, runtime_dir: str, n: int, tp: int, max_images: int, window: int, out: Any) -> None:
+def tokenizer(mode: str, endpoint: str, runtime_dir: str, n: int, tp: int, max_images: int, window: int,
+              out: Any) -> None:
     processor = _processor()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
@@ -116,7 +117,8 @@ def tokenizer(mode: str, endpoint: str, runtime_dir: str, n: int, tp: int, max_i
         client.close()
     push.close(linger=5000)
     ctx.term()
-    out.put({"role": "tokenizer", "digests": digests, "started": started, "ready": ready, "cpu": cpu, "transport_cpu": send_cpu})
+    out.put({"role": "tokenizer", "digests": digests, "started": started, "ready": ready, "cpu": cpu,
+             "transport_cpu": send_cpu})
 
 
 def rank(mode: str, r: int, endpoints: list[str], runtime_dir: str, out: Any) -> None:
@@ -210,10 +212,12 @@ def run_mode(mode: str, args: argparse.Namespace, runtime_dirs: list[Path], daem
         "req_per_s": n / (max(last) - t["started"][0]),
         "transport_ms_p50": _pct(transport, 50), "transport_ms_p99": _pct(transport, 99),
         "e2e_ms_p50": _pct(total, 50), "e2e_ms_p99": _pct(total, 99),
-        "cpu_ms_per_req": {"tokenizer": t["cpu"] / n * 1e3, **{f"rank{r}": results[f"rank{r}"]["cpu"] / n * 1e3 for r in range(args.tp)},
+        "cpu_ms_per_req": {"tokenizer": t["cpu"] / n * 1e3,
+                           **{f"rank{r}": results[f"rank{r}"]["cpu"] / n * 1e3 for r in range(args.tp)},
                            "mmfeatd": daemon_cpu / n * 1e3},
         "transport_cpu_ms_per_req": {"tokenizer": t["transport_cpu"] / n * 1e3,
-                                     **{f"rank{r}": results[f"rank{r}"]["transport_cpu"] / n * 1e3 for r in range(args.tp)}},
+                                     **{f"rank{r}": results[f"rank{r}"]["transport_cpu"] / n * 1e3
+                                        for r in range(args.tp)}},
         "identical": True,
     }
     return row
@@ -238,9 +242,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'mode':<7} {'req/s':>6} {'transport ms p50 / p99':>22} {'end-to-end ms p50 / p99':>24}   "
              "CPU ms per request, all (transport): " + ", ".join(procs)]
     for r in rows:
-        cpu = ", ".join(f"{r['cpu_ms_per_req'][p]:.1f}" + (f" ({r['transport_cpu_ms_per_req'][p]:.2f})"
-                                                            if p in r["transport_cpu_ms_per_req"] else "") for p in procs)
-        lines.append(f"{r['mode']:<7} {r['req_per_s']:>6.1f} {r['transport_ms_p50']:>11.2f} / {r['transport_ms_p99']:<8.2f} "
+        cpu = ", ".join(f"{r['cpu_ms_per_req'][p]:.1f}"
+                        + (f" ({r['transport_cpu_ms_per_req'][p]:.2f})"
+                           if p in r["transport_cpu_ms_per_req"] else "") for p in procs)
+        lines.append(f"{r['mode']:<7} {r['req_per_s']:>6.1f} "
+                     f"{r['transport_ms_p50']:>11.2f} / {r['transport_ms_p99']:<8.2f} "
                      f"{r['e2e_ms_p50']:>12.1f} / {r['e2e_ms_p99']:<9.1f}   {cpu}")
     return "\n".join(lines)
 
@@ -305,7 +311,8 @@ def _serve(args: argparse.Namespace, modes: list[str], work: Path) -> int:
         for daemon in daemons:
             daemon.wait(30)
     print(f"{args.requests} requests of 1-{args.max_images} images ({'/'.join(map(str, SIDES))} px), TP={args.tp}"
-          f"{f' over {args.nodes} nodes' if args.nodes > 1 else ''}; every rank's pixel values identical to the tokenizer's")
+          f"{f' over {args.nodes} nodes' if args.nodes > 1 else ''}; "
+          "every rank's pixel values identical to the tokenizer's")
     print(_table(rows))
     if args.nodes > 1:
         print(f"node1's daemon pulled {pulls} features from node0's")

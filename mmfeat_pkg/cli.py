@@ -26,13 +26,15 @@ def render_stats(s: dict[str, Any]) -> str:
         f"mmfeatd on {s['node']}  pid {s['pid']}  epoch {s['epoch']}  up {s['uptime_s']:.0f} s"
         f"  clients {s['clients']}{'  DRAINING' if s['draining'] else ''}",
         "",
-        f"{'pool':>4} {'kind':<5} {'dev':>3} {'handle':<8} {'MiB':>9} {'used':>9} {'free':>9} {'largest':>9} {'reserved':>8} {'published':>9}"
+        f"{'pool':>4} {'kind':<5} {'dev':>3} {'handle':<8} {'MiB':>9} {'used':>9} {'free':>9} {'largest':>9}"
+        f" {'reserved':>8} {'published':>9}"
         f" {'arenas':>6} {'slack':>9}",
     ]
     for p in s["pools"]:
         lines.append(
-            f"{p['pool']:>4} {p['kind']:<5} {p['device']:>3} {p['handle']:<8} {_mib(p['capacity']):>9} {_mib(p['used']):>9}"
-            f" {_mib(p['free']):>9} {_mib(p['largest_free']):>9} {p['leases']['RESERVED']:>8} {p['leases']['PUBLISHED']:>9}"
+            f"{p['pool']:>4} {p['kind']:<5} {p['device']:>3} {p['handle']:<8} {_mib(p['capacity']):>9}"
+            f" {_mib(p['used']):>9} {_mib(p['free']):>9} {_mib(p['largest_free']):>9}"
+            f" {p['leases']['RESERVED']:>8} {p['leases']['PUBLISHED']:>9}"
             f" {p['arenas']['count']:>6} {_mib(p['arenas']['slack']):>9}"
         )
     lines.append("")
@@ -45,7 +47,8 @@ def render_stats(s: dict[str, Any]) -> str:
     if mesh:
         lines += ["", f"mesh on {mesh['listen']} as {mesh['public_key']}: refused keys {mesh['refused']}, "
                       f"bad messages {mesh['bad_messages']}, connections {mesh.get('connections', 0)} "
-                      f"(shed {mesh.get('connections_refused', 0)}, evicted for peers {mesh.get('connections_evicted', 0)})",
+                      f"(shed {mesh.get('connections_refused', 0)}, "
+                      f"evicted for peers {mesh.get('connections_evicted', 0)})",
                   f"pulls with {mesh.get('transport') or 'nothing: ' + str(mesh.get('transport_error'))}; "
                   f"copies here {mesh.get('copies', 0)} ({mesh.get('copy_bytes', 0) >> 20} MiB)",
                   f"{'node':<16} {'endpoint':<28} {'state':<10} {'rtt ms':>8} {'seen s ago':>10} {'pools':>5} "
@@ -53,7 +56,8 @@ def render_stats(s: dict[str, Any]) -> str:
         for p in mesh["peers"]:
             rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f}"
             seen = "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.1f}"
-            lines.append(f"{p['node'] or '?':<16} {p['endpoint']:<28} {p['state']:<10} {rtt:>8} {seen:>10} {len(p['pools']):>5} "
+            lines.append(f"{p['node'] or '?':<16} {p['endpoint']:<28} {p['state']:<10} {rtt:>8} {seen:>10} "
+                         f"{len(p['pools']):>5} "
                          f"{p.get('bytes_pulled', 0) >> 20:>10} {p.get('bytes_served', 0) >> 20:>10} "
                          f"{p.get('acks_relayed', 0):>9} {p.get('acks_received', 0):>8}")
     return "\n".join(lines)

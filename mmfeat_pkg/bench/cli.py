@@ -49,7 +49,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", action="store_true",
                    help="after the results, compare them with the project's reference goals, which were set for "
                         "its reference machine (docs/performance.md): a smaller machine may miss them")
-    p.add_argument("--use-running", action="store_true", help="measure the daemon at --runtime-dir instead of a private one")
+    p.add_argument("--use-running", action="store_true",
+                   help="measure the daemon at --runtime-dir instead of a private one")
     p.add_argument("--remote", action="store_true",
                    help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "
                         "and plain ZMQ TCP bytes (needs mmfeat[mesh])")
@@ -85,7 +86,8 @@ def _start_daemon(runtime_dir: Path, pool_mb: int) -> subprocess.Popen:
     from mmfeat.testing import DaemonStartError, spawn_daemon
 
     try:
-        return spawn_daemon(runtime_dir, ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"], timeout=30)
+        return spawn_daemon(runtime_dir, ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"],
+                            timeout=30)
     except DaemonStartError as exc:
         raise SystemExit(f"mmfeat bench: could not start a private mmfeatd: {exc}") from None
 
@@ -147,7 +149,8 @@ def _cpu_seconds(pid: int) -> Optional[float]:
 
 
 def _run_data_plane(
-    runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int], modes: list[str], args: argparse.Namespace, device: str,
+    runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int], modes: list[str], args: argparse.Namespace,
+    device: str,
     daemon_pid: int,
 ) -> list[dict[str, Any]]:
     import torch.multiprocessing as tmp
@@ -156,9 +159,11 @@ def _run_data_plane(
     ctx = worker_context(tmp)
     mp_queues = [ctx.Queue() for _ in range(n)]
     pipes = [ctx.Pipe() for _ in range(n + 1)]
-    procs = [ctx.Process(target=producer_main, args=(n, str(runtime_dir), str(sock_dir), args.threads, pipes[0][1], mp_queues))]
+    procs = [ctx.Process(target=producer_main,
+                         args=(n, str(runtime_dir), str(sock_dir), args.threads, pipes[0][1], mp_queues))]
     procs += [
-        ctx.Process(target=consumer_main, args=(r, str(runtime_dir), str(sock_dir), args.threads, pipes[r + 1][1], mp_queues[r]))
+        ctx.Process(target=consumer_main,
+                    args=(r, str(runtime_dir), str(sock_dir), args.threads, pipes[r + 1][1], mp_queues[r]))
         for r in range(n)
     ]
     rows = []
@@ -194,7 +199,8 @@ def _run_data_plane(
             row["producer_cpu_us"] = res["cpu_s"] / job.count * 1e6
             row["consumer_cpu_us"] = sum(consumer_cpu) / n / job.count * 1e6
             row["daemon_cpu_us"] = (
-                (daemon_cpu1 - daemon_cpu0) / job.count * 1e6 if daemon_cpu0 is not None and daemon_cpu1 is not None else None
+                (daemon_cpu1 - daemon_cpu0) / job.count * 1e6
+                if daemon_cpu0 is not None and daemon_cpu1 is not None else None
             )
             row["round"] = rnd
             rows.append(row)
@@ -256,9 +262,11 @@ def run_bench(args: argparse.Namespace) -> int:
         add_ratios(rows)
         rows = combine_rounds(rows)
         verdicts = targets(rows, control) if args.targets else []
+        rounds_note = (f"; medians of {args.rounds} interleaved rounds "
+                       "(ratios: of each round its own; mmfeatd: the rounds pooled)" if args.rounds > 1 else "")
         print(f"payloads on {device}; limit: one {'device-to-device' if device != 'cpu' else 'host'} copy; "
               f"consumers ack {'with wait=False' if args.ack == 'background' else 'and wait'}"
-              f"{f'; medians of {args.rounds} interleaved rounds (ratios: of each round its own; mmfeatd: the rounds pooled)' if args.rounds > 1 else ''}\n")
+              f"{rounds_note}\n")
         print(render(rows, control, verdicts))
         if args.json:
             write_json(args.json, rows, control)

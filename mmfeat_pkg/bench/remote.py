@@ -306,7 +306,8 @@ def _run_mode(mode: str, nodes: dict, size: int, count: int, pool_bytes: int,
         if p.is_alive():
             p.kill()
     timed = count - WARMUP
-    row = {"mode": mode, "size": size, "count": timed, "features_per_s": timed / elapsed, "gb_per_s": timed * size / elapsed / 1e9}
+    row = {"mode": mode, "size": size, "count": timed, "features_per_s": timed / elapsed,
+           "gb_per_s": timed * size / elapsed / 1e9}
     if get_s:
         row["get_p50_us"] = statistics.median(get_s) * 1e6
     if pair is not None:
@@ -344,7 +345,8 @@ def run_remote_bench(args: argparse.Namespace) -> int:
         modes = [m for m in args.modes.split(",") if m in REMOTE_MODES] or list(REMOTE_MODES)
         for rnd, size, mode in ((rnd, size, mode) for rnd in range(args.rounds) for size in sizes for mode in modes):
             count = WARMUP + (args.count or max(20, min(500, (512 * MiB) // size)))
-            print(f"bench --remote: {human_size(size)} {mode}{f', round {rnd + 1}/{args.rounds}' if args.rounds > 1 else ''} ...",
+            print(f"bench --remote: {human_size(size)} {mode}"
+                  f"{f', round {rnd + 1}/{args.rounds}' if args.rounds > 1 else ''} ...",
                   flush=True, file=sys.stderr)
             rows.append({**_run_mode(mode, nodes, size, count, pool_mb * MiB, pair), "round": rnd})
         rows = ratios_to_nixl_read(rows)
@@ -381,7 +383,8 @@ def _render(rows: list[dict[str, Any]], goals: bool = False, netns: bool = False
             lines.append(f"{human_size(size):>6} {r['mode']:<15} {r['features_per_s']:>9.0f} {r['gb_per_s']:>7.2f} "
                          f"{ratio:>12} {p50:>11}{veth}")
         if "remote" in by and "local" in by and "get_p50_us" in by["remote"] and "get_p50_us" in by["local"]:
-            verdicts.append(f"{human_size(size)}: a remote get adds {by['remote']['get_p50_us'] - by['local']['get_p50_us']:.0f} "
+            verdicts.append(f"{human_size(size)}: a remote get adds "
+                            f"{by['remote']['get_p50_us'] - by['local']['get_p50_us']:.0f} "
                             f"us at p50 over a local one")
         if goals and size == 16 * MiB:
             goal_lines += ["  " + verdict(mode, by[mode]) for mode in ("remote", "remote_prefetch", "remote_premade")

@@ -49,7 +49,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     zmq = {key(r, "size", "consumers"): r["features_per_s"] for r in rows if r["mode"] == "zmq_bytes"}
     tmp = {key(r, "size", "consumers"): r["features_per_s"] for r in rows if r["mode"] == "torch_mp"}
     for r in rows:
-        lim, z, t = limit.get(key(r, "size")), zmq.get(key(r, "size", "consumers")), tmp.get(key(r, "size", "consumers"))
+        lim, z, t = (limit.get(key(r, "size")), zmq.get(key(r, "size", "consumers")),
+                     tmp.get(key(r, "size", "consumers")))
         r["x_limit"] = r["features_per_s"] / lim if lim else None
         r["x_zmq"] = r["features_per_s"] / z if z else None
         r["x_torch_mp"] = r["features_per_s"] / t if t else None
@@ -74,7 +75,8 @@ def combine_rounds(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("mode", 
                 continue
             values = [r.get(f) for r in runs]
             numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            row[f] = statistics.median(numbers) if f not in keys and numbers else next((v for v in values if v is not None), None)
+            row[f] = (statistics.median(numbers) if f not in keys and numbers
+                      else next((v for v in values if v is not None), None))
         ratios = [r[spread] for r in runs if r.get(spread) is not None]
         if ratios:
             row[f"{spread}_min"], row[f"{spread}_max"] = min(ratios), max(ratios)
@@ -92,7 +94,8 @@ def combine_rounds(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("mode", 
 
 # Pool zero-copy features/s over plain ZMQ bytes, by (size, consumers): the project's reference goals
 # (docs/performance.md).
-POOL_OVER_ZMQ = {(64 * 1024, 1): 1.0, (64 * 1024, 2): 1.3, (MiB, 1): 1.2, (MiB, 2): 1.6, (16 * MiB, 1): 1.5, (16 * MiB, 2): 2.5}
+POOL_OVER_ZMQ = {(64 * 1024, 1): 1.0, (64 * 1024, 2): 1.3, (MiB, 1): 1.2, (MiB, 2): 1.6,
+                 (16 * MiB, 1): 1.5, (16 * MiB, 2): 2.5}
 DAEMON_US_PER_FEATURE = 10.0
 # mmfeatd's CPU is mostly its wake-ups (sweeps every 5-400 ms as the rate needs), so over a shorter row
 # its column is one or two of them divided by the row's features: the verdict says so.
@@ -111,19 +114,22 @@ def targets(rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[t
         if goal is not None and r.get("x_zmq") is not None:
             x = r["x_zmq"]
             spread = f" (rounds {r['x_zmq_min']:.2f}-{r['x_zmq_max']:.2f}x)" if "x_zmq_min" in r else ""
-            out.append((f"{human_size(size)} x{n}: pool zero-copy >= {goal}x zmq_bytes", x >= goal, f"{x:.2f}x{spread}"))
+            out.append((f"{human_size(size)} x{n}: pool zero-copy >= {goal}x zmq_bytes", x >= goal,
+                        f"{x:.2f}x{spread}"))
         if size >= MiB and r.get("x_torch_mp") is not None:
             x = r["x_torch_mp"]
             out.append((f"{human_size(size)} x{n}: pool zero-copy >= 10x torch_mp", x >= 10, f"{x:.2f}x"))
         if size >= 16 * MiB and n == 1 and r.get("x_limit") is not None:
-            out.append((f"{human_size(size)} x{n}: pool zero-copy >= 0.7x memcpy", r["x_limit"] >= 0.7, f"{r['x_limit']:.2f}x"))
+            out.append((f"{human_size(size)} x{n}: pool zero-copy >= 0.7x memcpy", r["x_limit"] >= 0.7,
+                        f"{r['x_limit']:.2f}x"))
         if r.get("daemon_cpu_us") is not None:
             us, rounds = r["daemon_cpu_us"], r.get("rounds", 1)
             seconds = r.get("daemon_seconds", r.get("seconds"))
             short = ""
             if seconds is not None and seconds < DAEMON_STEADY_ROW_S:
                 steady = math.ceil(DAEMON_STEADY_ROW_S * r["features_per_s"] / rounds / 100) * 100
-                over = f"a row of {seconds:.2f} s" if rounds == 1 else f"{rounds} rounds' rows of {seconds:.2f} s in all"
+                over = (f"a row of {seconds:.2f} s" if rounds == 1
+                        else f"{rounds} rounds' rows of {seconds:.2f} s in all")
                 short = (f" over {over}, too short for the daemon's wake-ups to average out: --count {steady} "
                          "or more measures its steady state")
             out.append((f"{human_size(size)} x{n}: mmfeatd CPU <= {DAEMON_US_PER_FEATURE:g} us per feature",
@@ -142,25 +148,30 @@ def targets(rows: list[dict[str, Any]], control: list[dict[str, Any]]) -> list[t
 def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: list[tuple[str, bool, str]]) -> str:
     lines = [
         f"{'':>9} {'':>6} {'':<15} {'':>10} {'':>8} {'':>10} {'':>10} {'':>8} {'':>7}  {'CPU us per feature':^25}",
-        f"{'consumers':>9} {'size':>6} {'mode':<15} {'feat/s':>10} {'GB/s':>8} {'p50 us':>10} {'p99 us':>10} {'x limit':>8} {'x zmq':>7}"
+        f"{'consumers':>9} {'size':>6} {'mode':<15} {'feat/s':>10} {'GB/s':>8} {'p50 us':>10} {'p99 us':>10}"
+        f" {'x limit':>8} {'x zmq':>7}"
         f"  {'producer':>8} {'consumer':>8} {'mmfeatd':>7}",
     ]
-    order = {m: i for i, m in enumerate(("memcpy", "floor", "shm_ring", "pool_view", "pool_copy", "client_default", "inline", "zmq_bytes", "torch_mp"))}
+    order = {m: i for i, m in enumerate(("memcpy", "floor", "shm_ring", "pool_view", "pool_copy", "client_default",
+                                         "inline", "zmq_bytes", "torch_mp"))}
     for r in sorted(rows, key=lambda r: (r["consumers"], r["size"], order.get(r["mode"], 99))):
         xl = f"{r['x_limit']:.2f}" if r.get("x_limit") is not None else "-"
         xz = f"{r['x_zmq']:.2f}" if r.get("x_zmq") is not None else "-"
         lines.append(
-            f"{r['consumers']:>9} {human_size(r['size']):>6} {r['mode']:<15} {r['features_per_s']:>10.0f} {r['gb_per_s']:>8.2f}"
+            f"{r['consumers']:>9} {human_size(r['size']):>6} {r['mode']:<15} {r['features_per_s']:>10.0f}"
+            f" {r['gb_per_s']:>8.2f}"
             f" {r['p50_us']:>10.0f} {r['p99_us']:>10.0f} {xl:>8} {xz:>7}"
             f"  {_us(r.get('producer_cpu_us')):>8} {_us(r.get('consumer_cpu_us')):>8} {_us(r.get('daemon_cpu_us')):>7}"
         )
     if control:
         lines += ["", "control plane: reserve+publish+ack cycles/s, and per round trip p50/p99 (us)"]
-        lines.append(f"{'clients':>7} {'mmfeat cyc/s':>13} {'p50':>7} {'p99':>7} {'echo cyc/s':>11} {'p50':>7} {'p99':>7} {'p50 ratio':>10}")
+        lines.append(f"{'clients':>7} {'mmfeat cyc/s':>13} {'p50':>7} {'p99':>7} {'echo cyc/s':>11} {'p50':>7}"
+                     f" {'p99':>7} {'p50 ratio':>10}")
         for c in control:
             m, e = c["mmfeat"], c["echo"]
             lines.append(
-                f"{c['clients']:>7} {m['cycles_per_s']:>13.0f} {m['p50_us']:>7.0f} {m['p99_us']:>7.0f} {e['cycles_per_s']:>11.0f}"
+                f"{c['clients']:>7} {m['cycles_per_s']:>13.0f} {m['p50_us']:>7.0f} {m['p99_us']:>7.0f}"
+                f" {e['cycles_per_s']:>11.0f}"
                 f" {e['p50_us']:>7.0f} {e['p99_us']:>7.0f} {m['p50_us'] / e['p50_us']:>10.2f}"
             )
     if verdicts:
@@ -218,9 +229,11 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> Optional[str]:
     fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 4), squeeze=False)
     for ax, n in zip(axes[0], counts):
         for mode in sorted({r["mode"] for r in rows}):
-            pts = sorted((r["size"], r["gb_per_s"]) for r in rows if r["mode"] == mode and (r["consumers"] == n or mode == "memcpy"))
+            pts = sorted((r["size"], r["gb_per_s"]) for r in rows
+                         if r["mode"] == mode and (r["consumers"] == n or mode == "memcpy"))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode, linestyle="--" if mode == "memcpy" else "-")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode,
+                        linestyle="--" if mode == "memcpy" else "-")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("feature size (bytes)")

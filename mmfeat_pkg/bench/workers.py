@@ -81,7 +81,8 @@ def _client(runtime_dir: str, mode: str) -> Any:
 
     if mode == "inline":
         return Client(runtime_dir, inline_threshold=1 << 62)
-    client = Client(runtime_dir) if mode == "client_default" else Client(runtime_dir, inline_threshold=0, fallback="error")
+    client = (Client(runtime_dir) if mode == "client_default"
+              else Client(runtime_dir, inline_threshold=0, fallback="error"))
     client.connect()  # a server connects once at startup: mapping the pool is not a per-feature cost
     return client
 
@@ -240,7 +241,8 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
             del ring
             os.unlink(ring_path(sock_dir))  # consumers keep their mapping until their next job
         fallbacks = dict(client.fallbacks) if client is not None else {}
-        cmd.send({"latencies": latencies, "elapsed": elapsed, "fallbacks": fallbacks, "cpu_s": time.process_time() - cpu0})
+        cmd.send({"latencies": latencies, "elapsed": elapsed, "fallbacks": fallbacks,
+                  "cpu_s": time.process_time() - cpu0})
     for c in clients.values():
         c.close()
     for s in (*pushes, done):
