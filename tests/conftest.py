@@ -104,7 +104,8 @@ class Daemon:
 
 
 def start_daemon(
-    runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True, backend: str = "host", nofile: int | None = None,
+    runtime_dir: Path, *args: str, env: dict | None = None, wait: bool = True, backend: str = "host",
+    nofile: int | None = None,
     log: Path | None = None, wrap: Sequence[str] = (),
 ) -> Daemon:
     cmd = [*wrap, sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", backend, *args]

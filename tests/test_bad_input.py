@@ -96,7 +96,8 @@ CASES = [
     ((_req("hello", name="x" * 1000),), ErrorCode.BAD_REQUEST),
     ((b"\x81" + b"\xa1v" + b"\xce\xff\xff\xff\xff",), ErrorCode.UNSUPPORTED_VERSION),
     ((b"x" * (100 * 1024),), ErrorCode.TOO_LARGE),
-    ((msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "pad": b"\x00" * (70 * 1024)}),), ErrorCode.TOO_LARGE),
+    ((msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "pad": b"\x00" * (70 * 1024)}),),
+     ErrorCode.TOO_LARGE),
 ]
 
 
@@ -116,8 +117,10 @@ def test_fuzzed_frames_never_kill_the_daemon(daemon, raw) -> None:
             blob = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300)))
         else:  # structurally valid msgpack with wrong shapes and types
             value = rng.choice([None, True, -1, 2**63 - 1, 1.5, "x", b"y" * 16, [1, "a"], {"k": b""}])
-            fields = {rng.choice(["session", "nbytes", "lease", "count", "consumers", "reason", "name"]): value for _ in range(3)}
-            blob = _req(rng.choice(["reserve", "ack", "publish", "release", "lookup", "hello", "fallback", "stats"]), **fields)
+            fields = {rng.choice(["session", "nbytes", "lease", "count", "consumers", "reason", "name"]): value
+                      for _ in range(3)}
+            blob = _req(rng.choice(["reserve", "ack", "publish", "release", "lookup", "hello", "fallback", "stats"]),
+                        **fields)
         reply = raw(blob)
         assert reply.get("ok") in (True, False)
         if reply["ok"] is False:

@@ -11,7 +11,8 @@ import pytest
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def test_invalid_settings_exit_nonzero_naming_the_setting(runtime_dir) -> None:

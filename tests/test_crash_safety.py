@@ -28,7 +28,8 @@ os.close(out)
 def test_a_producer_killed_right_after_put_leaves_a_readable_feature(daemon) -> None:
     rounds = 25
     r, w = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, str(daemon.runtime_dir), str(rounds), str(w)], pass_fds=(w,))
+    proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, str(daemon.runtime_dir), str(rounds), str(w)],
+                            pass_fds=(w,))
     os.close(w)
     blobs = []
     with os.fdopen(r, "rb") as pipe:
@@ -59,7 +60,8 @@ def test_a_producer_killed_while_it_writes_leaves_no_lease(daemon) -> None:
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     for _ in range(3):
-        assert subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)], timeout=60).returncode == -signal.SIGKILL
+        assert subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)],
+                              timeout=60).returncode == -signal.SIGKILL
     s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=5, what="reclaim on disconnect")
     assert s["counters"]["reclaimed_on_disconnect"] == 3
 

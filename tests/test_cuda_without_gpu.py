@@ -164,7 +164,8 @@ def _driver_names_used() -> set[str]:
     from pathlib import Path
 
     root = Path(__file__).parent.parent
-    files = ["mmfeat_pkg/cuda_driver.py", "client/cuda_import.py", "daemon/pools/cuda_vmm.py", "daemon/pools/fabric_probe.py"]
+    files = ["mmfeat_pkg/cuda_driver.py", "client/cuda_import.py", "daemon/pools/cuda_vmm.py",
+             "daemon/pools/fabric_probe.py"]
     names: set[str] = set()
     for f in files:
         names |= set(re.findall(r"\bcu\.([A-Za-z_]+(?:\.[A-Za-z_]+)*)", (root / f).read_text()))

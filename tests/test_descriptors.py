@@ -109,7 +109,8 @@ def test_parsed_descriptors_are_reused_only_for_the_same_bytes() -> None:
         Descriptor.from_bytes(bad)
     with pytest.raises(DescriptorError, match="overruns"):
         Descriptor.from_bytes(bad)  # refusals are not remembered as anything else
-    inline = Descriptor(kind="inline", tensors=(TensorSpec("uint8", (4,), (1,), 0),), nbytes=4, inline=b"abcd").to_bytes()
+    inline = Descriptor(kind="inline", tensors=(TensorSpec("uint8", (4,), (1,), 0),), nbytes=4,
+                        inline=b"abcd").to_bytes()
     assert Descriptor.from_bytes(inline) is not Descriptor.from_bytes(inline)  # inline data is never kept
     for k in range(descriptor.PARSE_CACHE_ENTRIES + 10):  # bounded, however many distinct descriptors pass
         Descriptor.from_bytes(_spec_bytes(nbytes=256 + 256 * k))
@@ -186,7 +187,8 @@ def test_known_parts_accept_only_what_a_full_parse_accepts_and_give_the_same_des
         (TensorSpec("bfloat16", (16, 8), (8, 1), 0), TensorSpec("int64", (5,), (1,), 256)),
     ]
     templates = [
-        Descriptor(kind=kind, tensors=t, nbytes=max(s.offset + s.extent for s in t) + 256 * extra, many=len(t) > 1 or many,
+        Descriptor(kind=kind, tensors=t, nbytes=max(s.offset + s.extent for s in t) + 256 * extra,
+                   many=len(t) > 1 or many,
                    node="node-a", endpoint="ipc:///run/mmfeat/mmfeatd.sock", device=device, pool=pool, epoch=epoch,
                    token=b"t" * 16)
         for kind, device, pool in (("host", -1, 0), ("cuda", 3, 2))
@@ -283,7 +285,8 @@ def test_a_forged_field_between_known_parts_takes_the_full_parse_and_is_refused(
     assert descriptor.parse_known(forged) is None
     with pytest.raises(DescriptorError, match=why):
         Descriptor.from_bytes(forged)
-    for bad in (blob + b"\xc0", blob[:-1], blob.replace(b"\xcd\x04\x00", b"\xcd\x04\x01")):  # trailing, short, misaligned
+    # trailing, short, misaligned
+    for bad in (blob + b"\xc0", blob[:-1], blob.replace(b"\xcd\x04\x00", b"\xcd\x04\x01")):
         assert descriptor.parse_known(bad) is None
         with pytest.raises(DescriptorError):
             Descriptor.from_bytes(bad)

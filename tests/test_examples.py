@@ -47,7 +47,8 @@ def test_server_example_moves_identical_pixels_and_empties_the_pool(tmp_path) ->
     send_pyobj/recv_pyobj, and running it here would add a third of this file's time to make test."""
     pytest.importorskip("transformers", reason="the [examples] extra is not installed (make setup installs it)")
     out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "server.py"), "--requests", "4", "--tp", "2", "--max-images", "2",
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "server.py"), "--requests", "4", "--tp", "2",
+                        "--max-images", "2",
                         "--modes", "mmfeat", "--pool-mb", "256", "--timeout", "300", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -65,8 +66,9 @@ def test_server_example_across_two_nodes_pulls_for_the_far_rank_and_empties_both
     pytest.importorskip("transformers", reason="the [examples] extra is not installed (make setup installs it)")
     pytest.importorskip("nixl_cu12._api", reason="NIXL is not installed: make setup installs mmfeat[mesh]")
     out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "server.py"), "--requests", "4", "--tp", "2", "--max-images", "2",
-                        "--nodes", "2", "--modes", "mmfeat", "--pool-mb", "256", "--timeout", "300", "--json", str(out)],
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "server.py"), "--requests", "4", "--tp", "2",
+                        "--max-images", "2", "--nodes", "2", "--modes", "mmfeat", "--pool-mb", "256",
+                        "--timeout", "300", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())

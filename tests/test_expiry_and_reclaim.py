@@ -21,7 +21,8 @@ def test_reserve_ttl_frees_unpublished(daemon_factory) -> None:
 
 
 def test_ack_ttl_frees_published_and_spares_acked(daemon_factory) -> None:
-    d = daemon_factory("--pool-mb", "16", "--ack-ttl", "1.5")  # longer than a loaded machine's pause between put and ack
+    # an ack_ttl longer than a loaded machine's pause between put and ack
+    d = daemon_factory("--pool-mb", "16", "--ack-ttl", "1.5")
     with d.client(inline_threshold=0) as c:
         abandoned = c.put(torch.ones(10000), consumers=2)
         done = c.put(torch.ones(10000), consumers=1)
@@ -76,7 +77,8 @@ def test_producer_exiting_without_close_still_publishes(daemon, tmp_path) -> Non
         # no close(): the interpreter exits with the publish possibly still queued
     )
     for _ in range(2):  # each round is a fresh interpreter that imports torch: 3 s here
-        r = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir), str(out)], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir), str(out)], capture_output=True,
+                           text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         with daemon.client() as consumer:
             assert torch.equal(consumer.get(out.read_bytes()), torch.arange(20000))

@@ -64,8 +64,8 @@ def _feature(owner) -> Descriptor:
 
 def _get_on(consumer, desc: Descriptor, libdir: Path, tmp_path: Path, **env: str) -> str:
     log = fake_cuda.run(libdir, tmp_path / "consumer.log", "fabric_get",
-                        {"MMFEAT_RUNTIME_DIR": str(consumer.runtime_dir), "FAKE_CUDA_SCENARIO_DESC": desc.to_bytes().hex(),
-                         **env})
+                        {"MMFEAT_RUNTIME_DIR": str(consumer.runtime_dir),
+                         "FAKE_CUDA_SCENARIO_DESC": desc.to_bytes().hex(), **env})
     return log
 
 

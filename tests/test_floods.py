@@ -42,7 +42,8 @@ def test_an_fd_limit_too_low_to_survive_a_flood_is_refused_at_start(runtime_dir)
     import resource
 
     r = subprocess.run(
-        [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host", "--pool-mb", "8"],
+        [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host",
+         "--pool-mb", "8"],
         capture_output=True, text=True, timeout=60,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)),
     )
@@ -131,7 +132,8 @@ def test_a_message_that_never_ends_does_not_grow_the_daemon_without_bound(daemon
             peer.close()
         resets = d.stats()["limits"]["control_resets"]
     assert d.proc.poll() is None
-    s = d.wait_for(lambda s: s["limits"]["control_resets"] >= 1, what=f"a control socket reset ({sent >> 20} MiB sent by {peers} peers)")
+    s = d.wait_for(lambda s: s["limits"]["control_resets"] >= 1,
+                   what=f"a control socket reset ({sent >> 20} MiB sent by {peers} peers)")
     # 64 MiB allowance, 64 KiB a connection, one check interval (0.1 s) of a fast peer on top.
     assert peak < 400 << 20, f"the daemon grew by {peak >> 20} MiB"
     assert anon_bytes(d.pid) - base < 160 << 20

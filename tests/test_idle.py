@@ -61,7 +61,8 @@ def test_a_daemon_whose_client_is_idle_wakes_only_for_its_tick(runtime_dir) -> N
                 time.sleep(1)
                 woke.append(_wakeups(d.pid) - before)
                 loop_woke.append(_wakeups(d.pid, main_only=True) - loop_before)
-            assert sorted(loop_woke)[2] <= 5, f"the loop of a daemon with an idle client woke {loop_woke} times in 1 s spells"
+            assert sorted(loop_woke)[2] <= 5, (f"the loop of a daemon with an idle client woke {loop_woke} times "
+                                               "in 1 s spells")
             # The guard's 10, the loop's 2-3, the connection thread's safety net of 1: 13-14 here.
             assert sorted(woke)[2] <= 20, f"a daemon with an idle client woke {woke} times in 1 s spells"
             last = c.put(torch.ones(10))

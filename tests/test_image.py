@@ -25,7 +25,8 @@ def _instructions() -> list[tuple[str, str]]:
 
 
 def _daemonset_container() -> tuple[dict, dict]:
-    ds = next(d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text()) if d["kind"] == "DaemonSet")
+    ds = next(d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
+              if d["kind"] == "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     return pod, pod["containers"][0]
 

@@ -35,16 +35,16 @@ def _peer(d: Daemon, endpoint: str) -> dict:
 
 
 def test_gen_keys_writes_a_private_secret_once(tmp_path) -> None:
-    first = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(tmp_path)], capture_output=True, text=True,
-                           timeout=60)
+    first = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
     assert first.returncode == 0, first.stderr
     public = (tmp_path / "mesh.public").read_text().strip()
     assert f'public_key = "{public}"' in first.stdout  # what to list on the other nodes
     secret = tmp_path / "mesh.secret"
     assert len(public) == 40 and secret.stat().st_mode & 0o777 == 0o600
     assert load_secret(secret)[0].decode() == public
-    again = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(tmp_path)], capture_output=True, text=True,
-                           timeout=60)
+    again = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "exists" in again.stderr
     assert load_secret(secret)[0].decode() == public  # untouched
     secret.chmod(0o640)
@@ -58,11 +58,12 @@ def test_two_nodes_meet_exchange_hellos_and_keep_heartbeats(cluster) -> None:
     metrics_port = _free_port()
     a, b = cluster.start("a", ["b"], "--metrics-port", str(metrics_port)), cluster.start("b", ["a"])
     for me, other, name in ((a, b, "b"), (b, a, "a")):
-        peer = me.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["rtt_ms"] is not None,
+        peer = me.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up"
+                           and s["mesh"]["peers"][0]["rtt_ms"] is not None,
                            what=f"{name} to be up")["mesh"]["peers"][0]
         assert peer["node"] == name and peer["epoch"] == other.stats()["epoch"]
-        assert peer["pools"] == [{"pool": 0, "kind": "host", "device": -1, "handle": "posix_fd", "size": 8 << 20, "fabric": False,
-                                  "pullable": True}]
+        assert peer["pools"] == [{"pool": 0, "kind": "host", "device": -1, "handle": "posix_fd", "size": 8 << 20,
+                                  "fabric": False, "pullable": True}]
     s = a.stats()["mesh"]
     assert s["refused"] == 0 and s["bad_messages"] == 0 and s["public_key"] == cluster.keys["a"]
     table = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(a.runtime_dir), "stats"],
@@ -171,7 +172,8 @@ def test_mesh_settings_that_cannot_work_stop_the_daemon_with_a_reason(tmp_path) 
         (f'peers = [{{endpoint = "tcp://127.0.0.1:{port}", public_key = "{mine}"}}]\n', "listen is not", {}),
         (f'listen = "tcp://127.0.0.1:{port}"\nmesh_secret_file = "{keys / "mesh.secret"}"\n'
          f'peers = [{{endpoint = "tcp://127.0.0.1:{port + 1}", public_key = "{mine}"}}]\n', "own public key", {}),
-        (f'listen = "tcp://127.0.0.1:{port}"\npeers = [{{endpoint = "tcp://x:1", public_key = "short"}}]\n', "public_key", {}),
+        (f'listen = "tcp://127.0.0.1:{port}"\n'
+         'peers = [{endpoint = "tcp://x:1", public_key = "short"}]\n', "public_key", {}),
         (f'listen = "tcp://127.0.0.1:{port}"\n', "mesh.secret", {"CREDENTIALS_DIRECTORY": str(tmp_path / "none")}),
         (f'listen = "tcp://127.0.0.1:{port}"\ndata_devices = "eth0; rm -rf"\n', "data_devices", {}),
     ]
@@ -179,8 +181,9 @@ def test_mesh_settings_that_cannot_work_stop_the_daemon_with_a_reason(tmp_path) 
         for body, why, env in cases:
             config = tmp_path / "m.toml"
             config.write_text("[mmfeatd]\n" + body)
-            r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--config", str(config), "--runtime-dir", str(runtime),
-                                "--backend", "host", "--pool-mb", "8"], capture_output=True, text=True, timeout=60,
+            r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--config", str(config),
+                                "--runtime-dir", str(runtime), "--backend", "host", "--pool-mb", "8"],
+                               capture_output=True, text=True, timeout=60,
                                env={**os.environ, **env})
             assert r.returncode in (1, 2) and why in r.stderr, (body, r.stderr[-2000:])
     finally:

@@ -73,7 +73,8 @@ def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_ow
         x = torch.randn(4, 4 << 20)  # 64 MiB: long enough a pull for the second get to find it under way
         desc = producer.put(x, consumers=3)
         got: dict[str, torch.Tensor] = {}
-        threads = [threading.Thread(target=lambda c=c, k=k: got.__setitem__(k, c.get(desc))) for k, c in (("1", c1), ("2", c2))]
+        threads = [threading.Thread(target=lambda c=c, k=k: got.__setitem__(k, c.get(desc)))
+                   for k, c in (("1", c1), ("2", c2))]
         for t in threads:
             t.start()
         for t in threads:
@@ -85,7 +86,8 @@ def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_ow
         assert peer["pulls"] == 1 and peer["shared_gets"] == 2 and peer["bytes_pulled"] == 64 << 20
         assert mesh["copies"] == 1 and mesh["copy_bytes"] == 64 << 20
         families = {f.name: f for f in _mesh_metrics(mesh)}
-        assert [(s.labels, s.value) for s in families["mmfeat_mesh_pulled_bytes"].samples] == [({"peer": "a"}, 64 << 20)]
+        assert ([(s.labels, s.value) for s in families["mmfeat_mesh_pulled_bytes"].samples]
+                == [({"peer": "a"}, 64 << 20)])
         exported = {n + ("_total" if f.type == "counter" else "") for n, f in families.items()}
         for metric in re.findall(r"`(mmfeat_mesh_[a-z_]+)", (Path(__file__).parents[1] / "README.md").read_text()):
             assert metric in exported, f"README names {metric}, which a meshed daemon does not export"
@@ -143,7 +145,8 @@ def test_three_nodes_pull_one_feature_and_it_ends_everywhere_after_the_last_ack(
     for node, d in (("b", b), ("c", c)):
         s = idle(d, f"{node} to drop its copy once a said the feature ended")
         peer = next(p for p in s["mesh"]["peers"] if p["node"] == "a")
-        assert (peer["pulls"], peer["shared_gets"], peer["acks_relayed"]) == (1, 1 if node == "c" else 0, 1), (node, peer)
+        assert (peer["pulls"], peer["shared_gets"], peer["acks_relayed"]) == (1, 1 if node == "c" else 0, 1), \
+            (node, peer)
     served = {p["node"]: p for p in a.stats()["mesh"]["peers"]}
     assert served["b"]["ended_sent"] == served["c"]["ended_sent"] == 1
     assert served["b"]["acks_received"] == served["c"]["acks_received"] == 1

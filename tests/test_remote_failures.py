@@ -73,7 +73,8 @@ def test_a_frozen_or_dead_owner_fails_gets_in_time_and_a_restarted_one_is_stale(
         with pytest.raises(DaemonUnavailableError):
             consumer.get(old)  # a's daemon is gone; b marks it down within seconds, answers at once
         a = cluster.start("a", ["b"], "--pool-mb", "256")
-        b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["epoch"] == a.stats()["epoch"],
+        b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up"
+                   and s["mesh"]["peers"][0]["epoch"] == a.stats()["epoch"],
                    timeout=20, what="a's new epoch")
         with pytest.raises(MmfeatError) as stale:
             consumer.get(old)

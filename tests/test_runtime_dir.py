@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run_daemon(runtime_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host", "--pool-mb", "8", *args]
+    cmd = [sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host",
+           "--pool-mb", "8", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
@@ -127,7 +128,8 @@ def _fake_daemon_as(uid: int, runtime_dir: Path) -> subprocess.Popen:
 
     os.chown(runtime_dir, uid, uid)
     reply = msgpack.packb({"v": 2, "ok": False, "error": {"code": "NOT_FOUND", "message": "fake"}}).hex()
-    proc = subprocess.Popen([_interpreter_for(uid), "-c", _FAKE_FD_SERVER, str(runtime_dir / "mmfeatd.fds.sock"), reply],
+    proc = subprocess.Popen([_interpreter_for(uid), "-c", _FAKE_FD_SERVER, str(runtime_dir / "mmfeatd.fds.sock"),
+                             reply],
                             user=uid, group=uid, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     return proc
@@ -199,8 +201,9 @@ def test_supplementary_groups_come_from_the_socket_not_from_proc(daemon_factory,
     payload = msgpack.packb({"v": PROTOCOL_VERSION, "session": hello["session"]}).hex()
 
     def handshake(groups: list[int]) -> tuple[dict, int]:
-        r = subprocess.run([_interpreter_for(CLIENT_UID), "-c", _FD_HANDSHAKE, str(d.runtime_dir / "mmfeatd.fds.sock"), payload],
-                           user=CLIENT_UID, group=CLIENT_UID, extra_groups=groups, capture_output=True, text=True, timeout=30)
+        r = subprocess.run([_interpreter_for(CLIENT_UID), "-c", _FD_HANDSHAKE, str(d.runtime_dir / "mmfeatd.fds.sock"),
+                            payload], user=CLIENT_UID, group=CLIENT_UID, extra_groups=groups,
+                           capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
         reply_hex, nfds = r.stdout.split()
         return msgpack.unpackb(bytes.fromhex(reply_hex)), int(nfds)

@@ -84,8 +84,10 @@ def test_sd_notify_ready_status_watchdog_stopping_in_order(runtime_dir) -> None:
             d.proc.kill()
         d.proc.communicate()
     first = messages[0].splitlines()
-    assert "READY=1" in first and any(line.startswith("STATUS=serving") for line in first) and f"MAINPID={d.pid}" in first
-    kinds = ["READY" if "READY=1" in m else "WATCHDOG" if "WATCHDOG=1" in m else "STOPPING" if "STOPPING=1" in m else "STATUS"
+    assert ("READY=1" in first and any(line.startswith("STATUS=serving") for line in first)
+            and f"MAINPID={d.pid}" in first)
+    kinds = ["READY" if "READY=1" in m else "WATCHDOG" if "WATCHDOG=1" in m
+             else "STOPPING" if "STOPPING=1" in m else "STATUS"
              for m in messages]
     assert kinds[0] == "READY" and kinds[-1] == "STOPPING" and kinds.count("WATCHDOG") >= 6
     # Every 0.3 s (half of WATCHDOG_USEC), also while idle: an idle loop that slept its full second
@@ -193,7 +195,8 @@ def test_the_ack_that_ends_a_drain_is_answered(runtime_dir) -> None:
         while not channel.call("ping")["draining"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        channel.send_frame(encode({"v": PROTOCOL_VERSION, "op": "ack", "id": 99, "lease": desc.lease_ref(), "count": 1}))
+        channel.send_frame(encode({"v": PROTOCOL_VERSION, "op": "ack", "id": 99, "lease": desc.lease_ref(),
+                                   "count": 1}))
         assert d.proc.wait(10) == 0
         time.sleep(0.2)  # the daemon's close reaches our side before we read
         reply = channel.receive_frame(2.0)
@@ -218,7 +221,8 @@ def test_drain_timeout_cuts_and_says_how_many(runtime_dir) -> None:
 
 def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
     port = _free_port()
-    d = start_daemon(runtime_dir, "--pool-mb", "8", "--metrics-port", str(port), "--drain-timeout", "0")  # one lease stays
+    # --drain-timeout 0: one lease stays
+    d = start_daemon(runtime_dir, "--pool-mb", "8", "--metrics-port", str(port), "--drain-timeout", "0")
     try:
         with d.client(inline_threshold=0) as c:
             for _ in range(3):
@@ -232,7 +236,8 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             families = {f.name: f for f in text_string_to_metric_families(text)}
             # The snapshot refreshes every 0.5 s: wait for one taken after the last (pipelined) publish.
-            if all(families.get(n) and families[n].samples[0].value == 4 for n in ("mmfeat_arena_publishes", "mmfeat_publishes")):
+            if all(families.get(n) and families[n].samples[0].value == 4
+                   for n in ("mmfeat_arena_publishes", "mmfeat_publishes")):
                 break
             assert time.monotonic() < deadline, text
             time.sleep(0.2)
@@ -256,16 +261,18 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
     value = {(f.name, tuple(sorted(s.labels.items())), s.name): s.value for f in families.values() for s in f.samples}
     assert value[("mmfeat_over_acks", (), "mmfeat_over_acks_total")] == 3
     assert value[("mmfeat_leases", (("pool", "0"), ("state", "published")), "mmfeat_leases")] == 1
-    assert value[("mmfeat_pool_capacity_bytes", (("device", "-1"), ("kind", "host"), ("pool", "0")), "mmfeat_pool_capacity_bytes")] == 8 << 20
-    assert value[("mmfeat_pool_bytes", (("device", "-1"), ("kind", "host"), ("pool", "0"), ("state", "published")), "mmfeat_pool_bytes")] == 512
+    assert value[("mmfeat_pool_capacity_bytes", (("device", "-1"), ("kind", "host"), ("pool", "0")),
+                  "mmfeat_pool_capacity_bytes")] == 8 << 20
+    assert value[("mmfeat_pool_bytes", (("device", "-1"), ("kind", "host"), ("pool", "0"), ("state", "published")),
+                  "mmfeat_pool_bytes")] == 512
     assert value[("mmfeat_publish_to_last_ack_seconds", (), "mmfeat_publish_to_last_ack_seconds_count")] == 3
     # Every feature went into the client's arena: no reserve round trip, four adopted by the sweep.
     assert value[("mmfeat_reserve_seconds", (), "mmfeat_reserve_seconds_count")] == 0
     assert value[("mmfeat_arena_publishes", (), "mmfeat_arena_publishes_total")] == 4
     assert value[("mmfeat_arena_bytes", (("device", "-1"), ("kind", "host"), ("part", "live_bytes"), ("pool", "0")),
                   "mmfeat_arena_bytes")] == 512
-    for name in ("mmfeat_expired", "mmfeat_reclaimed_on_disconnect", "mmfeat_sessions_dropped", "mmfeat_forbidden", "mmfeat_bad_requests",
-                 "mmfeat_clients", "mmfeat_client_fallbacks"):
+    for name in ("mmfeat_expired", "mmfeat_reclaimed_on_disconnect", "mmfeat_sessions_dropped", "mmfeat_forbidden",
+                 "mmfeat_bad_requests", "mmfeat_clients", "mmfeat_client_fallbacks"):
         assert name in families, name
 
 
@@ -277,8 +284,8 @@ def test_journal_level_prefixes_and_quiet_info(runtime_dir, tmp_path) -> None:
     with open(err_path, "w") as err:
         st = os.fstat(err.fileno())
         env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
-        proc = subprocess.Popen([sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), "--backend", "host",
-                                 "--pool-mb", "8"], stderr=err, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir),
+                                 "--backend", "host", "--pool-mb", "8"], stderr=err, env=env)
         try:
             deadline = time.monotonic() + 20
             while "serving ipc://" not in err_path.read_text():  # the last line logged at start
@@ -311,7 +318,8 @@ def test_deploy_toml_documents_every_setting_with_its_default() -> None:
 def test_print_config_names_sources(tmp_path) -> None:
     cfg = tmp_path / "m.toml"
     cfg.write_text("[mmfeatd]\nack_ttl = 12.0\n")
-    r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--config", str(cfg), "--pool-mb", "64", "--print-config"],
+    r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--config", str(cfg), "--pool-mb", "64",
+                        "--print-config"],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "MMFEAT_RESERVE_TTL": "9"})
     assert r.returncode == 0, r.stderr
     assert "pool_mb = 64  # from flag" in r.stdout
@@ -360,8 +368,9 @@ def test_kubernetes_and_prometheus_files_match_the_daemon() -> None:
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
     names = {r["alert"] for r in rules}
     assert {"MmfeatdDown", "MmfeatPoolNearlyFull", "MmfeatLeasesExpiring"} <= names
-    exported = {"mmfeat_pool_bytes", "mmfeat_pool_capacity_bytes", "mmfeat_expired_total", "mmfeat_client_fallbacks_total",
-                "mmfeat_leases", "mmfeat_sessions_dropped_total", "mmfeat_mesh_peers", "mmfeat_mesh_transport_up"}
+    exported = {"mmfeat_pool_bytes", "mmfeat_pool_capacity_bytes", "mmfeat_expired_total",
+                "mmfeat_client_fallbacks_total", "mmfeat_leases", "mmfeat_sessions_dropped_total",
+                "mmfeat_mesh_peers", "mmfeat_mesh_transport_up"}
     for r in rules:
         for metric in re.findall(r"mmfeat_[a-z_]+", r["expr"]):
             assert metric in exported, f"alert {r['alert']} uses {metric}, which the daemon does not export"

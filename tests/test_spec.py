@@ -66,7 +66,8 @@ def test_shared_layouts_are_documented_as_the_code_defines_them() -> None:
     assert lease_table.LIVE_STATES == (lease_table.RESERVED, lease_table.PUBLISHED)
     arena = SPEC.split("### arena\n", 1)[1].split("\n### ", 1)[0]
     assert "`{" + ", ".join(f.name for f in fields(ArenaGrant)) + "}`" in arena.replace("\n", " ")
-    for line in (f"{{v: {PROTOCOL_VERSION}, session: ", f"{{v: {PROTOCOL_VERSION}, ok: true, pools: [pool ids], table: true}}"):
+    for line in (f"{{v: {PROTOCOL_VERSION}, session: ",
+                 f"{{v: {PROTOCOL_VERSION}, ok: true, pools: [pool ids], table: true}}"):
         assert line in SPEC, line
 
 

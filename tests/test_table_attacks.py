@@ -18,7 +18,8 @@ import torch
 
 from mmfeat.protos import PROTOCOL_VERSION, ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
-    ACKS, CONSUMERS, DONE, FREE, GEN_MASK, NBYTES, OFFSET, POOL, PUBLISHED, RESERVED, STATE, TOKEN, ack_word, state_word,
+    ACKS, CONSUMERS, DONE, FREE, GEN_MASK, NBYTES, OFFSET, POOL, PUBLISHED, RESERVED, STATE, TOKEN, ack_word,
+    state_word,
     table_bytes, word_offset,
 )
 
@@ -91,7 +92,8 @@ def test_forged_state_words_are_refused_and_put_back(daemon) -> None:
             c.request("release", session=c.session.token, lease=ref)
             hostile.write(ref["lease"], STATE, state_word(ref["gen"] + 1, PUBLISHED))
             s = daemon.stats()
-            assert s["counters"]["bad_table_words"] == 2 and hostile.read(ref["lease"], STATE) == state_word(ref["gen"], 0)
+            assert (s["counters"]["bad_table_words"] == 2
+                    and hostile.read(ref["lease"], STATE) == state_word(ref["gen"], 0))
             c.request("release", session=c.session.token, lease=above)
 
             a = hostile.arena()
@@ -125,7 +127,8 @@ def test_forged_state_words_are_refused_and_put_back(daemon) -> None:
             hostile.close()
         # The hostile session ended: its arena was trimmed to the one live feature, which expires or is acked.
         # (Not a client count: `reader` never connected, so two clients were there from the start.)
-        s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 8192, what="the hostile session to end and its arena trimmed")
+        s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 8192,
+                            what="the hostile session to end and its arena trimmed")
         assert _consistent(s["pools"][0])
         desc_ref = {"pool": a["pool"], "epoch": s["epoch"], "lease": slot + 10, "gen": 1,
                     "token": (1).to_bytes(8, "little") + (2).to_bytes(8, "little"), "offset": base, "nbytes": 8192}
@@ -326,7 +329,8 @@ def test_features_acked_before_the_sweep_are_checked_as_a_batch_like_any_other(d
             for k in range(len(features)):
                 hostile.write(slot + k, STATE, state_word(1, DONE))
             s = daemon.stats()
-            assert s["counters"]["frees"] == len(good) and s["counters"]["bad_table_words"] == 2 * len(bad) + 3 + len(good)
+            assert (s["counters"]["frees"] == len(good)
+                    and s["counters"]["bad_table_words"] == 2 * len(bad) + 3 + len(good))
             assert _consistent(s["pools"][0])
             # An arena given back takes no new feature, though one still lives in it.
             hostile.publish(slot + 40, 2, pool, base, 4096, consumers=1)
@@ -390,7 +394,8 @@ def test_random_words_in_the_table_leave_the_daemon_up_and_exact(daemon_factory)
                 for _ in range(20):
                     slot = rng.choice(live_slots + [d.lease, rng.randrange(hostile.slots)])
                     word = rng.randrange(8)
-                    value = rng.choice([0, 1, 2, 3, rng.getrandbits(64), rng.getrandbits(32), state_word(rng.randrange(9), PUBLISHED)])
+                    value = rng.choice([0, 1, 2, 3, rng.getrandbits(64), rng.getrandbits(32),
+                                        state_word(rng.randrange(9), PUBLISHED)])
                     hostile.write(slot, word, value)
                 if rnd % 3 == 0:
                     _U64.pack_into(hostile.mm, 8 * rng.randrange(8), rng.getrandbits(64))  # the header too
@@ -409,5 +414,6 @@ def test_random_words_in_the_table_leave_the_daemon_up_and_exact(daemon_factory)
     assert daemon.proc.poll() is None
     # Garbage that happened to name a valid range inside the hostile arena is a feature like any other,
     # and so is a feature whose reader refused it: they end by ack_ttl at the latest.
-    s = daemon.wait_for(lambda s: s["clients"] == 0 and s["pools"][0]["used"] == 0, timeout=15, what="everything to end")
+    s = daemon.wait_for(lambda s: s["clients"] == 0 and s["pools"][0]["used"] == 0, timeout=15,
+                        what="everything to end")
     assert _consistent(s["pools"][0]) and s["counters"]["arenas_freed"] == s["counters"]["arenas_granted"]

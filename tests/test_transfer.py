@@ -18,7 +18,8 @@ def _run(ctx, runtime_dir, copies: tuple[bool, bool]) -> list:
     q_cons = [ctx.Queue() for _ in copies]
     results = ctx.Queue()
     consumers = [
-        ctx.Process(target=workers.consume, args=(str(runtime_dir), q, results, copy)) for q, copy in zip(q_cons, copies)
+        ctx.Process(target=workers.consume, args=(str(runtime_dir), q, results, copy))
+        for q, copy in zip(q_cons, copies)
     ]
     producer = ctx.Process(target=workers.produce, args=(str(runtime_dir), len(copies), q_prod))
     for p in (*consumers, producer):
@@ -46,7 +47,8 @@ def test_producer_to_two_consumers_every_byte(daemon_factory, children) -> None:
     pool = s["pools"][0]
     assert pool["used"] == 0 and pool["leases"] == {"RESERVED": 0, "PUBLISHED": 0}
     assert pool["largest_free"] == pool["capacity"], "free ranges did not coalesce back into one"
-    assert s["counters"]["reserves"] + s["counters"]["arena_publishes"] == expected and s["counters"]["frees"] == expected
+    assert (s["counters"]["reserves"] + s["counters"]["arena_publishes"] == expected
+            and s["counters"]["frees"] == expected)
     assert s["counters"]["acks"] == 2 * expected and s["counters"]["over_acks"] == 0
     assert s["counters"]["fallbacks"] == {}
     assert_fds_settle(d.pid, daemon_fds)
@@ -143,7 +145,8 @@ def test_descriptor_from_restarted_daemon_is_stale(runtime_dir, daemon_factory) 
         c.ack(fresh)
 
 
-def test_an_ack_of_a_descriptor_from_before_a_restart_never_counts_for_a_new_feature(runtime_dir, daemon_factory) -> None:
+def test_an_ack_of_a_descriptor_from_before_a_restart_never_counts_for_a_new_feature(
+        runtime_dir, daemon_factory) -> None:
     # After a restart the first arena lands where the old one was and slot generations start again, so
     # the old descriptor names the same slot, generation and range as the new daemon's first feature:
     # only its epoch tells them apart.

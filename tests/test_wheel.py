@@ -74,8 +74,8 @@ def installed(tmp_path_factory) -> Installed:
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     # A copy of the sources alone: a build/ left in the checkout could put stale modules in the wheel.
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__", ".whl",
-                                                             ".pytest_cache", "dist"))
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__",
+                                                             ".whl", ".pytest_cache", "dist"))
     dist, fresh = tmp / "dist", tmp / "venv"
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     # As README's Install says: an sdist, then the wheel built from that sdist (so the sdist is complete).
@@ -90,8 +90,8 @@ def installed(tmp_path_factory) -> Installed:
     wheels, sdists = list(dist.glob("mmfeat-*.whl")), list(dist.glob("mmfeat-*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, (wheels, sdists)
     site = _fresh_venv(fresh)
-    subprocess.run([*pip, "--python", str(fresh / "bin" / "python"), "install", "--no-deps", "--no-compile", str(wheels[0])],
-                   check=True, timeout=300)
+    subprocess.run([*pip, "--python", str(fresh / "bin" / "python"), "install", "--no-deps", "--no-compile",
+                    str(wheels[0])], check=True, timeout=300)
     return Installed(wheels[0], sdists[0], fresh, site)
 
 
@@ -103,24 +103,29 @@ def short_runtime_dir() -> Iterator[Path]:
 
 
 def test_the_wheel_installs_and_serves_outside_the_checkout(installed, tmp_path, short_runtime_dir) -> None:
-    config = subprocess.run([installed.bin("mmfeatd"), "--print-config"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    config = subprocess.run([installed.bin("mmfeatd"), "--print-config"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
     assert config.returncode == 0 and "pool_mb" in config.stdout and "arena_mb" in config.stdout, config.stderr
-    used = subprocess.run([installed.bin("python"), "-c", _USE, str(short_runtime_dir), str(installed.site)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    used = subprocess.run([installed.bin("python"), "-c", _USE, str(short_runtime_dir), str(installed.site)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert used.returncode == 0 and "wheel ok" in used.stdout, used.stderr[-3000:]
 
 
 # Runs a console script's module with torch unimportable, as in the container image.
-_WITHOUT_TORCH = "import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = {name!r}; runpy.run_module({module!r}, run_name='__main__')"
+_WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = {name!r}; "
+                  "runpy.run_module({module!r}, run_name='__main__')")
 
 
-def test_the_image_installs_no_torch_and_its_daemon_and_probes_need_none(installed, tmp_path, short_runtime_dir) -> None:
+def test_the_image_installs_no_torch_and_its_daemon_and_probes_need_none(installed, tmp_path,
+                                                                          short_runtime_dir) -> None:
     """deploy/container/Containerfile installs the wheel's requirements less torch: the daemon and the
     `mmfeat health` probe of the DaemonSet must run without it."""
-    listed = subprocess.run([sys.executable, str(REPO / "deploy" / "container" / "requirements.py"), str(installed.wheel), "--extra", "cuda",
-                             "--without", "torch"], capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+    listed = subprocess.run([sys.executable, str(REPO / "deploy" / "container" / "requirements.py"),
+                             str(installed.wheel), "--extra", "cuda", "--without", "torch"],
+                            capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
     names = {re.match(r"[A-Za-z0-9._-]+", line).group(0).lower() for line in listed}
-    assert {"pyzmq", "msgpack", "pydantic", "numpy", "cuda-python", "nvidia-ml-py"} <= names and "torch" not in names, listed
+    assert ({"pyzmq", "msgpack", "pydantic", "numpy", "cuda-python", "nvidia-ml-py"} <= names
+            and "torch" not in names), listed
     assert not any("extra" in line for line in listed), listed  # pip would skip a line whose marker names an extra
     daemon = subprocess.Popen(
         [installed.bin("python"), "-c", _WITHOUT_TORCH.format(name="mmfeatd", module="mmfeat.daemon"), "--runtime-dir",
@@ -151,7 +156,8 @@ def test_the_gpu_runs_wheel_slimmer_drops_a_folder_and_its_record_lines(tmp_path
     wheel = tmp_path / "demo-1.0-py3-none-any.whl"
     files = {"demo/__init__.py": "X = 1\n", "demo_ep/big.bin": "x" * 100_000,
              "demo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n",
-             "demo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             "demo-1.0.dist-info/WHEEL": ("Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                          "Tag: py3-none-any\n")}
     record = "".join(f"{name},,\n" for name in files) + "demo-1.0.dist-info/RECORD,,\n"
     with zipfile.ZipFile(wheel, "w") as z:
         for name, text in {**files, "demo-1.0.dist-info/RECORD": record}.items():

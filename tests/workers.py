@@ -10,7 +10,8 @@ import torch
 
 from mmfeat.client import Client
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.float64, torch.int32]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool, torch.float64,
+          torch.int32]
 
 
 def make_tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -28,7 +29,8 @@ def cases() -> list[tuple[int, tuple[int, ...], torch.dtype]]:
     out = []
     for i, shape in enumerate(shapes):
         for j, dt in enumerate(DTYPES):
-            if shape[0] * (shape[1] if len(shape) > 1 else 1) * (shape[2] if len(shape) > 2 else 1) * torch.empty((), dtype=dt).element_size() > 40 << 20:
+            if (shape[0] * (shape[1] if len(shape) > 1 else 1) * (shape[2] if len(shape) > 2 else 1)
+                    * torch.empty((), dtype=dt).element_size() > 40 << 20):
                 continue
             if i >= 4 and j % 3:  # keep the large cases few: the CI machine has two cores
                 continue

@@ -96,7 +96,8 @@ class _Nodes:
         if self.cluster is None:
             d.proc.kill()
             d.proc.communicate()
-            self.daemons[i] = start_daemon(d.runtime_dir, *self.args, backend=self.backend, log=self.root / "mmfeatd.log")
+            self.daemons[i] = start_daemon(d.runtime_dir, *self.args, backend=self.backend,
+                                           log=self.root / "mmfeatd.log")
             return
         self.cluster.stop(self.names[i], signal.SIGKILL, keep_runtime=True)
         self.daemons[i] = self._start(i)
@@ -134,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def start(name: str) -> None:
         if name.startswith("p"):
-            workers[name] = _spawn(["producer", str(runtime), str(run), name, str(args.seconds * 2), ",".join(endpoints)],
-                                   device)
+            workers[name] = _spawn(["producer", str(runtime), str(run), name, str(args.seconds * 2),
+                                    ",".join(endpoints)], device)
         else:
             rt = nodes.runtime_for_consumer(int(name[1:]))
             workers[name] = _spawn(["consumer", str(rt), str(run), name, endpoints[int(name[1:])]], device)
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             "put_errors": {k[10:]: v for k, v in totals.items() if k.startswith("put_error_")},
             "bytes_leased_after_ttls": leaked,
             "leases_after_ttls": s["leases"],
-            "daemon_counters": {k: s["counters"][k] for k in ("expired", "reclaimed_on_disconnect", "late_requests", "stale", "not_found")},
+            "daemon_counters": {k: s["counters"][k] for k in ("expired", "reclaimed_on_disconnect", "late_requests",
+                                                              "stale", "not_found")},
             "daemon_fds": {"fresh_daemon": fds_fresh, "busy": fds_busy, "end": fds_end},
             "daemon_anon_mib": {"fresh_daemon": round(anon_fresh / 2**20, 1), "end": round(anon_end / 2**20, 1)},
         }

@@ -30,7 +30,8 @@ CODES = {c.value for c in ErrorCode}
 VALUES = [None, True, False, 0, -1, 1, 255, 1 << 31, 1 << 63, -(1 << 63), 1.5, float("nan"), "", "x" * 200, b"",
           b"y" * 16, b"z" * 1000, [], [1, "a"], {}, {"k": b""}, {"pool": 0, "epoch": 1, "lease": 0, "gen": 0,
           "token": b"t" * 16, "offset": 0, "nbytes": 256}]
-FIELDS = ["session", "nbytes", "lease", "count", "consumers", "reason", "name", "pid", "device", "ack_id", "deadline", "quiet", "id"]
+FIELDS = ["session", "nbytes", "lease", "count", "consumers", "reason", "name", "pid", "device", "ack_id", "deadline",
+          "quiet", "id"]
 
 
 def _frame(rng: random.Random, real: dict) -> bytes:
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             if i % 10 == 0:
                 s.close()  # connect and vanish
                 continue
-            s.send(_frame(rng, real) if i % 3 else msgpack.packb({"v": PROTOCOL_VERSION, "session": rng.choice(VALUES)}))
+            s.send(_frame(rng, real) if i % 3
+                   else msgpack.packb({"v": PROTOCOL_VERSION, "session": rng.choice(VALUES)}))
             try:
                 data, fds, _, _ = socket.recv_fds(s, 4096, 8)
             except OSError:
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             "daemon_anon_mib": {"before": round(anon0 / 2**20, 1), "after": round(anon_bytes(d.pid) / 2**20, 1)},
         }
         print(json.dumps(report, indent=2))
-        ok = (untyped == 0 and hs["fds_leaked_to_stranger"] == 0 and s["pools"][0]["used"] == 0 and d.proc.poll() is None
+        ok = (untyped == 0 and hs["fds_leaked_to_stranger"] == 0 and s["pools"][0]["used"] == 0
+              and d.proc.poll() is None
               and fd_count(d.pid) <= fds0 + 1 and anon_bytes(d.pid) - anon0 < 64 << 20)
         print("fuzz: " + ("held" if ok else "FAILED"))
         return 0 if ok else 1

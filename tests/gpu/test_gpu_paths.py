@@ -74,7 +74,8 @@ def test_ack_after_stream_waits_for_the_kernel_that_reads(gpu_daemon) -> None:
         waited, cpu = time.monotonic() - t0, _acker_cpu_seconds() - cpu0
         assert int(total.item()) == 1 << 20
         s = gpu_daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the ack after the kernel")
-        print(f"ack(after=stream): lease held {waited:.2f} s until the kernel ended; the acker thread used {cpu:.3f} s of CPU")
+        print(f"ack(after=stream): lease held {waited:.2f} s until the kernel ended; "
+              f"the acker thread used {cpu:.3f} s of CPU")
         assert cpu < 0.5 * waited + 0.05, "the acker spun a core while it waited"
 
 

@@ -21,7 +21,8 @@ def test_cuda_pool_producer_two_consumers(runtime_dir) -> None:
         ctx = mp.get_context("spawn")
         q_prod, results = ctx.Queue(), ctx.Queue()
         q_cons = [ctx.Queue(), ctx.Queue()]
-        cons = [ctx.Process(target=workers.consume, args=(r, str(runtime_dir), q, results)) for r, q in enumerate(q_cons)]
+        cons = [ctx.Process(target=workers.consume, args=(r, str(runtime_dir), q, results))
+                for r, q in enumerate(q_cons)]
         prod = ctx.Process(target=workers.produce, args=(str(runtime_dir), 2, q_prod))
         for p in (*cons, prod):
             p.start()
