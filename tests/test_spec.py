@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -135,3 +136,60 @@ def test_every_reply_field_is_documented() -> None:
         for name, nested in {**reply._NESTED, **reply._ITEMS}.items():
             for sub in getattr(nested, "_WIRE", None) or nested.__dataclass_fields__:
                 assert re.search(rf"\b{sub}\b", text), f"field {name}.{sub} of {op}'s reply is not in SPEC.md"
+
+
+_TRANSPORT_ARGS = {"timeout", "quiet", "req_id"}  # arguments of the client's transports, not wire fields
+
+
+def _request_keys(function: ast.AST) -> dict[str, set[str]]:
+    """op -> the request fields one client function sends with it: the keywords of each transport call
+    (``x.call("op", key=...)``, ``send``, ``call_later``), and for a ``**name`` the keys the function puts
+    into ``name`` (a dict literal, ``name["key"] = ...``)."""
+    built: dict[str, set[str]] = {}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    built.setdefault(target.id, set()).update(
+                        k.value for k in node.value.keys if isinstance(k, ast.Constant))
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
+                        and isinstance(target.slice, ast.Constant)):
+                    built.setdefault(target.value.id, set()).add(target.slice.value)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Dict) and isinstance(node.target, ast.Name):
+            built.setdefault(node.target.id, set()).update(
+                k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    sent: dict[str, set[str]] = {}
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("call", "send", "call_later") and node.args
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            continue
+        keys = sent.setdefault(node.args[0].value, set())
+        for kw in node.keywords:
+            if kw.arg is not None:
+                keys.add(kw.arg)
+            elif isinstance(kw.value, ast.Name):
+                keys |= built.get(kw.value.id, set())
+    return sent
+
+
+def test_every_key_the_client_sends_is_a_field_of_its_requests_model() -> None:
+    """Request fields are spelt once, in protos/messages.py: the daemon ignores a key its model does not
+    name (SPEC.md, section 2), so a key the client spells otherwise would be dropped without a word."""
+    offenders, seen = [], set()
+    for path in sorted((Path(__file__).parent.parent / "client").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for op, keys in _request_keys(node).items():
+                seen.add(op)
+                model = REQUEST_MODELS.get(op)
+                if model is None:
+                    offenders.append(f"{path.name}:{node.name} sends op {op!r}, which protos does not define")
+                    continue
+                for key in sorted(keys - _TRANSPORT_ARGS - set(model.model_fields)):
+                    offenders.append(f"{path.name}:{node.name} sends {op}.{key}, not a field of {model.__name__}")
+    assert not offenders, offenders
+    assert {"reserve", "ack", "arena", "hello", "publish", "release"} <= seen, f"the check found only {sorted(seen)}"
