@@ -7,7 +7,6 @@ the descriptor, when the pool cannot take the feature or the daemon is gone).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable, Optional
 
@@ -15,7 +14,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
-from mmfeat.protos.messages import MAX_CONSUMERS, TOKEN_BYTES, FallbackReason, LeaseReply, PoolInfo
+from mmfeat.protos.messages import MAX_CONSUMERS, FallbackReason, LeaseReply, PoolInfo
 
 from . import tensors as tz
 from .channel import ControlChannel
@@ -112,14 +111,11 @@ class Producer:
 
     def _put_in_arena(self, session: Session, pool: PoolInfo, put: PutInFlight) -> Optional[Descriptor]:
         """The descriptor of the feature placed and published in an arena; None to reserve instead."""
+        spot = put.place_in_arena(session, self._channel.endpoint, pool)
+        if spot is None:
+            return None
+        placed, token, desc = spot
         arenas = session.arenas
-        if arenas is None:
-            return None
-        placed = arenas.place(pool.pool, pool.device, put.nbytes)
-        if placed is None:
-            return None
-        token = os.urandom(TOKEN_BYTES)
-        desc = put.descriptor(session, self._channel.endpoint, pool.pool, placed.slot, placed.gen, token, placed.offset)
         try:
             pool_tensor = self._pool_tensor(session, desc.pool, put.device)
         except (RuntimeError, OSError):

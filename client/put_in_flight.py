@@ -7,14 +7,17 @@ so both paths make their descriptor, and fall back, from the same object.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
+from mmfeat.protos.messages import TOKEN_BYTES, PoolInfo
 
 from . import tensors as tz
+from .arenas import Placement
 from .session import Session
 
 
@@ -36,6 +39,20 @@ class PutInFlight:
         return Descriptor.checked(kind=info.kind, tensors=self.specs, nbytes=self.nbytes, many=self.many,
                                   node=session.node, endpoint=endpoint, device=info.device, pool=pool,
                                   epoch=session.epoch, lease=lease, gen=gen, token=token, offset=offset, inline=None)
+
+    def place_in_arena(self, session: Session, endpoint: str,
+                       pool: PoolInfo) -> Optional[tuple[Placement, bytes, Descriptor]]:
+        """Space for this feature in one of the session's arenas of ``pool``, the token it is published
+        with and its descriptor; None where the session has no arena with room (then it reserves)."""
+        arenas = session.arenas
+        if arenas is None:
+            return None
+        placed = arenas.place(pool.pool, pool.device, self.nbytes)
+        if placed is None:
+            return None
+        token = os.urandom(TOKEN_BYTES)
+        return placed, token, self.descriptor(session, endpoint, pool.pool, placed.slot, placed.gen, token,
+                                              placed.offset)
 
     def inline(self) -> Descriptor:
         """The descriptor that carries the bytes themselves: one copy into a bytearray msgpack packs as-is."""

@@ -24,7 +24,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
-from mmfeat.protos.messages import MAX_CONSUMERS, MAX_NBYTES, TOKEN_BYTES, PoolInfo
+from mmfeat.protos.messages import MAX_CONSUMERS, MAX_NBYTES, PoolInfo
 
 from . import dlpack
 from . import tensors as tz
@@ -149,17 +149,11 @@ class Reservations:
         return r
 
     def _in_arena(self, session: Session, pool: PoolInfo, put: PutInFlight) -> Optional[Reservation]:
-        arenas = session.arenas
-        if arenas is None:
+        spot = put.place_in_arena(session, self._producer._channel.endpoint, pool)
+        if spot is None:
             return None
-        placed = arenas.place(pool.pool, pool.device, put.nbytes)
-        if placed is None:
-            return None
-        token = os.urandom(TOKEN_BYTES)
         r = Reservation(self, "arena", put)
-        r.session, r.placed = session, placed
-        r.desc = put.descriptor(session, self._producer._channel.endpoint, pool.pool, placed.slot, placed.gen, token,
-                                placed.offset)
+        r.session, (r.placed, _, r.desc) = session, spot
         return r
 
     def _pool_bytes(self, r: Reservation) -> torch.Tensor:
