@@ -193,6 +193,5 @@ def _inline_base(desc: Descriptor, copy: bool) -> torch.Tensor:
     data = desc.inline
     if not desc.nbytes or data is None:
         return torch.empty(0, dtype=torch.uint8)
-    if copy or isinstance(data, bytearray):
-        return torch.frombuffer(bytearray(data) if copy else data, dtype=torch.uint8)
-    return torch.frombuffer(data, dtype=torch.uint8)  # read-only by contract, like a pool view
+    # The tensor holds ``data`` (and, through a memoryview, the bytes it views) for as long as it lives.
+    return torch.frombuffer(bytearray(data) if copy else data, dtype=torch.uint8)

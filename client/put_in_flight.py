@@ -55,8 +55,7 @@ class PutInFlight:
                                               placed.offset)
 
     def inline(self) -> Descriptor:
-        """The descriptor that carries the bytes themselves: one copy into a bytearray msgpack packs as-is."""
-        buf = bytearray(self.nbytes)
-        if self.nbytes:
-            tz.write_packed(torch.frombuffer(buf, dtype=torch.uint8), [t.cpu() for t in self.tensors], self.specs)
-        return Descriptor(kind="inline", tensors=self.specs, nbytes=self.nbytes, many=self.many, inline=buf)
+        """The descriptor that carries the bytes themselves, copied once: from each tensor's memory
+        straight into the bytes ``to_bytes`` returns (a tensor that is not dense host memory is made so
+        first)."""
+        return Descriptor.inline_of(self.specs, self.nbytes, self.many, tz.packed_parts(self.tensors, self.specs, self.nbytes))

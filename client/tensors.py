@@ -86,6 +86,26 @@ def write_packed(dst: torch.Tensor, tensors: Sequence[torch.Tensor], specs: Sequ
             dst[spec.offset : spec.offset + n].copy_(as_bytes(t))
 
 
+def packed_parts(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], nbytes: int) -> list[memoryview]:
+    """The ``nbytes`` packed bytes of ``tensors`` as buffers to join: each tensor's own memory where it
+    is dense host memory (no copy here), and zero padding up to each spec's offset and to the end."""
+    parts: list[memoryview] = []
+    at = 0
+    for t, spec in zip(tensors, specs):
+        n = t.numel() * t.element_size()
+        if not n:
+            continue
+        if spec.offset > at:
+            parts.append(memoryview(bytes(spec.offset - at)))
+        host = t.detach().cpu().resolve_conj().resolve_neg()
+        # numpy has no bfloat16 or float8: every tensor goes out as its bytes, a uint8 view.
+        parts.append(memoryview(as_bytes(host).numpy()))
+        at = spec.offset + n
+    if nbytes > at:
+        parts.append(memoryview(bytes(nbytes - at)))
+    return parts
+
+
 def view(base: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """The tensor ``spec`` names inside ``base`` (a uint8 tensor over the lease), without copying."""
     dtype = torch_dtype(spec.dtype)

@@ -8,11 +8,13 @@ DescriptorError and nothing else, whatever the bytes. SPEC.md, "Descriptor", giv
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import msgpack
 
+from . import inline_wire
 from .descriptor_parts import KnownParts, Tail, head_bytes
 from .dtypes import DTYPE_SIZES
 from .messages import TOKEN_BYTES
@@ -33,6 +35,20 @@ PARSE_CACHE_MAX_BYTES = 512
 PARSE_CACHE_ENTRIES = 4096
 _parsed: dict[bytes, "Descriptor"] = {}
 _known = KnownParts()  # heads and tails already checked: a later descriptor checks only what differs
+# Inline descriptors by the identity of the bytes they were parsed from: a consumer's ack(blob) after its
+# get(blob) finds the parse there. Keyed by identity, not value: hashing a 64 KiB payload costs more
+# than parsing its header. An entry holds its bytes alive, so entries and their bytes are both bounded.
+INLINE_CACHE_ENTRIES = 32
+INLINE_CACHE_MAX_BYTES = 16 << 20
+_inline_parsed: "OrderedDict[int, tuple[bytes, Descriptor]]" = OrderedDict()
+_inline_cached_bytes = 0
+_counts = {"parses": 0, "cache_hits": 0}
+
+
+def parse_stats() -> dict[str, int]:
+    """How many times ``from_bytes`` parsed bytes (``parses``) and how many times it found them parsed
+    already (``cache_hits``), in this process: a get(blob) then ack(blob) of one feature is one of each."""
+    return dict(_counts)
 
 
 def parse_cache_len() -> int:
@@ -154,10 +170,13 @@ def _tensor_specs(tensors: Any, many: bool, nbytes: int) -> tuple[TensorSpec, ..
     return tuple([_spec_from_wire(t, nbytes) for t in tensors])
 
 
+_UNPACK_KWARGS: dict[str, Any] = dict(raw=False, max_bin_len=_MAX_DESCRIPTOR_BYTES, max_array_len=_MAX_TENSORS * 4,
+                                      max_ext_len=0)
+
+
 def _unpack(data: bytes) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, max_bin_len=_MAX_DESCRIPTOR_BYTES, max_array_len=_MAX_TENSORS * 4,
-                               max_ext_len=0)
+        return msgpack.unpackb(data, **_UNPACK_KWARGS)
     except Exception as exc:
         raise DescriptorError(f"not a descriptor: {type(exc).__name__}: {exc}") from None
 
@@ -195,7 +214,8 @@ class Descriptor:
     # Out of repr: the token is what lets a holder of the descriptor ack the lease, and a repr ends up in logs.
     token: bytes = field(default=b"", repr=False)
     offset: int = 0
-    inline: Optional[Union[bytes, bytearray]] = field(default=None, repr=False)
+    # A read-only memoryview into the bytes the descriptor was made as or parsed from (no copy of its own).
+    inline: Optional[Union[bytes, bytearray, memoryview]] = field(default=None, repr=False)
 
     @property
     def is_inline(self) -> bool:
@@ -214,6 +234,11 @@ class Descriptor:
         }
 
     def to_bytes(self) -> bytes:
+        wire = self.__dict__.get("_wire")  # an inline descriptor made by put is its bytes already
+        if wire is not None:
+            return wire
+        if self.inline is not None:
+            return inline_wire.encode(self._head_fields(), [self.inline], len(self.inline))[0]
         return msgpack.packb(
             [
                 FORMAT,
@@ -235,6 +260,22 @@ class Descriptor:
             use_bin_type=True,
         )
 
+    def _head_fields(self) -> list[Any]:
+        """The first fourteen wire fields, everything but the inline data."""
+        return [FORMAT, self.kind, self.node, self.endpoint, self.device, self.pool, self.epoch, self.lease, self.gen,
+                self.token, self.offset, self.nbytes, self.many, [t.to_wire() for t in self.tensors]]
+
+    @classmethod
+    def inline_of(cls, tensors: tuple[TensorSpec, ...], nbytes: int, many: bool,
+                  parts: list[Any]) -> "Descriptor":
+        """An inline descriptor whose payload is the buffers ``parts`` (``nbytes`` in all, already laid out
+        as ``tensors`` say), copied once into the bytes ``to_bytes`` will return."""
+        desc = cls.checked(kind="inline", tensors=tensors, nbytes=nbytes, many=many, node="", endpoint="", device=-1,
+                           pool=0, epoch=0, lease=0, gen=0, token=b"", offset=0, inline=None)
+        wire, start = inline_wire.encode(desc._head_fields(), parts, nbytes)
+        desc.__dict__.update(inline=memoryview(wire)[start:], _wire=wire)
+        return desc
+
     @classmethod
     def from_bytes(cls, data: bytes) -> "Descriptor":
         # A consumer parses the same bytes for get() and again for ack(): the second time (and every
@@ -242,16 +283,19 @@ class Descriptor:
         # validated. Keyed by the exact bytes of small pool descriptors only; a Descriptor is frozen.
         cacheable = type(data) is bytes and len(data) <= PARSE_CACHE_MAX_BYTES
         if not cacheable:
-            return cls._parse_or_refuse(data)
+            return cls._inline_from_bytes(data)
         desc = _parsed.get(data)
         if desc is not None:
+            _counts["cache_hits"] += 1
             return desc
+        _counts["parses"] += 1
         split = _known.split(data)
         if split is not None:  # a pool this process has parsed a descriptor of before
             desc = cls._parse_or_refuse(data, split)
         else:
             desc = cls._parse_or_refuse(data)
             if desc.is_inline:
+                _remember_inline(data, desc)
                 return desc
             head = (desc.kind, desc.node, desc.endpoint, desc.device, desc.pool, desc.epoch)
             _known.remember_head(data, head_bytes(FORMAT, *head), head)
@@ -261,6 +305,20 @@ class Descriptor:
         if len(_parsed) >= PARSE_CACHE_ENTRIES:
             _parsed.clear()  # cheaper than an LRU, and a miss only costs a parse
         _parsed[data] = desc
+        return desc
+
+    @classmethod
+    def _inline_from_bytes(cls, data: bytes) -> "Descriptor":
+        """``from_bytes`` of bytes too long for the value-keyed cache: most are inline descriptors, found
+        again by identity when the same bytes come back (get, then ack)."""
+        hit = _inline_parsed.get(id(data))
+        if hit is not None and hit[0] is data:
+            _counts["cache_hits"] += 1
+            return hit[1]
+        _counts["parses"] += 1
+        desc = cls._parse_or_refuse(data)
+        if desc.is_inline and type(data) is bytes:
+            _remember_inline(data, desc)
         return desc
 
     @classmethod
@@ -293,7 +351,9 @@ class Descriptor:
     def _parse(cls, data: bytes) -> "Descriptor":
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DescriptorError(f"a descriptor is bytes, not {type(data).__name__}")
-        raw = _unpack(data)
+        # Bytes (immutable) of an inline descriptor: the payload stays where it is, viewed, not copied.
+        split = inline_wire.decode(data, _UNPACK_KWARGS) if type(data) is bytes else None
+        raw = [*split[0], split[1]] if split is not None else _unpack(data)
         if not isinstance(raw, list) or len(raw) != 15:
             raise DescriptorError("not a descriptor: expected a 15-element msgpack array")
         if raw[0] != FORMAT:
@@ -311,7 +371,7 @@ class Descriptor:
         if type(device) is not int or device < -1:
             raise DescriptorError("device must be an integer >= -1")
         if kind == "inline":
-            if not isinstance(inline, (bytes, bytearray)) or len(inline) != nbytes:
+            if not isinstance(inline, (bytes, bytearray, memoryview)) or len(inline) != nbytes:
                 raise DescriptorError("an inline descriptor must carry exactly nbytes of data")
         else:
             if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
@@ -329,7 +389,7 @@ class Descriptor:
     @classmethod
     def checked(cls, *, kind: str, tensors: tuple[TensorSpec, ...], nbytes: int, many: bool, node: str,
                 endpoint: str, device: int, pool: int, epoch: int, lease: int, gen: int, token: bytes, offset: int,
-                inline: Optional[Union[bytes, bytearray]]) -> "Descriptor":
+                inline: Optional[Union[bytes, bytearray, memoryview]]) -> "Descriptor":
         """The descriptor of fields that are already checked (a parse, or a producer's own placement),
         every field given, by name (fourteen in a row are too easy to swap). The same object the
         constructor makes, without its 14 ``object.__setattr__`` calls (frozen dataclasses set each field
@@ -344,3 +404,14 @@ class Descriptor:
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         # Pickle through the validated wire form, so a pickled descriptor is never more trusted than bytes.
         return (Descriptor.from_bytes, (self.to_bytes(),))
+
+
+def _remember_inline(data: bytes, desc: Descriptor) -> None:
+    global _inline_cached_bytes
+    if len(data) > INLINE_CACHE_MAX_BYTES:
+        return  # its second parse reads the header alone: the payload is viewed, not copied
+    while _inline_parsed and (len(_inline_parsed) >= INLINE_CACHE_ENTRIES
+                              or _inline_cached_bytes + len(data) > INLINE_CACHE_MAX_BYTES):
+        _inline_cached_bytes -= len(_inline_parsed.popitem(last=False)[1][0])
+    _inline_parsed[id(data)] = (data, desc)
+    _inline_cached_bytes += len(data)

@@ -1,0 +1,159 @@
+"""Inline descriptors: the bytes msgpack makes, written with one copy of the payload and read as a view
+into the received bytes, which the tensor keeps alive; get(blob) then ack(blob) parses once."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import random
+
+import msgpack
+import pytest
+import torch
+
+from mmfeat.client import tensors as tz
+from mmfeat.protos import Descriptor, DescriptorError
+from mmfeat.protos import descriptor
+
+BIG = 1 << 62  # an inline_threshold no feature reaches: every put goes inline
+
+
+def _all_dtypes() -> list[torch.dtype]:
+    return list(tz._TO_TORCH.values())
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    flat = raw.view(dtype)[: torch.Size(shape).numel()]
+    return flat.reshape(shape)
+
+
+def _legacy_bytes(desc: Descriptor, payload: bytes) -> bytes:
+    """What msgpack.packb makes of the whole 15-element array: the format every reader knows."""
+    return msgpack.packb([1, "inline", "", "", -1, 0, 0, 0, 0, b"", 0, desc.nbytes, desc.many,
+                          [t.to_wire() for t in desc.tensors], payload], use_bin_type=True)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bitwise: NaNs in random float bytes compare unequal to themselves.
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _address_range(blob: bytes) -> tuple[int, int]:
+    start = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
+    return start, start + len(blob)
+
+
+@pytest.mark.parametrize("dtype", _all_dtypes(), ids=str)
+def test_every_dtype_round_trips_inline_in_the_format_msgpack_makes(daemon, dtype) -> None:
+    with daemon.client(inline_threshold=BIG) as c:
+        cases = [_tensor(dtype, (3, 5), 1), _tensor(dtype, (), 2), _tensor(dtype, (0, 4), 3),
+                 _tensor(dtype, (6, 4), 4).t(),  # non-contiguous
+                 _tensor(dtype, (4, 6), 5)[:, ::2]]
+        for t in cases:
+            desc = c.put(t)
+            blob = desc.to_bytes()
+            assert desc.is_inline and blob == _legacy_bytes(desc, t.contiguous().reshape(-1).view(torch.uint8)
+                                                            .numpy().tobytes())
+            got = c.get(blob)
+            assert _same(got, t) and got.is_contiguous()
+            private = c.get(blob, copy=True)
+            assert _same(private, t)
+            c.ack(blob)
+        # put_many: mixed with an empty tensor and padding between and after
+        many = [_tensor(dtype, (7,), 6), _tensor(dtype, (0,), 7), _tensor(dtype, (2, 3), 8).t(), _tensor(dtype, (0,), 9)]
+        desc = c.put_many(many)
+        blob = desc.to_bytes()
+        assert len(desc.inline) == desc.nbytes and Descriptor.from_bytes(bytes(bytearray(blob))) == desc
+        for got, t in zip(c.get(blob), many):
+            assert _same(got, t)
+        c.ack(blob)
+
+
+def test_put_makes_the_bytes_once_and_get_views_them(daemon) -> None:
+    with daemon.client(inline_threshold=BIG) as c:
+        t = torch.arange(16384, dtype=torch.float32)
+        desc = c.put(t)
+        blob = desc.to_bytes()
+        assert desc.to_bytes() is blob  # made at put, not packed again per call
+        lo, hi = _address_range(blob)
+        view = torch.frombuffer(desc.inline, dtype=torch.uint8)
+        assert lo <= view.data_ptr() and view.data_ptr() + desc.nbytes == hi  # the payload inside those bytes
+        received = bytes(bytearray(blob))  # as a socket hands it over: other bytes, same value
+        got = c.get(received)
+        lo, hi = _address_range(received)
+        assert lo <= got.data_ptr() < hi, "get copied the payload out of the received bytes"
+        assert torch.equal(got, t)
+        private = c.get(received, copy=True)
+        assert not lo <= private.data_ptr() < hi
+        private += 1  # copy=True is writable and private
+        assert torch.equal(c.get(received), t)
+        c.ack(received)
+
+
+def test_the_tensor_keeps_the_received_bytes_alive(daemon) -> None:
+    with daemon.client(inline_threshold=BIG) as c:
+        t = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB: its bytes are their own mapping, unmapped when freed
+        blob = bytes(bytearray(c.put(t).to_bytes()))
+        got = c.get(blob)
+        c.ack(blob)
+        del blob
+        for k in range(descriptor.INLINE_CACHE_ENTRIES + 1):  # push it out of the parse cache too
+            c.get(bytes(bytearray(c.put(torch.full((4,), k)).to_bytes())))
+        gc.collect()
+        assert torch.equal(got, t)
+        churn = [bytes(4 << 20) for _ in range(4)]  # would reuse freed memory if the view did not hold it
+        assert torch.equal(got, t) and len(churn) == 4
+
+
+def test_get_then_ack_of_the_same_bytes_parses_once(daemon) -> None:
+    with daemon.client(inline_threshold=BIG) as inline, daemon.client(inline_threshold=0, fallback="error") as pool:
+        for c, t in ((inline, torch.arange(65536 // 4, dtype=torch.float32)), (pool, torch.ones(1000))):
+            blob = bytes(bytearray(c.put(t).to_bytes()))
+            before = descriptor.parse_stats()
+            c.get(blob)
+            c.ack(blob)
+            after = descriptor.parse_stats()
+            assert after["parses"] - before["parses"] == 1, (c.inline_threshold, before, after)
+            assert after["cache_hits"] - before["cache_hits"] == 1
+        assert pool.flush(10)
+
+
+def test_the_inline_cache_is_bounded_by_entries_and_bytes(daemon) -> None:
+    with daemon.client(inline_threshold=BIG) as c:
+        blobs = [bytes(bytearray(c.put(torch.full((1 << 18,), k, dtype=torch.uint8)).to_bytes()))
+                 for k in range(descriptor.INLINE_CACHE_ENTRIES * 2)]
+        for b in blobs:
+            c.get(b)
+        assert len(descriptor._inline_parsed) <= descriptor.INLINE_CACHE_ENTRIES
+        assert sum(len(b) for b, _ in descriptor._inline_parsed.values()) <= descriptor.INLINE_CACHE_MAX_BYTES
+
+
+def test_mutated_inline_bytes_are_refused_as_the_full_parse_refuses_them() -> None:
+    """bytes take the view path, a bytearray the full msgpack parse: both accept and refuse alike."""
+    t = torch.arange(300, dtype=torch.int16)
+    specs, nbytes = tz.layout([t])
+    good = Descriptor.inline_of(tuple(specs), nbytes, False, tz.packed_parts([t], specs, nbytes)).to_bytes()
+    rng = random.Random(7)
+    blobs = [good[:n] for n in range(0, len(good), 7)] + [good + b"\0"]
+    for _ in range(3000):
+        b = bytearray(good)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(b)) if rng.random() < 0.5 else rng.randrange(min(len(b), 200))
+            b[at] = rng.randrange(256)
+        blobs.append(bytes(b))
+    for blob in blobs:
+        try:
+            fast = descriptor.parse_in_full(blob)
+        except DescriptorError:
+            fast = None
+        try:
+            full = descriptor.parse_in_full(bytearray(blob))
+        except DescriptorError:
+            full = None
+        assert (fast is None) == (full is None), blob.hex()
+        if fast is not None:
+            assert fast == full and bytes(fast.inline) == bytes(full.inline) and len(fast.inline) == fast.nbytes
