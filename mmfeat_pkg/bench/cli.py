@@ -194,7 +194,7 @@ def _run_data_plane(
             res = pipes[0][0].recv()
             consumer_cpu = [parent.recv()["cpu_s"] for parent, _ in pipes[1:]]
             daemon_cpu1 = _cpu_seconds(daemon_pid)
-            row = make_row(mode, size, n, res["latencies"], res["elapsed"])
+            row = make_row(mode, size, n, res["latencies"], res["elapsed"], res["first_held"])
             # CPU per feature after the warm-up: steadier than time on a shared machine.
             row["producer_cpu_us"] = res["cpu_s"] / job.count * 1e6
             row["consumer_cpu_us"] = sum(consumer_cpu) / n / job.count * 1e6

@@ -24,9 +24,16 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * scale)
 
 
-def make_row(mode: str, size: int, consumers: int, latencies: list[float], elapsed: float) -> dict[str, Any]:
+def make_row(mode: str, size: int, consumers: int, latencies: list[float], elapsed: float,
+             first_held: Optional[list[float]] = None) -> dict[str, Any]:
+    """A row: features/s and p50/p99 from put to the last consumer's read of every byte; with
+    ``first_held``, also p50/p99 from put to the first consumer holding the feature as a tensor."""
     lat = sorted(latencies)
     fps = len(lat) / elapsed if elapsed > 0 else float("inf")
+    held = {}
+    if first_held:
+        h = sorted(first_held)
+        held = {"held_p50_us": statistics.median(h) * 1e6, "held_p99_us": _p99(h) * 1e6}
     return {
         "mode": mode,
         "size": size,
@@ -35,8 +42,13 @@ def make_row(mode: str, size: int, consumers: int, latencies: list[float], elaps
         "seconds": elapsed,
         "gb_per_s": fps * size / 1e9,
         "p50_us": statistics.median(lat) * 1e6,
-        "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
+        "p99_us": _p99(lat) * 1e6,
+        **held,
     }
+
+
+def _p99(ordered: list[float]) -> float:
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -163,6 +175,7 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
             f" {r['p50_us']:>10.0f} {r['p99_us']:>10.0f} {xl:>8} {xz:>7}"
             f"  {_us(r.get('producer_cpu_us')):>8} {_us(r.get('consumer_cpu_us')):>8} {_us(r.get('daemon_cpu_us')):>7}"
         )
+    lines += _held_lines(rows, order)
     if control:
         lines += ["", "control plane: reserve+publish+ack cycles/s, and per round trip p50/p99 (us)"]
         lines.append(f"{'clients':>7} {'mmfeat cyc/s':>13} {'p50':>7} {'p99':>7} {'echo cyc/s':>11} {'p50':>7}"
@@ -179,6 +192,23 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
                       "a smaller or busier machine may miss them):"]
         lines += [f"  {'met   ' if ok else 'MISSED'} {name}: {got}" for name, ok, got in verdicts]
     return "\n".join(lines)
+
+
+def _held_lines(rows: list[dict[str, Any]], order: dict[str, int]) -> list[str]:
+    """The latency table: put -> the first consumer holds the tensor, against zmq_bytes in the same run
+    (x zmq: zmq_bytes's p50 over the mode's, so above 1 is sooner)."""
+    held = [r for r in rows if r.get("held_p50_us") is not None]
+    if not held:
+        return []
+    zmq = {(r["size"], r["consumers"]): r["held_p50_us"] for r in held if r["mode"] == "zmq_bytes"}
+    lines = ["", "latency: put -> first consumer holds the tensor (us)",
+             f"{'consumers':>9} {'size':>6} {'mode':<15} {'p50 us':>10} {'p99 us':>10} {'x zmq':>7}"]
+    for r in sorted(held, key=lambda r: (r["consumers"], r["size"], order.get(r["mode"], 99))):
+        z = zmq.get((r["size"], r["consumers"]))
+        xz = f"{z / r['held_p50_us']:.2f}" if z and r["held_p50_us"] > 0 else "-"
+        lines.append(f"{r['consumers']:>9} {human_size(r['size']):>6} {r['mode']:<15} {r['held_p50_us']:>10.0f}"
+                     f" {r['held_p99_us']:>10.0f} {xz:>7}")
+    return lines
 
 
 def _us(v: Optional[float]) -> str:

@@ -120,33 +120,33 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
                 # Connected, warmed up: CPU per feature from here (all threads: ZeroMQ's I/O thread and
                 # the background acker too), as a server that connected once pays it.
                 cpu0 = time.process_time()
+            # Each mode holds the feature as a tensor on the job's device (held_at), then reads every byte.
             if job.mode == "floor":
                 header, _ = pull.recv_multipart()
-                idx = msgpack.unpackb(header)
-                read_every_byte(local)
+                idx, got = msgpack.unpackb(header), local
             elif job.mode == "shm_ring":
                 header, slot = pull.recv_multipart()
                 idx, at = msgpack.unpackb(header), int(slot) * job.size
                 if ring is None:
                     ring = _ring(ring_path(sock_dir), job.size * job.window, create=False)
-                read_every_byte(ring[at : at + job.size].to(job.device))
+                got = ring[at : at + job.size].to(job.device)
             elif job.mode == "torch_mp":
-                idx, t = mp_queue.get()
-                read_every_byte(t)
-                del t
+                idx, got = mp_queue.get()
             elif job.mode == "zmq_bytes":
                 header, payload = pull.recv_multipart(copy=False)
                 idx = msgpack.unpackb(header.bytes)
-                read_every_byte(torch.frombuffer(payload.buffer, dtype=torch.uint8).to(job.device))
+                got = torch.frombuffer(payload.buffer, dtype=torch.uint8).to(job.device)
             else:
                 header, blob = pull.recv_multipart()
                 idx = msgpack.unpackb(header)
                 desc = Descriptor.from_bytes(blob)  # once, as a server unpacks its own message once
-                got = client.get(desc, copy=(job.mode == "pool_copy"))
-                read_every_byte(got.to(job.device))  # a no-op except for inline features on a GPU run
-                del got
+                got = client.get(desc, copy=(job.mode == "pool_copy")).to(job.device)  # inline on a GPU run: a copy
+            held_at = time.monotonic()
+            read_every_byte(got)
+            del got
+            if job.mode in POOL_MODES or job.mode == "inline":
                 client.ack(desc, wait=(job.ack == "sync"))
-            done.send(msgpack.packb([idx, time.monotonic()]))
+            done.send(msgpack.packb([idx, held_at, time.monotonic()]))
         if client is not None and not client.flush():
             raise RuntimeError("background acks did not reach the daemon")
         cmd.send({"cpu_s": time.process_time() - cpu0})
@@ -181,12 +181,14 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
         ring = _ring(ring_path(sock_dir), job.size * job.window, create=True) if job.mode == "shm_ring" else None
         sent_at: list[float] = []
         read_at: dict[int, list[float]] = {}
+        held_at: dict[int, list[float]] = {}
         acked = 0  # features every consumer has finished
 
         def collect(block: bool) -> None:
             nonlocal acked
             while done.poll(None if block else 0):
-                i, t1 = msgpack.unpackb(done.recv())
+                i, th, t1 = msgpack.unpackb(done.recv())
+                held_at.setdefault(i, []).append(th)
                 read_at.setdefault(i, []).append(t1)
                 block = False
             while len(read_at.get(acked, ())) == n_consumers:
@@ -236,12 +238,13 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
             collect(block=True)
         first = job.warmup
         latencies = [max(read_at[i]) - sent_at[i] for i in range(first, total)]
+        first_held = [min(held_at[i]) - sent_at[i] for i in range(first, total)]
         elapsed = max(max(read_at[i]) for i in range(first, total)) - sent_at[first]
         if ring is not None:
             del ring
             os.unlink(ring_path(sock_dir))  # consumers keep their mapping until their next job
         fallbacks = dict(client.fallbacks) if client is not None else {}
-        cmd.send({"latencies": latencies, "elapsed": elapsed, "fallbacks": fallbacks,
+        cmd.send({"latencies": latencies, "first_held": first_held, "elapsed": elapsed, "fallbacks": fallbacks,
                   "cpu_s": time.process_time() - cpu0})
     for c in clients.values():
         c.close()
