@@ -43,6 +43,12 @@ INLINE_CACHE_MAX_BYTES = 16 << 20
 _inline_parsed: "OrderedDict[int, tuple[bytes, Descriptor]]" = OrderedDict()
 _inline_cached_bytes = 0
 _counts = {"parses": 0, "cache_hits": 0}
+# Inline descriptors' bytes before their payload (the fourteen fields and the bin header), once checked:
+# a server sends a few feature shapes, and each new feature then differs from one of these only after them.
+INLINE_HEADS = 1024
+_INLINE_HEAD_LENGTHS = 8
+_inline_heads: dict[bytes, "Descriptor"] = {}
+_inline_head_lengths: list[int] = []  # the distinct lengths of those heads, most recent first
 
 
 def parse_stats() -> dict[str, int]:
@@ -293,7 +299,7 @@ class Descriptor:
         if split is not None:  # a pool this process has parsed a descriptor of before
             desc = cls._parse_or_refuse(data, split)
         else:
-            desc = cls._parse_or_refuse(data)
+            desc = cls._parse_new(data)
             if desc.is_inline:
                 _remember_inline(data, desc)
                 return desc
@@ -316,9 +322,27 @@ class Descriptor:
             _counts["cache_hits"] += 1
             return hit[1]
         _counts["parses"] += 1
-        desc = cls._parse_or_refuse(data)
+        desc = cls._parse_new(data)
         if desc.is_inline and type(data) is bytes:
             _remember_inline(data, desc)
+        return desc
+
+    @classmethod
+    def _parse_new(cls, data: bytes) -> "Descriptor":
+        """The parse of bytes not seen before. An inline descriptor whose bytes before the payload match
+        one already checked has the same fields (msgpack reads a prefix the same way whatever follows)
+        and a payload of exactly its nbytes: it needs no decoding, only a view of its payload."""
+        if type(data) is not bytes:
+            return cls._parse_or_refuse(data)
+        for n in _inline_head_lengths:
+            template = _inline_heads.get(data[:n])
+            if template is not None and len(data) - n == template.nbytes:
+                desc = object.__new__(cls)
+                desc.__dict__.update(template.__dict__, inline=memoryview(data)[n:])
+                return desc
+        desc = cls._parse_or_refuse(data)
+        if desc.is_inline and isinstance(desc.inline, memoryview):  # the view path read it: a head to learn
+            _learn_inline_head(data[: len(data) - desc.nbytes], desc)
         return desc
 
     @classmethod
@@ -415,3 +439,17 @@ def _remember_inline(data: bytes, desc: Descriptor) -> None:
         _inline_cached_bytes -= len(_inline_parsed.popitem(last=False)[1][0])
     _inline_parsed[id(data)] = (data, desc)
     _inline_cached_bytes += len(data)
+
+
+def _learn_inline_head(head: bytes, desc: Descriptor) -> None:
+    if len(_inline_heads) >= INLINE_HEADS:
+        _inline_heads.clear()  # a miss only costs a parse
+        _inline_head_lengths.clear()
+    _inline_heads[head] = desc.checked(kind=desc.kind, tensors=desc.tensors, nbytes=desc.nbytes, many=desc.many,
+                                       node=desc.node, endpoint=desc.endpoint, device=desc.device, pool=desc.pool,
+                                       epoch=desc.epoch, lease=desc.lease, gen=desc.gen, token=desc.token,
+                                       offset=desc.offset, inline=None)
+    if len(head) in _inline_head_lengths:
+        _inline_head_lengths.remove(len(head))
+    _inline_head_lengths.insert(0, len(head))
+    del _inline_head_lengths[_INLINE_HEAD_LENGTHS:]
