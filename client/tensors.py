@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -86,23 +86,29 @@ def write_packed(dst: torch.Tensor, tensors: Sequence[torch.Tensor], specs: Sequ
             dst[spec.offset : spec.offset + n].copy_(as_bytes(t))
 
 
-def packed_parts(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], nbytes: int) -> list[memoryview]:
-    """The ``nbytes`` packed bytes of ``tensors`` as buffers to join: each tensor's own memory where it
-    is dense host memory (no copy here), and zero padding up to each spec's offset and to the end."""
-    parts: list[memoryview] = []
+def packed_parts(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], nbytes: int) -> list[Any]:
+    """The ``nbytes`` packed bytes of ``tensors`` as buffers to join at once, while ``tensors`` live:
+    each tensor's own memory where it is dense host memory (no copy here), and zero padding up to each
+    spec's offset and to the end."""
+    parts: list[Any] = []
     at = 0
     for t, spec in zip(tensors, specs):
         n = t.numel() * t.element_size()
         if not n:
             continue
         if spec.offset > at:
-            parts.append(memoryview(bytes(spec.offset - at)))
-        host = t.detach().cpu().resolve_conj().resolve_neg()
-        # numpy has no bfloat16 or float8: every tensor goes out as its bytes, a uint8 view.
-        parts.append(memoryview(as_bytes(host).numpy()))
+            parts.append(bytes(spec.offset - at))
+        if _dense_host(t):
+            # A ctypes array over the tensor's memory: a tenth of the cost of torch's views and numpy's
+            # (a per-feature cost on the inline path); it holds no reference, hence "while tensors live".
+            parts.append((ctypes.c_char * n).from_address(t.data_ptr()))
+        else:
+            host = t.detach().cpu().resolve_conj().resolve_neg()
+            # numpy has no bfloat16 or float8: every tensor goes out as its bytes, a uint8 view.
+            parts.append(as_bytes(host).numpy())
         at = spec.offset + n
     if nbytes > at:
-        parts.append(memoryview(bytes(nbytes - at)))
+        parts.append(bytes(nbytes - at))
     return parts
 
 
@@ -152,8 +158,14 @@ def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[tor
 def _plain_host_bytes(pool: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds exactly the bytes its packed copy must: a dense CPU tensor without
     a lazy conjugate or negation bit, going into host memory."""
-    return (not pool.is_cuda and not t.is_cuda and t.layout is torch.strided and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg())
+    return not pool.is_cuda and _dense_host(t)
+
+
+def _dense_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds exactly its packed bytes: dense, on the host, without a lazy conjugate
+    or negation bit."""
+    return (not t.is_cuda and t.layout is torch.strided and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg())
 
 
 def _typed_views(pool: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
