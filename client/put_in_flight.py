@@ -58,4 +58,5 @@ class PutInFlight:
         """The descriptor that carries the bytes themselves, copied once: from each tensor's memory
         straight into the bytes ``to_bytes`` returns (a tensor that is not dense host memory is made so
         first)."""
-        return Descriptor.inline_of(self.specs, self.nbytes, self.many, tz.packed_parts(self.tensors, self.specs, self.nbytes))
+        parts = tz.packed_parts(self.tensors, self.specs, self.nbytes)
+        return Descriptor.inline_of(self.specs, self.nbytes, self.many, parts)

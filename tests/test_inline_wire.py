@@ -70,7 +70,8 @@ def test_every_dtype_round_trips_inline_in_the_format_msgpack_makes(daemon, dtyp
             assert _same(private, t)
             c.ack(blob)
         # put_many: mixed with an empty tensor and padding between and after
-        many = [_tensor(dtype, (7,), 6), _tensor(dtype, (0,), 7), _tensor(dtype, (2, 3), 8).t(), _tensor(dtype, (0,), 9)]
+        many = [_tensor(dtype, (7,), 6), _tensor(dtype, (0,), 7), _tensor(dtype, (2, 3), 8).t(),
+                _tensor(dtype, (0,), 9)]
         desc = c.put_many(many)
         blob = desc.to_bytes()
         assert len(desc.inline) == desc.nbytes and Descriptor.from_bytes(bytes(bytearray(blob))) == desc
