@@ -25,6 +25,11 @@ $(BASE_STAMP): pyproject.toml
 
 $(STAMP): $(BASE_STAMP)
 	$(PIP) -e ".[test,cuda,examples,mesh]"
+	@# iptables holds a mesh connection back in tests/test_remote_restarts.py, which runs as root in network
+	@# namespaces; best effort, as Debian's package, and the test says why it skips where it is missing.
+	@command -v iptables >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iptables >/dev/null 2>&1; } \
+		|| echo "make setup: iptables is not installed; tests/test_remote_restarts.py will skip its restart test"
 	touch $@
 
 # Where PYTHONDONTWRITEBYTECODE is set (as in CI) nothing caches our modules' bytecode, so every daemon
