@@ -42,6 +42,12 @@ def _align(n: int) -> int:
     return -(-n // LEASE_ALIGNMENT) * LEASE_ALIGNMENT
 
 
+def _size_class(nbytes: int) -> int:
+    """The arena size the daemon grants for a feature over half the usual arena (SPEC.md, ``arena``):
+    features of one class share their arenas, and a refused class does not hold up the others."""
+    return 1 << (2 * nbytes - 1).bit_length()
+
+
 @dataclass(slots=True)
 class Placement:
     arena: "ProducerArena"
@@ -163,37 +169,47 @@ class ArenaSet:
         self._fd = fd
         self._lock = threading.Lock()
         self._arenas: dict[int, list[ProducerArena]] = {}
-        self._pending: dict[int, int] = {}  # pool -> id of an arena request whose reply has not been read
-        self._retry_at: dict[int, float] = {}
+        # (pool, size class: 0 for the usual arena) -> id of an arena request whose reply has not been read
+        self._pending: dict[tuple[int, int], int] = {}
+        self._retry_at: dict[tuple[int, int], float] = {}
+        self._usual: dict[int, int] = {}  # pool -> size of the arenas the daemon grants for any feature
         self._stop = threading.Event()
         self._reaper: Optional[threading.Thread] = None
 
     def place(self, pool: int, device: Optional[int], nbytes: int) -> Optional[Placement]:
-        """Space for ``nbytes`` in one of this session's arenas of ``pool``; None: reserve instead."""
+        """Space for ``nbytes`` in one of this session's arenas of ``pool``; None: reserve instead. A
+        feature over half the usual arena goes to an arena of its own size class, asked for with its
+        size, so that it too costs no message."""
         table = self._table
         if table.draining():
             return None
         with self._lock:
             self._collect(pool)
             arenas = self._arenas.get(pool)
-            if not arenas:
-                if pool in self._pending or time.monotonic() < self._retry_at.get(pool, 0.0):
+            if pool not in self._usual:
+                if not self._request(pool, device, None, wait=True):  # a session's first feature: one round trip
                     return None
-                self._request(pool, device, wait=True)  # the first feature of a session pays one round trip
                 arenas = self._arenas.get(pool)
-                if not arenas:
+                if pool not in self._usual:
                     return None
-            if nbytes > arenas[0].size * MAX_FEATURE_FRACTION:
-                return None
-            for i, arena in enumerate(arenas):
+            large = nbytes if nbytes > self._usual[pool] * MAX_FEATURE_FRACTION else None
+            fitting = [a for a in arenas or () if nbytes <= a.size * MAX_FEATURE_FRACTION]
+            if not fitting and large is not None:
+                # The first feature of its size class waits for its arena, as a session's first does.
+                self._request(pool, device, large, wait=True)
+                arenas = self._arenas.get(pool)
+                fitting = [a for a in arenas or () if nbytes <= a.size * MAX_FEATURE_FRACTION]
+            for arena in fitting:
                 p = arena.place(nbytes)
                 if p is not None:
-                    if i:  # keep the arena that had room first next time
-                        arenas.insert(0, arenas.pop(i))
-                    if arena.low() and len(arenas) == 1:  # the next one, before this one fills
-                        self._request(pool, device, wait=False)
+                    assert arenas is not None
+                    if arena is not arenas[0]:  # keep the arena that had room first next time
+                        arenas.remove(arena)
+                        arenas.insert(0, arena)
+                    if arena.low() and len(fitting) == 1:  # the next one, before this one fills
+                        self._request(pool, device, large, wait=False)
                     return p
-            self._request(pool, device, wait=False)
+            self._request(pool, device, large, wait=False)
             return None
 
     def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes) -> None:
@@ -208,40 +224,48 @@ class ArenaSet:
             p.abandoned = True
             p.arena.reclaim()
 
-    def _request(self, pool: int, device: Optional[int], wait: bool) -> None:
-        if pool in self._pending or time.monotonic() < self._retry_at.get(pool, 0.0):
-            return
+    def _request(self, pool: int, device: Optional[int], nbytes: Optional[int], wait: bool) -> bool:
+        """Ask for an arena of ``pool`` that takes features of ``nbytes`` (None: the usual size); with
+        ``wait``, install it before returning. Whether a request went out."""
+        key = (pool, _size_class(nbytes) if nbytes is not None else 0)
+        if key in self._pending or time.monotonic() < self._retry_at.get(key, 0.0):
+            return False
         fields: dict[str, Any] = {"device": device} if device is not None else {}
+        if nbytes is not None:
+            fields["nbytes"] = nbytes
         try:
             if wait:
-                self._install(pool, self._fd.call("arena", **fields))
+                self._install(key, self._fd.call("arena", **fields))
             else:
-                self._pending[pool] = self._fd.call_later("arena", **fields)
+                self._pending[key] = self._fd.call_later("arena", **fields)
         except DaemonUnavailableError:
             raise  # the producer falls back at once instead of waiting again for a reserve
-        except MmfeatError as exc:  # pool full, limit reached, draining: reserve meanwhile
-            self._refused(pool, exc)
+        except MmfeatError as exc:  # pool full, limit reached, too large, draining: reserve meanwhile
+            self._refused(key, exc)
+        return True
 
     def _collect(self, pool: int) -> None:
-        req_id = self._pending.get(pool)
-        if req_id is None:
-            return
-        try:
-            reply = self._fd.reply_to(req_id)
-        except MmfeatError as exc:  # DaemonUnavailableError too: the put reserves, and learns
-            del self._pending[pool]
-            self._refused(pool, exc)
-            return
-        if reply is not None:
-            del self._pending[pool]
-            self._install(pool, reply)
+        for key in [k for k in self._pending if k[0] == pool]:
+            req_id = self._pending[key]
+            try:
+                reply = self._fd.reply_to(req_id)
+            except MmfeatError as exc:  # DaemonUnavailableError too: the put reserves, and learns
+                del self._pending[key]
+                self._refused(key, exc)
+                continue
+            if reply is not None:
+                del self._pending[key]
+                self._install(key, reply)
 
-    def _refused(self, pool: int, exc: Exception) -> None:
-        self._retry_at[pool] = time.monotonic() + _RETRY_S
-        log.debug("no arena in pool %d for now: %s", pool, exc)
+    def _refused(self, key: tuple[int, int], exc: Exception) -> None:
+        self._retry_at[key] = time.monotonic() + _RETRY_S
+        log.debug("no arena (size class %d) in pool %d for now: %s", key[1], key[0], exc)
 
-    def _install(self, pool: int, reply: dict[str, Any]) -> None:
+    def _install(self, key: tuple[int, int], reply: dict[str, Any]) -> None:
         grant = ArenaReply.from_wire(reply).arena
+        pool, size_class = key
+        if not size_class:
+            self._usual[pool] = grant.size
         self._arenas.setdefault(pool, []).append(ProducerArena(grant, self._table))
         if self._reaper is None:
             self._reaper = threading.Thread(target=self._reap_idle, name="mmfeat-arenas", daemon=True)

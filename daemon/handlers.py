@@ -111,7 +111,7 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
         raise MmfeatError(ErrorCode.BAD_STATE,
                           "connect the fd channel before asking for an arena, so a crash returns it")
     pool_id = core.pool_for(req.device)
-    a = core.arenas.grant(req.session, pool_id)
+    a = core.arenas.grant(req.session, pool_id, req.nbytes)
     core.ledger.clear_block(a)
     return m.ArenaReply(ArenaGrant(a.arena_id, a.pool_id, a.offset, a.size, a.slot_base, a.slots))
 

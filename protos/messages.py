@@ -99,6 +99,7 @@ class RemoteGetRequest(_Message):
 class ArenaRequest(_Message):
     session: Token
     device: Optional[Annotated[int, Field(ge=-1, le=1023)]] = None
+    nbytes: Optional[Annotated[int, Field(ge=1, le=(1 << 63) - 1)]] = None  # the feature it must take
 
 
 class ArenaReturnRequest(_Message):

@@ -232,16 +232,44 @@ def test_a_draining_daemon_turns_producers_away_from_their_arenas(daemon_factory
     assert d.proc.wait(10) == 0
 
 
-def test_features_larger_than_half_an_arena_reserve(daemon_factory) -> None:
+def test_a_feature_over_half_an_arena_goes_to_an_arena_of_its_size_class(daemon_factory) -> None:
+    """A feature over half the usual arena costs no message either: the producer asks once for an arena
+    of its size class (a power of two at least twice it), and the next ones of that class go there. One
+    whose class is over an eighth of the pool reserves."""
     d = daemon_factory("--pool-mb", "64", "--arena-mb", "1")
-    with d.client(inline_threshold=0) as c:
-        small, big = c.put(torch.ones(1024)), c.put(torch.ones(256 * 1024))  # 4 KiB, 1 MiB
+    with d.client(inline_threshold=0, fallback="error") as c:
+        small = c.put(torch.ones(1024))  # 4 KiB: the usual 1 MiB arena
+        bigs = [c.put(torch.full((256 * 1024,), float(k))) for k in range(2)]  # 1 MiB each: a 2 MiB arena
         s = d.stats()
-        assert s["counters"]["arena_publishes"] == 1 and s["counters"]["reserves"] == 1
-        assert torch.equal(c.get(big), torch.ones(256 * 1024))
+        assert s["counters"]["arena_publishes"] == 3 and s["counters"]["reserves"] == 0
+        assert s["counters"]["arenas_granted"] >= 2  # the usual one, one of the 2 MiB class (and its next)
+        for k, big in enumerate(bigs):
+            assert torch.equal(c.get(big), torch.full((256 * 1024,), float(k)))
+            c.ack(big)
         c.ack(small)
-        c.ack(big)
-    assert d.pool()["used"] == 0
+        huge = c.put(torch.ones(1 << 20))  # 4 MiB: its class, 8 MiB, fits an eighth of the pool
+        over = c.put(torch.ones(5 << 18))  # 5 MiB: its class, 16 MiB, does not: reserved
+        s = d.stats()
+        assert s["counters"]["reserves"] == 1 and s["counters"]["arena_publishes"] == 4
+        assert torch.equal(c.get(over), torch.ones(5 << 18))
+        c.ack(huge)
+        c.ack(over)
+        assert c.flush()
+        assert _consistent(d.stats()["pools"][0])
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
+
+
+def test_an_arena_for_a_feature_is_refused_when_its_class_is_too_large(daemon) -> None:
+    """The daemon sizes the arena, and refuses, typed, one over an eighth of the pool (128 MiB here)."""
+    with daemon.client(inline_threshold=0) as c:
+        with pytest.raises(MmfeatError) as err:
+            c.session.fd.call("arena", nbytes=9 << 20)
+        assert err.value.code is ErrorCode.TOO_LARGE and "eighth" in err.value.message
+        reply = c.session.fd.call("arena", nbytes=5 << 20)
+        assert reply["arena"]["size"] == 16 << 20
+        with pytest.raises(MmfeatError) as err:
+            c.session.fd.call("arena", nbytes=0)
+        assert err.value.code is ErrorCode.BAD_REQUEST
 
 
 def test_the_message_path_without_libatomic(daemon) -> None:

@@ -52,7 +52,8 @@ def test_a_session_holds_at_most_max_session_leases_single_slots(daemon_factory)
         with pytest.raises(MmfeatError) as info:
             c.request("reserve", session=c.session.token, nbytes=1, consumers=1)
         assert info.value.code is ErrorCode.OVER_QUOTA and "max_session_leases" in info.value.message
-        big = c.put(torch.ones(1 << 20))  # 4 MiB, more than half an arena here: it reserves, and goes inline
+        # 5 MiB: its arena size class (16 MiB) is over an eighth of the pool, so it reserves, and goes inline
+        big = c.put(torch.ones(5 << 18))
         assert big.is_inline and c.fallbacks.get("over_quota") == 1
         theirs = other.request("reserve", session=other.session.token, nbytes=1, consumers=1)["lease"]
         c.request("release", session=c.session.token, lease=refs.pop())

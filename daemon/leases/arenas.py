@@ -77,6 +77,11 @@ class Arena:
 BLOCK_POOL, BLOCK_OFFSET, BLOCK_SIZE = range(3)
 BLOCK_WORDS = 3
 
+# A feature may take at most this share of an arena: the rest holds the features still being read.
+MAX_FEATURE_FRACTION = 0.5
+# An arena sized for a large feature holds at most this share of its pool.
+LARGE_ARENA_SHARE = 8
+
 # Arenas may hold at most this share of a pool, so that reserves (features too large for an arena, and
 # producers whose arenas are full) always find room however many producers hold arenas.
 ARENA_SHARE = 0.5
@@ -107,10 +112,27 @@ class Arenas:
         alloc = self.allocators[pool_id]
         return max(alloc.alignment, min(self.arena_bytes, alloc.capacity // 16 // alloc.alignment * alloc.alignment))
 
-    def grant(self, session: bytes, pool_id: int) -> Arena:
-        """A new arena in ``pool_id`` for ``session``, or the typed error that says why not."""
+    def size_to_take(self, pool_id: int, nbytes: Optional[int]) -> int:
+        """Arena size in this pool for features up to ``nbytes`` (None: the usual size). A feature over
+        half the usual size gets an arena of its own size class, a power of two at least twice it, so
+        that it too is published without a message; TOO_LARGE when that is over an eighth of the pool."""
+        size = self.size_for(pool_id)
+        if nbytes is None or nbytes <= size * MAX_FEATURE_FRACTION:
+            return size
+        alloc = self.allocators[pool_id]
+        size = max(size, 1 << (2 * nbytes - 1).bit_length())
+        if size > alloc.capacity // LARGE_ARENA_SHARE:
+            self.counters.arenas_refused += 1
+            raise MmfeatError(ErrorCode.TOO_LARGE, f"an arena for features of {nbytes} B would be {size} B, over "
+                              f"an eighth of pool {pool_id} ({alloc.capacity} B); reserve them instead")
+        return size
+
+    def grant(self, session: bytes, pool_id: int, nbytes: Optional[int] = None) -> Arena:
+        """A new arena in ``pool_id`` for ``session`` that takes features of up to ``nbytes`` (None: the
+        usual size), or the typed error that says why not."""
+        size = self.size_to_take(pool_id, nbytes)
         try:
-            self.books.check_bytes(session, self.size_for(pool_id), "no arena for it")
+            self.books.check_bytes(session, size, "no arena for it")
         except MmfeatError:
             self.counters.arenas_refused += 1
             raise
@@ -119,7 +141,6 @@ class Arenas:
             self.counters.arenas_refused += 1
             raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {self.per_session} arenas, the "
                               "arenas_per_session limit; give one back or use reserve")
-        size = self.size_for(pool_id)
         alloc = self.allocators[pool_id]
         if self.bytes[pool_id] + size > alloc.capacity * ARENA_SHARE:
             self.counters.arenas_refused += 1
