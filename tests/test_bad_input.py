@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import random
-import shutil
 import socket
-import tempfile
 import time
-from pathlib import Path
 from typing import Iterator
 
 import msgpack
@@ -17,7 +14,7 @@ import zmq
 
 from mmfeat.protos import PROTOCOL_VERSION, ErrorCode, MmfeatError
 
-from .conftest import Daemon, assert_fds_settle, fd_count, start_daemon
+from .conftest import Daemon, assert_fds_settle, daemon_for_bad_input, fd_count
 
 
 def _raw_to(daemon: Daemon) -> Iterator:
@@ -44,15 +41,7 @@ def raw(daemon):
 
 @pytest.fixture(scope="module")
 def one_daemon() -> Iterator[Daemon]:
-    """One daemon for the 30 malformed requests below: each must leave it serving (the test pings it
-    after every one), so they need no daemon each (0.8 s apiece of make test)."""
-    runtime = Path(tempfile.mkdtemp(prefix="mmf-", dir="/tmp"))
-    d = start_daemon(runtime, "--pool-mb", "16")
-    yield d
-    rc = d.stop()
-    _, err = d.proc.communicate()
-    shutil.rmtree(runtime, ignore_errors=True)
-    assert rc == 0, f"mmfeatd exited {rc} on SIGTERM after the malformed requests: {err}"
+    yield from daemon_for_bad_input("the malformed requests")
 
 
 @pytest.fixture

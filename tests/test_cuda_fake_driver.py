@@ -16,17 +16,8 @@ from . import fake_cuda, workers
 from .conftest import start_daemon
 
 
-@pytest.fixture(scope="module")
-def libdir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("fake-libcuda")
-    reason = fake_cuda.build(path)
-    if reason is not None:
-        pytest.skip(f"fake libcuda unavailable: {reason}")
-    return path
-
-
-def _run(libdir: Path, tmp_path: Path, scenario: str, **env: str) -> str:
-    return fake_cuda.run(libdir, tmp_path / f"{scenario}.log", scenario, env)
+def _run(fake_libcuda: Path, tmp_path: Path, scenario: str, **env: str) -> str:
+    return fake_cuda.run(fake_libcuda, tmp_path / f"{scenario}.log", scenario, env)
 
 
 def _calls_with_context(log: str, call: str) -> list[str]:
@@ -34,8 +25,8 @@ def _calls_with_context(log: str, call: str) -> list[str]:
     return re.findall(rf"^{call}\(.*\n    \[current ctx (\S+)\]", log, re.M)
 
 
-def test_a_failed_wrap_after_the_mapping_releases_the_context_exactly_once(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "wrap_fails")
+def test_a_failed_wrap_after_the_mapping_releases_the_context_exactly_once(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "wrap_fails")
     assert "=== map_cuda_pool raised: torch refused the capsule" in log
     retains = len(re.findall(r"^cuDevicePrimaryCtxRetain\(dev=0\)", log, re.M))
     releases = len(re.findall(r"^cuDevicePrimaryCtxRelease\(dev=0\)", log, re.M))
@@ -44,8 +35,8 @@ def test_a_failed_wrap_after_the_mapping_releases_the_context_exactly_once(libdi
     assert log.count("cuMemUnmap(") == 1 and log.count("cuMemAddressFree(") == 1, "the mapped range leaked"
 
 
-def test_the_daemon_tears_each_pool_down_in_its_own_context(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "daemon_two_pools")
+def test_the_daemon_tears_each_pool_down_in_its_own_context(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "daemon_two_pools")
     for pool, ctx in ((0, "0x1000"), (1, "0x1001")):
         teardown = fake_cuda.section(log, f"close pool {pool}", f"close pool {pool + 1}" if pool == 0 else "end")
         for call in ("cuCtxSynchronize", "cuMemUnmap", "cuMemRelease"):
@@ -54,8 +45,8 @@ def test_the_daemon_tears_each_pool_down_in_its_own_context(libdir, tmp_path) ->
     assert "destroyed ctx still current" not in log
 
 
-def test_unmapping_creates_no_context_on_a_gpu_this_process_never_used(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "owner_never_used")
+def test_unmapping_creates_no_context_on_a_gpu_this_process_never_used(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "owner_never_used")
     assert re.search(r"^cuMemSetAccess\(.*dev=1, ", log, re.M), "the pool's own GPU was not granted access"
     drop = fake_cuda.section(log, "drop the mapping", "end")
     assert "primary ctx dev 1 CREATED" not in log, "the unmap made a context on GPU 1"
@@ -64,8 +55,8 @@ def test_unmapping_creates_no_context_on_a_gpu_this_process_never_used(libdir, t
     assert _calls_with_context(drop, "cuMemUnmap") == ["0x1000"], drop
 
 
-def test_mapping_and_unmapping_give_the_thread_back_its_current_context(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "restore_current")
+def test_mapping_and_unmapping_give_the_thread_back_its_current_context(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "restore_current")
     for case, ctx in (("none current", "0x0"), ("runtime's current", "0x1000")):
         for when in ("before", "after map", "after unmap"):
             assert f"=== {case}: {when} {ctx}\n" in log, f"{case}, {when}:\n{log}"
@@ -73,15 +64,15 @@ def test_mapping_and_unmapping_give_the_thread_back_its_current_context(libdir, 
     assert set(_calls_with_context(log, "cuMemMap")) == {"0x1000"}
 
 
-def test_pools_ask_for_gpudirect_rdma_where_the_device_supports_it(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "daemon_two_pools", STUB_NO_RDMA_DEV="1")
+def test_pools_ask_for_gpudirect_rdma_where_the_device_supports_it(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "daemon_two_pools", STUB_NO_RDMA_DEV="1")
     assert re.search(r"^cuMemCreate\(.*dev=0, gpuDirectRDMACapable=1\)", log, re.M), log
     assert re.search(r"^cuMemCreate\(.*dev=1, gpuDirectRDMACapable=0\)", log, re.M), log
     assert "=== pool 0 on GPU 0: gpu_direct_rdma=True" in log and "=== pool 1 on GPU 1: gpu_direct_rdma=False" in log
 
 
-def test_stats_say_which_gpu_pools_are_rdma_capable(libdir, runtime_dir, tmp_path) -> None:
-    env = {"LD_LIBRARY_PATH": str(libdir), "STUB_LOG": str(tmp_path / "daemon.log"), "STUB_NO_RDMA_DEV": "1"}
+def test_stats_say_which_gpu_pools_are_rdma_capable(fake_libcuda, runtime_dir, tmp_path) -> None:
+    env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log"), "STUB_NO_RDMA_DEV": "1"}
     d = start_daemon(runtime_dir, "--devices", "0,1", "--pool-mb", "16", backend="cuda_vmm", env=env)
     try:
         pools = {p["device"]: p for p in d.stats()["pools"]}
@@ -92,8 +83,8 @@ def test_stats_say_which_gpu_pools_are_rdma_capable(libdir, runtime_dir, tmp_pat
     assert [(pools[i]["kind"], pools[i]["gpu_direct_rdma"]) for i in (0, 1)] == [("cuda", True), ("cuda", False)]
 
 
-def test_a_pool_that_failed_to_map_is_not_imported_again_until_the_retry(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "map_failure_remembered", STUB_IMPORT_FAIL_TYPE="1")
+def test_a_pool_that_failed_to_map_is_not_imported_again_until_the_retry(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "map_failure_remembered", STUB_IMPORT_FAIL_TYPE="1")
     first, later = log.split("=== after the wait\n", 1)
     assert first.count("cuMemImportFromShareableHandle(") == 1, first
     assert "=== put 0: CudaError: cuMemImportFromShareableHandle failed" in first
@@ -106,8 +97,8 @@ def test_a_pool_that_failed_to_map_is_not_imported_again_until_the_retry(libdir,
     assert retains == releases
 
 
-def test_a_host_pool_is_pinned_once_per_mapping_and_unpinned_once_after_its_last_view(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "pin_host_pool")
+def test_a_host_pool_is_pinned_once_per_mapping_and_unpinned_once_after_its_last_view(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "pin_host_pool")
     addr = re.search(r"=== mapped at (0x[0-9a-f]+)", log).group(1)
     assert "=== gets: 3 pinned, same tensor: True" in log, log
     registers = re.findall(r"^cuMemHostRegister\((0x[0-9a-f]+), size=(\d+), flags=(\d+)\)", log, re.M)
@@ -124,24 +115,24 @@ def test_a_host_pool_is_pinned_once_per_mapping_and_unpinned_once_after_its_last
     assert retains == releases + 1 and "DESTROYED" not in log
 
 
-def test_a_read_only_host_pool_is_pinned_read_only(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "pin_host_pool", FAKE_CUDA_SCENARIO_READONLY="1")
+def test_a_read_only_host_pool_is_pinned_read_only(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "pin_host_pool", FAKE_CUDA_SCENARIO_READONLY="1")
     assert re.findall(r"^cuMemHostRegister\(.*flags=(\d+)\)", log, re.M) == ["9"], log  # PORTABLE | READ_ONLY
     assert len(re.findall(r"^cuMemHostUnregister\(", log, re.M)) == 1
 
 
-def test_a_host_pool_that_cannot_be_pinned_is_asked_once(libdir, tmp_path) -> None:
-    log = _run(libdir, tmp_path, "pin_host_pool", STUB_HOSTREGISTER_FAIL="1")
+def test_a_host_pool_that_cannot_be_pinned_is_asked_once(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "pin_host_pool", STUB_HOSTREGISTER_FAIL="1")
     assert "=== gets: 0 pinned" in log and len(re.findall(r"^cuMemHostRegister\(", log, re.M)) == 1, log
     assert "cuMemHostUnregister" not in log
     retains, releases = (len(re.findall(rf"^cuDevicePrimaryCtx{c}\(dev=0\)", log, re.M)) for c in ("Retain", "Release"))
     assert retains == releases + 1
 
 
-def test_cpu_features_go_to_the_host_pool_beside_the_gpu_pools(libdir, runtime_dir, tmp_path, children) -> None:
+def test_cpu_features_go_to_the_host_pool_beside_the_gpu_pools(fake_libcuda, runtime_dir, tmp_path, children) -> None:
     """A producer's CPU tensors land in the daemon's host pool (host_pool_mb), not in HBM, and a consumer
     in another process reads every byte; the GPU pool stays untouched."""
-    env = {"LD_LIBRARY_PATH": str(libdir), "STUB_LOG": str(tmp_path / "daemon.log")}
+    env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log")}
     d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", "--host-pool-mb", "160", backend="cuda_vmm",
                      env=env)
     try:
@@ -171,7 +162,7 @@ def test_cpu_features_go_to_the_host_pool_beside_the_gpu_pools(libdir, runtime_d
 
 
 def test_a_process_without_cuda_puts_and_reserves_inline_where_the_daemon_has_only_gpu_pools(
-        libdir, runtime_dir, tmp_path) -> None:
+        fake_libcuda, runtime_dir, tmp_path) -> None:
     """host_pool_mb 0: a CPU tensor's feature goes to the GPU pool. A producer whose torch sees no CUDA
     device (a CPU-only build, or no device visible) cannot map it: put and reserve fall back inline,
     counted as map_failed, and a get of a GPU-pool feature raises a typed error, never torch's own."""
@@ -182,7 +173,7 @@ def test_a_process_without_cuda_puts_and_reserves_inline_where_the_daemon_has_on
 
     if torch.cuda.is_available():
         pytest.skip("this process sees a CUDA device")
-    env = {"LD_LIBRARY_PATH": str(libdir), "STUB_LOG": str(tmp_path / "daemon.log")}
+    env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log")}
     d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", backend="cuda_vmm", env=env)
     try:
         assert [p["kind"] for p in d.stats()["pools"]] == ["cuda"]

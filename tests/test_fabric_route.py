@@ -22,16 +22,7 @@ HERE = "ab" * 16
 ELSEWHERE = "cd" * 16
 
 
-@pytest.fixture(scope="module")
-def libdir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("fake-libcuda")
-    reason = fake_cuda.build(path)
-    if reason is not None:
-        pytest.skip(f"fake libcuda unavailable: {reason}")
-    return path
-
-
-def _nodes(cluster: Cluster, libdir: Path, tmp_path: Path, domains: dict[str, str]) -> dict:
+def _nodes(cluster: Cluster, fake_libcuda: Path, tmp_path: Path, domains: dict[str, str]) -> dict:
     imex = tmp_path / "imex-channels"
     imex.mkdir()
     (imex / "channel0").touch()
@@ -39,7 +30,7 @@ def _nodes(cluster: Cluster, libdir: Path, tmp_path: Path, domains: dict[str, st
     for name, domain in domains.items():
         cluster.node(name)
     for name, domain in domains.items():
-        env = {"LD_LIBRARY_PATH": str(libdir), "STUB_LOG": str(tmp_path / f"{name}.stub"),
+        env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / f"{name}.stub"),
                drv.TEST_ONLY_FABRIC_ENV: domain, drv.TEST_ONLY_IMEX_ENV: str(imex)}
         daemons[name] = cluster.start(name, [m for m in domains if m != name], "--devices", "0", "--nnodes", "2",
                                       backend="cuda_vmm", env=env, log=tmp_path / f"{name}.err")
@@ -62,22 +53,22 @@ def _feature(owner) -> Descriptor:
                           device=0, **{k: ref[k] for k in ("pool", "epoch", "lease", "gen", "token", "offset")})
 
 
-def _get_on(consumer, desc: Descriptor, libdir: Path, tmp_path: Path, **env: str) -> str:
-    log = fake_cuda.run(libdir, tmp_path / "consumer.log", "fabric_get",
+def _get_on(consumer, desc: Descriptor, fake_libcuda: Path, tmp_path: Path, **env: str) -> str:
+    log = fake_cuda.run(fake_libcuda, tmp_path / "consumer.log", "fabric_get",
                         {"MMFEAT_RUNTIME_DIR": str(consumer.runtime_dir),
                          "FAKE_CUDA_SCENARIO_DESC": desc.to_bytes().hex(), **env})
     return log
 
 
 @pytest.mark.parametrize("owner_domain", [f"{HERE}:2", f"{ELSEWHERE}:1"], ids=["other clique", "other cluster"])
-def test_no_fabric_route_between_nvlink_domains_that_differ(libdir, tmp_path, owner_domain) -> None:
+def test_no_fabric_route_between_nvlink_domains_that_differ(fake_libcuda, tmp_path, owner_domain) -> None:
     cluster = Cluster(tmp_path)
-    a, b = _nodes(cluster, libdir, tmp_path, {"a": owner_domain, "b": f"{HERE}:1"}).values()
+    a, b = _nodes(cluster, fake_libcuda, tmp_path, {"a": owner_domain, "b": f"{HERE}:1"}).values()
     try:
         peer = b.stats()["mesh"]["peers"][0]
         uuid, clique = owner_domain.split(":")
         assert peer["fabric_domain"] == {"cluster_uuid": uuid, "clique": int(clique)}
-        log = _get_on(b, _feature(a), libdir, tmp_path)
+        log = _get_on(b, _feature(a), fake_libcuda, tmp_path)
         assert not re.search(r"^cuMemImportFromShareableHandle\(type=8\)", log, re.M), "the handle was relayed"
         assert re.search(r"=== get raised NO_TRANSPORT: .*cannot pull", log), log
         assert a.stats()["mesh"]["peers"][0]["checks_served"] == 0  # the FABRIC route starts with a check
@@ -87,12 +78,12 @@ def test_no_fabric_route_between_nvlink_domains_that_differ(libdir, tmp_path, ow
         cluster.stop("b")
 
 
-def test_a_consumer_whose_fabric_import_fails_falls_back_to_a_pull(libdir, tmp_path) -> None:
+def test_a_consumer_whose_fabric_import_fails_falls_back_to_a_pull(fake_libcuda, tmp_path) -> None:
     cluster = Cluster(tmp_path)
-    a, b = _nodes(cluster, libdir, tmp_path, {"a": f"{HERE}:1", "b": f"{HERE}:1"}).values()
+    a, b = _nodes(cluster, fake_libcuda, tmp_path, {"a": f"{HERE}:1", "b": f"{HERE}:1"}).values()
     try:
         # As in a container without the IMEX channel: the driver refuses the FABRIC import.
-        log = _get_on(b, _feature(a), libdir, tmp_path, STUB_IMPORT_FAIL_TYPE="8")
+        log = _get_on(b, _feature(a), fake_libcuda, tmp_path, STUB_IMPORT_FAIL_TYPE="8")
         assert len(re.findall(r"^cuMemImportFromShareableHandle\(type=8\)", log, re.M)) == 1, log
         # The pull path's error, not the import's.
         assert re.search(r"=== get raised NO_TRANSPORT: .*cannot pull", log), log
@@ -103,11 +94,11 @@ def test_a_consumer_whose_fabric_import_fails_falls_back_to_a_pull(libdir, tmp_p
         cluster.stop("b")
 
 
-def test_in_one_nvlink_domain_the_consumer_maps_the_owners_handle(libdir, tmp_path) -> None:
+def test_in_one_nvlink_domain_the_consumer_maps_the_owners_handle(fake_libcuda, tmp_path) -> None:
     cluster = Cluster(tmp_path)
-    a, b = _nodes(cluster, libdir, tmp_path, {"a": f"{HERE}:1", "b": f"{HERE}:1"}).values()
+    a, b = _nodes(cluster, fake_libcuda, tmp_path, {"a": f"{HERE}:1", "b": f"{HERE}:1"}).values()
     try:
-        log = _get_on(b, _feature(a), libdir, tmp_path)
+        log = _get_on(b, _feature(a), fake_libcuda, tmp_path)
         assert len(re.findall(r"^cuMemImportFromShareableHandle\(type=8\)", log, re.M)) == 1, log
         assert "  fabric[0]=a0 [63]=df\n" in log, log  # the owner's handle bytes, as the fake exported them
         assert "=== got the feature" in log, log

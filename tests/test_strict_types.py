@@ -5,11 +5,8 @@ and the daemon keeps serving."""
 from __future__ import annotations
 
 import math
-import shutil
 import socket
-import tempfile
 import typing
-from pathlib import Path
 from typing import Any, Iterator
 
 import msgpack
@@ -18,7 +15,7 @@ from pydantic import BaseModel
 
 from mmfeat.protos import PROTOCOL_VERSION, REQUEST_MODELS, ErrorCode
 
-from .conftest import Daemon, start_daemon
+from .conftest import Daemon, daemon_for_bad_input
 from .test_bad_input import _raw_to
 
 NAN, INF = math.nan, math.inf
@@ -48,13 +45,7 @@ NOT_FLOATS = [True, False, NAN, INF, -INF, -1.0, 0.0, "1", b"1", [1.0]]
 
 @pytest.fixture(scope="module")
 def strict_daemon() -> Iterator[Daemon]:
-    runtime = Path(tempfile.mkdtemp(prefix="mmf-", dir="/tmp"))
-    d = start_daemon(runtime, "--pool-mb", "16")
-    yield d
-    rc = d.stop()
-    _, err = d.proc.communicate()
-    shutil.rmtree(runtime, ignore_errors=True)
-    assert rc == 0, f"mmfeatd exited {rc} on SIGTERM after the ill-typed requests: {err}"
+    yield from daemon_for_bad_input("the ill-typed requests")
 
 
 @pytest.fixture
