@@ -107,8 +107,10 @@ class Arenas:
         self.blocks = np.zeros((space.slots // space.block, BLOCK_WORDS), dtype=np.uint64)
 
     def size_for(self, pool_id: int) -> int:
-        """Arena size in this pool: the configured size, at most a sixteenth of the pool, so one
-        session's arenas (arenas_per_session, 4 by default) hold at most a quarter of it."""
+        """The usual arena size in this pool: the configured size, at most a sixteenth of the pool, so one
+        session's usual arenas (arenas_per_session, 4 by default) hold at most a quarter of it. Arenas of
+        a large size class (size_to_take) are up to an eighth each; max_session_mb and the half of the
+        pool all arenas may hold bound those."""
         alloc = self.allocators[pool_id]
         return max(alloc.alignment, min(self.arena_bytes, alloc.capacity // 16 // alloc.alignment * alloc.alignment))
 
