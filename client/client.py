@@ -40,7 +40,7 @@ DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(256
 # The largest feature put sends inline when the pool cannot take it; a larger one raises TOO_LARGE.
 DEFAULT_INLINE_MAX = int(os.environ.get("MMFEAT_INLINE_MAX", str(256 << 20)))
 
-DescLike = Union[Descriptor, bytes]
+DescLike = Union[Descriptor, bytes, bytearray, memoryview, Any]  # Any: a buffer, such as a zmq Frame
 
 
 class Client:
@@ -308,9 +308,19 @@ _silence_frombuffer_warning()
 def _as_descriptor(desc: DescLike) -> Descriptor:
     if isinstance(desc, Descriptor):
         return desc
-    if isinstance(desc, (bytes, bytearray, memoryview)):
-        try:
-            return Descriptor.from_bytes(bytes(desc))
-        except DescriptorError as exc:
-            raise MmfeatError(ErrorCode.BAD_REQUEST, str(exc)) from None
-    raise TypeError(f"expected a Descriptor or its bytes, got {type(desc).__name__}")
+    try:
+        # bytes, or a buffer as it arrived (a zmq Frame received with copy=False): an inline payload is
+        # viewed in it, not copied.
+        return Descriptor.from_bytes(desc)
+    except DescriptorError as exc:
+        if not isinstance(desc, (bytes, bytearray, memoryview)) and not _is_buffer(desc):
+            raise TypeError(f"expected a Descriptor or its bytes, got {type(desc).__name__}") from None
+        raise MmfeatError(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+
+def _is_buffer(obj: Any) -> bool:
+    try:
+        memoryview(obj)
+    except TypeError:
+        return False
+    return True

@@ -40,7 +40,7 @@ _known = KnownParts()  # heads and tails already checked: a later descriptor che
 # than parsing its header. An entry holds its bytes alive, so entries and their bytes are both bounded.
 INLINE_CACHE_ENTRIES = 32
 INLINE_CACHE_MAX_BYTES = 16 << 20
-_inline_parsed: "OrderedDict[int, tuple[bytes, Descriptor]]" = OrderedDict()
+_inline_parsed: "OrderedDict[int, tuple[Any, Descriptor, int]]" = OrderedDict()
 _inline_cached_bytes = 0
 _counts = {"parses": 0, "cache_hits": 0}
 # Inline descriptors' bytes before their payload (the fourteen fields and the bin header), once checked:
@@ -283,13 +283,18 @@ class Descriptor:
         return desc
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Descriptor":
+    def from_bytes(cls, data: Union[bytes, bytearray, memoryview, Any]) -> "Descriptor":
+        """The descriptor ``data`` holds: bytes, or any contiguous buffer, such as a memoryview or a zmq
+        Frame received with ``copy=False``. An inline payload in a buffer is viewed where it lies, not
+        copied (keep the buffer unchanged while its tensors are in use); a bytearray, made to be written
+        again, is copied first."""
+        if type(data) is not bytes:
+            return cls._from_buffer(data)
         # A consumer parses the same bytes for get() and again for ack(): the second time (and every
         # other rank of a node that hands the bytes around in-process) finds them here, already
         # validated. Keyed by the exact bytes of small pool descriptors only; a Descriptor is frozen.
-        cacheable = type(data) is bytes and len(data) <= PARSE_CACHE_MAX_BYTES
-        if not cacheable:
-            return cls._inline_from_bytes(data)
+        if len(data) > PARSE_CACHE_MAX_BYTES:
+            return cls._inline_from_bytes(data, data)
         desc = _parsed.get(data)
         if desc is not None:
             _counts["cache_hits"] += 1
@@ -301,7 +306,7 @@ class Descriptor:
         else:
             desc = cls._parse_new(data)
             if desc.is_inline:
-                _remember_inline(data, desc)
+                _remember_inline(data, desc, len(data))
                 return desc
             head = (desc.kind, desc.node, desc.endpoint, desc.device, desc.pool, desc.epoch)
             _known.remember_head(data, head_bytes(FORMAT, *head), head)
@@ -314,17 +319,30 @@ class Descriptor:
         return desc
 
     @classmethod
-    def _inline_from_bytes(cls, data: bytes) -> "Descriptor":
-        """``from_bytes`` of bytes too long for the value-keyed cache: most are inline descriptors, found
-        again by identity when the same bytes come back (get, then ack)."""
+    def _from_buffer(cls, data: Any) -> "Descriptor":
+        """``from_bytes`` of anything but bytes: small ones (every pool descriptor) as bytes, through the
+        cache; larger ones read in place."""
         hit = _inline_parsed.get(id(data))
         if hit is not None and hit[0] is data:
             _counts["cache_hits"] += 1
             return hit[1]
+        buf = _buffer_of(data)
+        if type(buf) is bytes:
+            return cls.from_bytes(buf)
+        return cls._inline_from_bytes(buf, data)
+
+    @classmethod
+    def _inline_from_bytes(cls, data: Union[bytes, memoryview], source: Any) -> "Descriptor":
+        """``from_bytes`` of ``data`` too long for the value-keyed cache: most are inline descriptors, found
+        again by the identity of ``source`` (what the caller passed) when it comes back (get, then ack)."""
+        hit = _inline_parsed.get(id(source))
+        if hit is not None and hit[0] is source:
+            _counts["cache_hits"] += 1
+            return hit[1]
         _counts["parses"] += 1
         desc = cls._parse_new(data)
-        if desc.is_inline and type(data) is bytes:
-            _remember_inline(data, desc)
+        if desc.is_inline:
+            _remember_inline(source, desc, len(data))
         return desc
 
     @classmethod
@@ -332,17 +350,17 @@ class Descriptor:
         """The parse of bytes not seen before. An inline descriptor whose bytes before the payload match
         one already checked has the same fields (msgpack reads a prefix the same way whatever follows)
         and a payload of exactly its nbytes: it needs no decoding, only a view of its payload."""
-        if type(data) is not bytes:
+        if type(data) is not bytes and type(data) is not memoryview:
             return cls._parse_or_refuse(data)
         for n in _inline_head_lengths:
-            template = _inline_heads.get(data[:n])
+            template = _inline_heads.get(bytes(data[:n]))
             if template is not None and len(data) - n == template.nbytes:
                 desc = object.__new__(cls)
-                desc.__dict__.update(template.__dict__, inline=memoryview(data)[n:])
+                desc.__dict__.update(template.__dict__, inline=memoryview(data)[n:].toreadonly())
                 return desc
         desc = cls._parse_or_refuse(data)
         if desc.is_inline and isinstance(desc.inline, memoryview):  # the view path read it: a head to learn
-            _learn_inline_head(data[: len(data) - desc.nbytes], desc)
+            _learn_inline_head(bytes(data[: len(data) - desc.nbytes]), desc)
         return desc
 
     @classmethod
@@ -375,8 +393,9 @@ class Descriptor:
     def _parse(cls, data: bytes) -> "Descriptor":
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DescriptorError(f"a descriptor is bytes, not {type(data).__name__}")
-        # Bytes (immutable) of an inline descriptor: the payload stays where it is, viewed, not copied.
-        split = inline_wire.decode(data, _UNPACK_KWARGS) if type(data) is bytes else None
+        # Bytes (immutable) or a read-only view of an inline descriptor: the payload stays where it is,
+        # viewed, not copied.
+        split = inline_wire.decode(data, _UNPACK_KWARGS) if type(data) in (bytes, memoryview) else None
         raw = [*split[0], split[1]] if split is not None else _unpack(data)
         if not isinstance(raw, list) or len(raw) != 15:
             raise DescriptorError("not a descriptor: expected a 15-element msgpack array")
@@ -430,15 +449,35 @@ class Descriptor:
         return (Descriptor.from_bytes, (self.to_bytes(),))
 
 
-def _remember_inline(data: bytes, desc: Descriptor) -> None:
+def _remember_inline(source: Any, desc: Descriptor, nbytes: int) -> None:
+    """Keep ``desc``, parsed from ``source`` (``nbytes`` long), found again by identity; the entry holds
+    ``source`` alive, so its id cannot be reused while it is there."""
     global _inline_cached_bytes
-    if len(data) > INLINE_CACHE_MAX_BYTES:
+    if nbytes > INLINE_CACHE_MAX_BYTES:
         return  # its second parse reads the header alone: the payload is viewed, not copied
     while _inline_parsed and (len(_inline_parsed) >= INLINE_CACHE_ENTRIES
-                              or _inline_cached_bytes + len(data) > INLINE_CACHE_MAX_BYTES):
-        _inline_cached_bytes -= len(_inline_parsed.popitem(last=False)[1][0])
-    _inline_parsed[id(data)] = (data, desc)
-    _inline_cached_bytes += len(data)
+                              or _inline_cached_bytes + nbytes > INLINE_CACHE_MAX_BYTES):
+        _inline_cached_bytes -= _inline_parsed.popitem(last=False)[1][2]
+    _inline_parsed[id(source)] = (source, desc, nbytes)
+    _inline_cached_bytes += nbytes
+
+
+def _buffer_of(data: Any) -> Union[bytes, memoryview]:
+    """``data`` as bytes where it is a bytearray (written again by design) or small enough for the
+    parse cache (every pool descriptor); otherwise a flat, read-only view of it."""
+    if isinstance(data, bytearray):
+        return bytes(data)
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise DescriptorError(f"a descriptor is bytes or a buffer, not {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise DescriptorError("a descriptor's buffer must be contiguous")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    if view.nbytes <= PARSE_CACHE_MAX_BYTES:
+        return view.tobytes()
+    return view.toreadonly()
 
 
 def _learn_inline_head(head: bytes, desc: Descriptor) -> None:

@@ -136,7 +136,7 @@ def test_the_inline_cache_is_bounded_by_entries_and_bytes(daemon) -> None:
         for b in blobs:
             c.get(b)
         assert len(descriptor._inline_parsed) <= descriptor.INLINE_CACHE_ENTRIES
-        assert sum(len(b) for b, _ in descriptor._inline_parsed.values()) <= descriptor.INLINE_CACHE_MAX_BYTES
+        assert sum(n for _, _, n in descriptor._inline_parsed.values()) <= descriptor.INLINE_CACHE_MAX_BYTES
 
 
 def test_mutated_inline_bytes_are_refused_as_the_full_parse_refuses_them() -> None:
@@ -166,8 +166,58 @@ def test_mutated_inline_bytes_are_refused_as_the_full_parse_refuses_them() -> No
             known = Descriptor.from_bytes(blob)  # its head may be one already learned: no decoding at all
         except DescriptorError:
             known = None
-        assert (fast is None) == (full is None) == (known is None), blob.hex()
+        try:
+            viewed = Descriptor.from_bytes(memoryview(blob))  # a buffer: read in place
+        except DescriptorError:
+            viewed = None
+        assert (fast is None) == (full is None) == (known is None) == (viewed is None), blob.hex()
         if fast is not None:
-            assert fast == full == known and bytes(fast.inline) == bytes(full.inline) == bytes(known.inline)
+            assert fast == full == known == viewed
+            assert bytes(fast.inline) == bytes(full.inline) == bytes(known.inline) == bytes(viewed.inline)
             assert len(fast.inline) == fast.nbytes
     assert len(descriptor._inline_heads) <= descriptor.INLINE_HEADS
+
+
+def test_a_zmq_frame_received_without_copying_is_read_in_place(daemon, tmp_path) -> None:
+    """A consumer that receives with copy=False hands get() the Frame: the tensor views the payload
+    inside the message ZeroMQ received (no copy), keeps it alive, and ack(frame) parses nothing more."""
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        pull.bind(f"ipc://{tmp_path}/feat.sock")
+        push.connect(f"ipc://{tmp_path}/feat.sock")
+        with daemon.client(inline_threshold=BIG) as producer, daemon.client() as consumer:
+            t = _tensor(torch.float32, (128, 128), 11)
+            push.send(producer.put(t).to_bytes(), copy=False)
+            frame = pull.recv(copy=False)
+            start = torch.frombuffer(frame.buffer, dtype=torch.uint8).data_ptr()
+            before = descriptor.parse_stats()
+            got = consumer.get(frame)
+            consumer.ack(frame)
+            after = descriptor.parse_stats()
+            assert _same(got, t)
+            assert start <= got.data_ptr() and got.data_ptr() + t.nbytes <= start + len(frame.buffer)
+            assert after["parses"] - before["parses"] == 1 and after["cache_hits"] - before["cache_hits"] == 1
+            del frame
+            descriptor._inline_parsed.clear()  # the cache's reference too: only the tensor holds the message
+            gc.collect()
+            churn = [bytes(1 << 16) for _ in range(64)]  # would reuse the message's memory if it were freed
+            assert _same(got, t) and len(churn) == 64
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+
+
+def test_a_bytearray_is_copied_and_a_strided_buffer_refused(daemon) -> None:
+    with daemon.client(inline_threshold=BIG) as c:
+        t = _tensor(torch.int32, (64, 64), 12)
+        raw = bytearray(c.put(t).to_bytes())
+        got = c.get(raw)
+        raw[-t.nbytes:] = bytes(t.nbytes)  # the caller writes its buffer again: the tensor is its own copy
+        assert _same(got, t)
+        with pytest.raises(Exception, match="contiguous"):
+            Descriptor.from_bytes(memoryview(bytes(raw))[::2])
+        with pytest.raises(TypeError, match="expected a Descriptor"):
+            c.get("not bytes")

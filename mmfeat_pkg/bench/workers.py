@@ -29,6 +29,8 @@ _FLOOR_MESSAGE = bytes(200)  # about a one-tensor descriptor
 # being overwritten while it is read. What the pool adds over this row is its bookkeeping.
 _SHM_DIR = "/dev/shm"
 POOL_MODES = {"pool_view", "pool_copy", "client_default"}
+# Modes whose descriptor may carry the payload itself, so their consumers receive it as zmq_bytes does.
+_PAYLOAD_MODES = {"client_default", "inline"}
 
 
 @dataclass(frozen=True)
@@ -136,10 +138,17 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
                 header, payload = pull.recv_multipart(copy=False)
                 idx = msgpack.unpackb(header.bytes)
                 got = torch.frombuffer(payload.buffer, dtype=torch.uint8).to(job.device)
+            elif job.mode in _PAYLOAD_MODES:
+                # A message that may carry the payload (an inline descriptor) is received without a copy
+                # and read in place, as zmq_bytes reads its payload.
+                header, blob = pull.recv_multipart(copy=False)
+                idx = msgpack.unpackb(header.bytes)
+                desc = Descriptor.from_bytes(blob)  # once, as a server unpacks its own message once
+                got = client.get(desc).to(job.device)
             else:
                 header, blob = pull.recv_multipart()
                 idx = msgpack.unpackb(header)
-                desc = Descriptor.from_bytes(blob)  # once, as a server unpacks its own message once
+                desc = Descriptor.from_bytes(blob)
                 got = client.get(desc, copy=(job.mode == "pool_copy")).to(job.device)  # inline on a GPU run: a copy
             held_at = time.monotonic()
             read_every_byte(got)
@@ -231,7 +240,9 @@ def producer_main(n_consumers: int, runtime_dir: str, sock_dir: str, threads: in
                 blob = client.put(payload, consumers=n_consumers).to_bytes()
                 header = msgpack.packb(i)
                 for s in pushes:
-                    s.send_multipart([header, blob])
+                    # copy=False as zmq_bytes sends: pyzmq copies what is under its copy threshold anyway
+                    # (every pool descriptor), and shares an inline payload with the socket.
+                    s.send_multipart([header, blob], copy=False)
             sent_at.append(t0)
             collect(block=False)
         while acked < total:
