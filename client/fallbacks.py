@@ -23,6 +23,7 @@ from .channel import ControlChannel
 log = logging.getLogger("mmfeat.client")
 
 PROBE_EVERY_S = 1.0
+_KEYS = {reason: reason.value for reason in FallbackReason}
 
 
 class FallbackTracker:
@@ -44,18 +45,21 @@ class FallbackTracker:
         return self._down and self._pid == os.getpid()
 
     def record(self, reason: FallbackReason, detail: str, inline_threshold: int) -> None:
+        key = _KEYS[reason]  # every small feature passes here: an enum's .value is a slow descriptor call
         with self._lock:
-            self.counts[reason.value] += 1
-            self._unreported[reason.value] += 1
-            first = reason.value not in self._warned
-            self._warned.add(reason.value)
+            self.counts[key] += 1
+            self._unreported[key] += 1
+            first = key not in self._warned
+            if first:
+                self._warned.add(key)
         if first:
             if reason is FallbackReason.BELOW_THRESHOLD:
                 log.info("features under %d B travel inline (inline_threshold); counted in stats", inline_threshold)
             else:
                 log.warning("mmfeat pool unavailable (%s: %s); sending features inline. Warned once; counted in stats",
                             reason.value, detail)
-        self._ensure_thread()
+        if self._thread is None or self._pid != os.getpid():
+            self._ensure_thread()
 
     def mark_down(self) -> None:
         self._down = True

@@ -48,6 +48,9 @@ _counts = {"parses": 0, "cache_hits": 0}
 INLINE_HEADS = 1024
 _INLINE_HEAD_LENGTHS = 8
 _inline_heads: dict[bytes, "Descriptor"] = {}
+# The same heads on the producer's side, by layout: each feature of a shape sent before joins a head
+# packed once to its payload.
+_inline_made: dict[tuple[Any, ...], tuple[bytes, "Descriptor"]] = {}
 _inline_head_lengths: list[int] = []  # the distinct lengths of those heads, most recent first
 
 
@@ -276,10 +279,18 @@ class Descriptor:
                   parts: list[Any]) -> "Descriptor":
         """An inline descriptor whose payload is the buffers ``parts`` (``nbytes`` in all, already laid out
         as ``tensors`` say), copied once into the bytes ``to_bytes`` will return."""
-        desc = cls.checked(kind="inline", tensors=tensors, nbytes=nbytes, many=many, node="", endpoint="", device=-1,
-                           pool=0, epoch=0, lease=0, gen=0, token=b"", offset=0, inline=None)
-        wire, start = inline_wire.encode(desc._head_fields(), parts, nbytes)
-        desc.__dict__.update(inline=memoryview(wire)[start:], _wire=wire)
+        key = (tensors, nbytes, many)
+        made = _inline_made.get(key)
+        if made is None:
+            template = cls.checked(kind="inline", tensors=tensors, nbytes=nbytes, many=many, node="", endpoint="",
+                                   device=-1, pool=0, epoch=0, lease=0, gen=0, token=b"", offset=0, inline=None)
+            if len(_inline_made) >= INLINE_HEADS:
+                _inline_made.clear()  # a miss only costs packing a head
+            made = _inline_made[key] = (inline_wire.head(template._head_fields(), nbytes), template)
+        head, template = made
+        wire = b"".join([head, *parts])
+        desc = object.__new__(cls)
+        desc.__dict__.update(template.__dict__, inline=memoryview(wire)[len(head):], _wire=wire)
         return desc
 
     @classmethod

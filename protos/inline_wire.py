@@ -34,15 +34,22 @@ def bin_header(n: int) -> bytes:
     raise ValueError(f"an inline payload of {n} bytes is over msgpack's 4 GiB bin limit")
 
 
+def head(fields: Sequence[Any], nbytes: int) -> bytes:
+    """The descriptor's bytes before its payload: the first fourteen ``fields`` and the bin header of a
+    payload of ``nbytes``."""
+    packed = bytearray(msgpack.packb(list(fields), use_bin_type=True))
+    if len(fields) != 14 or packed[0] != _ARRAY14:
+        raise ValueError("an inline descriptor's head is its first fourteen fields")
+    packed[0] = _ARRAY15
+    packed += bin_header(nbytes)
+    return bytes(packed)
+
+
 def encode(fields: Sequence[Any], parts: Sequence[Any], nbytes: int) -> tuple[bytes, int]:
     """The whole descriptor from its first fourteen ``fields`` and the payload as buffers ``parts``
     (``nbytes`` in all), copied once; and where the payload starts in it."""
-    head = bytearray(msgpack.packb(list(fields), use_bin_type=True))
-    if len(fields) != 14 or head[0] != _ARRAY14:
-        raise ValueError("an inline descriptor's head is its first fourteen fields")
-    head[0] = _ARRAY15
-    head += bin_header(nbytes)
-    return b"".join([head, *parts]), len(head)
+    first = head(fields, nbytes)
+    return b"".join([first, *parts]), len(first)
 
 
 def decode(data: bytes, unpack_kwargs: dict[str, Any]) -> Optional[tuple[Any, memoryview]]:

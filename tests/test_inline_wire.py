@@ -221,3 +221,20 @@ def test_a_bytearray_is_copied_and_a_strided_buffer_refused(daemon) -> None:
             Descriptor.from_bytes(memoryview(bytes(raw))[::2])
         with pytest.raises(TypeError, match="expected a Descriptor"):
             c.get("not bytes")
+
+
+def test_a_producer_packs_each_layout_once_and_its_bytes_stay_what_msgpack_makes() -> None:
+    """Heads are kept by layout, bounded; a layout seen again gives the bytes msgpack makes, whatever
+    came between."""
+    def made(t: torch.Tensor) -> bytes:
+        specs, nbytes = tz.layout([t])
+        return Descriptor.inline_of(tuple(specs), nbytes, False, tz.packed_parts([t], specs, nbytes)).to_bytes()
+
+    a, b = _tensor(torch.float16, (7, 3), 20), _tensor(torch.int64, (5,), 21)
+    for t in (a, b, a, b):
+        desc = Descriptor.from_bytes(made(t))
+        assert made(t) == _legacy_bytes(desc, _bytes_of(t))
+    for n in range(descriptor.INLINE_HEADS + 10):
+        made(torch.zeros(n + 1, dtype=torch.uint8))
+    assert len(descriptor._inline_made) <= descriptor.INLINE_HEADS
+    assert made(a) == _legacy_bytes(Descriptor.from_bytes(made(a)), _bytes_of(a))
