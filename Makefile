@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 # The package and torch alone: all that `make demo` and `make run` need, on any machine.
 BASE_STAMP := $(VENV)/.base-stamp
-# Plus what the tests use: the [cuda] and [mesh] code paths, the examples' image processor, pytest.
+# Plus what the tests use: the [cuda] and [mesh] code paths, the examples' image processor, Ray for
+# the bench's ray mode, pytest.
 STAMP := $(VENV)/.installed-stamp
 # Any torch >= 2.1 works. Where the registry is PyPI, a plain torch on Linux x86_64 is the CUDA build
 # (gigabytes of nvidia-* wheels); on a machine without a GPU,
@@ -24,7 +25,7 @@ $(BASE_STAMP): pyproject.toml
 	touch $@
 
 $(STAMP): $(BASE_STAMP)
-	$(PIP) -e ".[test,cuda,examples,mesh]"
+	$(PIP) -e ".[test,cuda,examples,mesh,ray]"
 	@# iptables holds a mesh connection back in tests/test_remote_restarts.py, which runs as root in network
 	@# namespaces; best effort, as Debian's package, and the test says why it skips where it is missing.
 	@command -v iptables >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \

@@ -19,15 +19,18 @@ def test_bench_smoke(tmp_path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     records = json.loads(out.read_text())
     modes = {rec["mode"] for rec in records}
+    from mmfeat.bench.ray_mode import ray_missing
+
+    ray = {"ray"} if ray_missing() is None else set()  # a default mode only where Ray is installed
     assert modes == {"memcpy", "floor", "shm_ring", "pool_view", "pool_copy", "inline", "zmq_bytes", "torch_mp",
-                     "client_default", "control_mmfeat", "control_echo"}
+                     "client_default", "control_mmfeat", "control_echo"} | ray
     for rec in records:
         assert set(rec) >= {"mode", "size", "consumers", "features_per_s", "gb_per_s", "p50_us", "p99_us"}
         assert rec["features_per_s"] > 0 and rec["p99_us"] >= rec["p50_us"] > 0
     assert {(rec["size"], rec["consumers"]) for rec in records if rec["mode"] == "pool_view"} == {(65536, 2)}
     for rec in records:  # CPU per feature: every data-plane mode has it; only pool modes load the daemon
         if rec["mode"] in ("floor", "shm_ring", "pool_view", "pool_copy", "zmq_bytes", "torch_mp", "inline",
-                           "client_default"):
+                           "client_default", "ray"):
             assert rec["producer_cpu_us"] > 0 and rec["consumer_cpu_us"] > 0 and rec["daemon_cpu_us"] is not None
         if rec["mode"] == "pool_view":
             assert rec["daemon_cpu_us"] > 0

@@ -18,16 +18,24 @@ from mmfeat.testing import worker_context
 from .control import run_control
 from .report import (MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, plot_unavailable, render,
                      targets, write_json)
+from .ray_mode import INSTALL_HINT as RAY_HINT
+from .ray_mode import MODE as RAY
+from .ray_mode import RaySession, ray_missing
 from .remote import REMOTE_MODES
 from .remote_verdict import REMOTE_ROUNDS
 from .workers import MODES, Job, consumer_main, producer_main, ring_path
 
 
+# ray is an optional extra: by default it runs where it is installed, so a plain `mmfeat bench` works anywhere.
+DEFAULT_MODES = MODES + ((RAY,) if ray_missing() is None else ())
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="64K,1M,16M,64M", help="feature sizes, K, M or G (default: %(default)s)")
     p.add_argument("--consumers", default="1,2,4", help="consumer process counts (default: %(default)s)")
-    p.add_argument("--modes", default=",".join(MODES),
-                   help=f"which modes to run, comma-separated (default: all of {', '.join(MODES)}; "
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"which modes to run, comma-separated (default: all of {', '.join(MODES)}, and {RAY} "
+                        f"where Ray is installed ({RAY_HINT.split(' (')[0]}); "
                         f"with --remote, all of {', '.join(REMOTE_MODES)})")
     p.add_argument("--count", type=int, default=None,
                    help="features per run (default: by size, 256 MiB worth, at least 100 and at most 1000)")
@@ -152,6 +160,7 @@ def _run_data_plane(
     runtime_dir: Path, sock_dir: Path, n: int, sizes: list[int], modes: list[str], args: argparse.Namespace,
     device: str,
     daemon_pid: int,
+    ray_session: Optional[RaySession] = None,
 ) -> list[dict[str, Any]]:
     import torch.multiprocessing as tmp
 
@@ -177,6 +186,10 @@ def _run_data_plane(
             _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} on {device}"
                       f"{f', round {rnd + 1}/{args.rounds}' if args.rounds > 1 else ''} ...")
             count = _count_for(size, args.count)
+            if mode == RAY:
+                job = Job(mode, size, count, warmup=max(2, args.window, count // 20), window=args.window, device=device)
+                rows.append({**ray_session.row(job, n), "round": rnd})
+                continue
             # At least a window of warm-up: every slot of shm_ring's ring and of a pool's arenas is touched
             # (its pages faulted in) before the clock starts.
             job = Job(mode, size, count, warmup=max(2, args.window, count // 20), window=args.window, device=device,
@@ -230,12 +243,14 @@ def run_bench(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     counts = [int(c) for c in args.consumers.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - set(MODES)
+    unknown = set(modes) - set(MODES) - {RAY}
     if unknown:
-        raise SystemExit(f"mmfeat bench: unknown modes {sorted(unknown)}; choose from {','.join(MODES)}")
+        raise SystemExit(f"mmfeat bench: unknown modes {sorted(unknown)}; choose from {','.join(MODES + (RAY,))}")
+    if RAY in modes and ray_missing():
+        raise SystemExit(f"mmfeat bench: the {RAY} mode needs Ray, and {ray_missing()}: {RAY_HINT}")
     control_clients = [int(c) for c in args.control_clients.split(",") if c]
     work = Path(tempfile.mkdtemp(prefix="mmfb-", dir="/tmp"))
-    daemon = None
+    daemon = ray_session = None
     try:
         if args.use_running:
             from mmfeat.protos.paths import default_runtime_dir
@@ -252,8 +267,11 @@ def run_bench(args: argparse.Namespace) -> int:
         device, daemon_pid = _daemon_facts(runtime_dir)
         rows = [{**_memcpy_row(size, _count_for(size, args.count), args.threads, device), "round": rnd}
                 for rnd in range(args.rounds) for size in sizes]
+        if RAY in modes:
+            _progress("bench: starting a private Ray ...")  # seconds, once, before any row's clock
+            ray_session = RaySession(max(sizes), args.window, args.threads, work / "ray", _cpu_seconds)
         for n in counts:
-            rows += _run_data_plane(runtime_dir, work, n, sizes, modes, args, device, daemon_pid)
+            rows += _run_data_plane(runtime_dir, work, n, sizes, modes, args, device, daemon_pid, ray_session)
         control = []
         if control_clients:
             _progress("bench: control plane ...")
@@ -276,6 +294,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(f"no plot: {why_not}", file=sys.stderr)
         return 0
     finally:
+        if ray_session is not None:
+            ray_session.close()
         if daemon is not None:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(15)

@@ -165,7 +165,7 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
         f"  {'producer':>8} {'consumer':>8} {'mmfeatd':>7}",
     ]
     order = {m: i for i, m in enumerate(("memcpy", "floor", "shm_ring", "pool_view", "pool_copy", "client_default",
-                                         "inline", "zmq_bytes", "torch_mp"))}
+                                         "inline", "zmq_bytes", "torch_mp", "ray"))}
     for r in sorted(rows, key=lambda r: (r["consumers"], r["size"], order.get(r["mode"], 99))):
         xl = f"{r['x_limit']:.2f}" if r.get("x_limit") is not None else "-"
         xz = f"{r['x_zmq']:.2f}" if r.get("x_zmq") is not None else "-"
@@ -175,6 +175,9 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
             f" {r['p50_us']:>10.0f} {r['p99_us']:>10.0f} {xl:>8} {xz:>7}"
             f"  {_us(r.get('producer_cpu_us')):>8} {_us(r.get('consumer_cpu_us')):>8} {_us(r.get('daemon_cpu_us')):>7}"
         )
+    if any(r["mode"] == "ray" for r in rows):
+        lines.append("ray: producer is the Ray driver; its mmfeatd column is Ray's own processes (GCS, raylet with "
+                     "the object store, their agents and idle workers)")
     lines += _held_lines(rows, order)
     if control:
         lines += ["", "control plane: reserve+publish+ack cycles/s, and per round trip p50/p99 (us)"]
