@@ -265,6 +265,10 @@ def run_bench(args: argparse.Namespace) -> int:
             pool_mb = max(256, (max(sizes) * (2 * args.window + 2)) // MiB + 64, 32 * max(sizes) // MiB)
             daemon = _start_daemon(runtime_dir, pool_mb)
         device, daemon_pid = _daemon_facts(runtime_dir)
+        if RAY in modes and device != "cpu":
+            # Ray's actors would need GPUs of their own and its object store holds host memory only.
+            raise SystemExit(f"mmfeat bench: the {RAY} mode measures host pools only, and this daemon's pool is on "
+                             f"{device}: drop {RAY} from --modes, or measure a host-pool daemon")
         rows = [{**_memcpy_row(size, _count_for(size, args.count), args.threads, device), "round": rnd}
                 for rnd in range(args.rounds) for size in sizes]
         if RAY in modes:

@@ -39,7 +39,7 @@ def ray_missing() -> Optional[str]:
 class _Consumer:
     """One consumer process: a Ray actor, its methods run one at a time in call order."""
 
-    def __init__(self, threads: int, device: str) -> None:
+    def __init__(self, threads: int) -> None:
         import warnings
 
         import torch
@@ -47,7 +47,6 @@ class _Consumer:
         torch.set_num_threads(threads)
         # ray.get hands back a read-only view of the object store; reading it is all this actor does.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        self.device = device
 
     def pid(self) -> int:
         return os.getpid()
@@ -59,7 +58,7 @@ class _Consumer:
         import ray
         import torch
 
-        got = torch.from_numpy(ray.get(boxed[0])).to(self.device)
+        got = torch.from_numpy(ray.get(boxed[0]))
         held_at = time.monotonic()
         read_every_byte(got)
         del got
@@ -100,14 +99,11 @@ class RaySession:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no prompt, no report home from a benchmark
         # Ray's default for a new local cluster (a token in ~/.ray), said explicitly so it does not warn.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-        # Ray would hide the GPUs from actors that asked for none; a GPU run's consumers read on the daemon's.
-        os.environ.setdefault("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
         import ray
 
         self._ray, self._threads, self._cpu_seconds = ray, threads, cpu_seconds
         self._actors: list[Any] = []
         self._actor_pids: set[int] = set()
-        self._made_for: tuple[int, str] = (0, "")
         before = _descendants({os.getpid()})
         try:
             ray.init(
@@ -127,16 +123,15 @@ class RaySession:
         # gcs_server, raylet (with the object store), their agents; workers the raylet starts later descend from it.
         self._ray_roots = _descendants({os.getpid()}) - before
 
-    def _consumers(self, n: int, device: str) -> list[Any]:
-        """``n`` actors reading on ``device``, made once per consumer count: each start is a new process."""
-        if self._made_for != (n, device):
+    def _consumers(self, n: int) -> list[Any]:
+        """``n`` actors, made once per consumer count: each start is a new process."""
+        if len(self._actors) != n:
             for a in self._actors:
                 self._ray.kill(a)
             # num_cpus=0: consumers share the cores as the other modes' processes do, whatever their count.
             cls = self._ray.remote(num_cpus=0)(_Consumer)
-            self._actors = [cls.remote(self._threads, device) for _ in range(n)]
+            self._actors = [cls.remote(self._threads) for _ in range(n)]
             self._actor_pids = set(self._get([a.pid.remote() for a in self._actors]))
-            self._made_for = (n, device)
         return self._actors
 
     def _get(self, refs: list) -> list:
@@ -160,8 +155,8 @@ class RaySession:
         import torch
 
         ray = self._ray
-        actors = self._consumers(n, job.device)
-        payload = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device)
+        actors = self._consumers(n)
+        payload = torch.randint(0, 255, (job.size,), dtype=torch.uint8)
         total = job.count + job.warmup
         sent_at: list[float] = []
         held_at: dict[int, list[float]] = {}
@@ -194,7 +189,7 @@ class RaySession:
             while i - acked >= job.window:
                 collect()
             t0 = time.monotonic()
-            ref = ray.put(payload.cpu().numpy())  # a GPU feature pays the host round trip, as zmq_bytes does
+            ref = ray.put(payload.numpy())
             # Inside a list: each actor gets the reference, not the array, and fetches it itself.
             pending += [a.read.remote([ref], i) for a in actors]
             del ref  # the calls hold it now: Ray frees the object once the last reader has returned
