@@ -44,7 +44,9 @@ log = logging.getLogger("mmfeatd")
 # lease expiry wakes the loop at the earliest deadline instead, so it is on time whatever this is.
 # While features flow, the daemon's cost is its wake-ups, not its work: each starts with caches that
 # payload copies of many MiB emptied, so wake-ups per second times that is its CPU (docs/performance.md).
-TICK_S = 0.4
+# Large features come a few dozen a second, so a wake-up every few hundred milliseconds would cost
+# more per feature than the sweep's work on it: housekeeping whose deadlines are seconds waits a second.
+TICK_S = 1.0
 # A mesh's heartbeats and a remote pull's waiters keep a finer tick, and a meshed daemon sweeps at
 # least this often too: a remote consumer's ack of a pulled copy reaches the owner only once its own
 # daemon's sweep has seen it, and until then the owner's producer cannot reuse that space.
@@ -54,8 +56,9 @@ MESH_TICK_S = 0.1
 SWEEP_MIN_S = 0.005
 # A trickle of features, too, is swept at most this often, as an idle client is. Producers wait for no
 # sweep (DONE gives their space back); an arena's slots come back at a sweep, and a rate that would use
-# half of them between two sweeps halves the interval (SWEEP_BATCH).
-SWEEP_MAX_S = 0.4
+# half of them between two sweeps halves the interval (SWEEP_BATCH), so the slots, not this, set the
+# pace of a fast producer, and a slow one (large features) costs one wake-up a second, not several.
+SWEEP_MAX_S = 1.0
 # While clients write, a sweep should apply a batch of words: its fixed cost (numpy over the columns,
 # and, with payload copies of many MiB evicting the daemon from the caches, a cold start of a few
 # hundred microseconds) is then shared by many features instead of one or two. The upper bound keeps
