@@ -31,6 +31,7 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
     there, and the connection's session stands in for any the frame names.
     """
     now = time.monotonic() if now is None else now
+    core.counters.requests += 1
     try:
         msg = decode(frame)
     except DecodeError as exc:

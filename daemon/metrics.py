@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .leases.lease import EndReason, Lease
 
 _COUNTERS = {
+    "requests": "Request frames taken on the control socket and the fd channels",
     "reserves": "Leases reserved",
     "publishes": "Leases published",
     "acks": "Consumer acknowledgements applied",

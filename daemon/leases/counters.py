@@ -38,6 +38,9 @@ class Counters:
     sessions_cut: int = 0  # sessions cut for words refused in slots they hold, past max_refused_words
     leases_cut: int = 0  # their leases, ended with them
     sweeps: int = 0
+    # Request frames taken, on the control socket and the fd channels: the steady state of features in
+    # arenas takes none per feature, so a rate that follows the features' says a producer left that path.
+    requests: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:

@@ -27,6 +27,10 @@ log = logging.getLogger("mmfeatd")
 # instead of polling a stop flag.
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 _IDLE_WAIT_S = 1.0  # how often the thread looks at its stop flag when nothing happens (a safety net)
+# While it follows a monitor the thread needs no net: its ROUTER is unwatched before a reset or a close,
+# and the monitor's last event (MONITOR_STOPPED) wakes it. A wake-up a second, cache-cold while payload
+# copies flow, was a tenth of the CPU of a daemon with clients attached; this rare one is a last resort.
+_MONITOR_WAIT_S = 30.0
 # A monitor event's first frame (zmq_socket_monitor): the event's 16-bit id, then its 32-bit value (for
 # ACCEPTED and DISCONNECTED, the connection's fd). Read here rather than with zmq.utils.monitor, whose
 # import brings asyncio: a tenth of a daemon's start-up.
@@ -108,7 +112,7 @@ class ConnectionCap:
                 if monitor is None:
                     self._changed.wait(_IDLE_WAIT_S)
                     continue
-                if not monitor.poll(_IDLE_WAIT_S * 1000):
+                if not monitor.poll(_MONITOR_WAIT_S * 1000):
                     continue
                 try:
                     frames = monitor.recv_multipart()

@@ -65,17 +65,20 @@ class MemoryWatch:
         load, over, wait = self._load, self._guard.over, select.select
         try:
             while True:
+                # One read of the books per wake-up, for the check and for the next interval: the wake-up
+                # itself is most of the cost (cache-cold while payload copies flow), and it comes ten
+                # times a second for as long as a client is attached.
                 self._long = True  # before the load: a wake() from now on either writes or is seen by it
                 connections, leases = load()
+                if not self.tripped and over(connections, leases) is not None:
+                    self.tripped = True
+                    self._ring()
                 if connections or leases:
                     self._long = False
                 if wait(pipe, (), (), IDLE_S if self._long else GUARD_S)[0]:
                     if self._stopping:
                         return
                     os.read(self._stop_r, 4096)
-                if not self.tripped and over(*load()) is not None:
-                    self.tripped = True
-                    self._ring()
         except Exception:  # noqa: BLE001 - a dead watch would leave floods unchecked: say so loudly
             log.exception("the memory watch stopped; control socket floods are no longer checked")
 
