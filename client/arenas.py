@@ -36,10 +36,18 @@ IDLE_S = 5.0
 MAX_FEATURE_FRACTION = 0.5
 _LOW_WATER = 0.5  # ask for the next arena once the current one is this full
 _RETRY_S = 1.0  # after a refused arena request (pool full, limit reached)
+# Refusals that giving back an arena of another size class may cure: the session's arena count or
+# bytes (OVER_QUOTA), the pool's share for arenas (POOL_FULL).
+_ROOM_ERRORS = (ErrorCode.OVER_QUOTA, ErrorCode.POOL_FULL)
 
 
 def _align(n: int) -> int:
     return -(-n // LEASE_ALIGNMENT) * LEASE_ALIGNMENT
+
+
+def _class_of(arena: "ProducerArena", usual: Optional[int]) -> int:
+    """The size-class key of ``arena``: 0 for the usual size, else its size."""
+    return 0 if arena.size == usual else arena.size
 
 
 def _size_class(nbytes: int) -> int:
@@ -235,13 +243,33 @@ class ArenaSet:
             fields["nbytes"] = nbytes
         try:
             if wait:
-                self._install(key, self._fd.call("arena", **fields))
+                try:
+                    self._install(key, self._fd.call("arena", **fields))
+                except MmfeatError as exc:
+                    if exc.code not in _ROOM_ERRORS or not self._give_back_oldest(pool, key):
+                        raise
+                    self._install(key, self._fd.call("arena", **fields))
             else:
                 self._pending[key] = self._fd.call_later("arena", **fields)
         except DaemonUnavailableError:
             raise  # the producer falls back at once instead of waiting again for a reserve
         except MmfeatError as exc:  # pool full, limit reached, too large, draining: reserve meanwhile
             self._refused(key, exc)
+        return True
+
+    def _give_back_oldest(self, pool: int, key: tuple[int, int]) -> bool:
+        """Return the least recently used arena of ``pool`` of another size class than ``key``'s, none of
+        it being written, so that a class with no arena yet can have one; whether one went back. Without
+        this a session at its arena limit (or its share of the pool) would reserve every feature of a new
+        size class until an old arena went idle. Its features stay readable: a returned arena takes no
+        new feature, and the daemon frees it once they are over."""
+        others = [a for a in self._arenas.get(pool, ()) if _class_of(a, self._usual.get(pool)) != key[1]
+                  and not a.writing()]
+        if not others:
+            return False
+        oldest = min(others, key=lambda a: a.last_used)
+        self._arenas[pool].remove(oldest)
+        self._fd.send("arena_return", arena=oldest.arena_id)  # handled before the request that follows it
         return True
 
     def _collect(self, pool: int) -> None:

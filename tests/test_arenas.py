@@ -259,6 +259,32 @@ def test_a_feature_over_half_an_arena_goes_to_an_arena_of_its_size_class(daemon_
     d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
 
 
+def test_a_session_at_its_arena_limit_gives_an_old_arena_back_for_a_new_size_class(daemon_factory) -> None:
+    """A producer that holds arenas_per_session usual arenas and then puts a feature of a new size class
+    gives back its least recently used arena and takes one of that class, instead of reserving each such
+    feature until an arena goes idle; the features of the arena it gave back stay readable."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arenas-per-session", "2")
+    with d.client(inline_threshold=0, fallback="error") as c:
+        small = [c.put(torch.full((100 * 1024,), float(k))) for k in range(2)]  # 400 KiB each, the first arena
+        d.wait_for(lambda s: s["counters"]["arenas_granted"] == 2, what="the next arena, asked for at low water")
+        small += [c.put(torch.full((100 * 1024,), float(k))) for k in range(2, 4)]  # the second arena
+        s = d.stats()
+        assert s["counters"]["arenas_granted"] == 2 and s["counters"]["reserves"] == 0
+        for k in range(4):  # 1 MiB each, the 2 MiB class: each read and acked before the next, a steady state
+            big = c.put(torch.full((256 * 1024,), -float(k)))
+            assert torch.equal(c.get(big), torch.full((256 * 1024,), -float(k)))
+            c.ack(big)
+        s = d.stats()
+        assert s["counters"]["arenas_refused"] >= 1  # the limit was met ...
+        assert s["counters"]["reserves"] == 0 and s["counters"]["arena_publishes"] == 8  # ... and cost nothing
+        for k, t in enumerate(small):
+            assert torch.equal(c.get(t), torch.full((100 * 1024,), float(k)))
+            c.ack(t)
+        assert c.flush()
+        assert _consistent(d.stats()["pools"][0])
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
+
+
 def test_an_arena_for_a_feature_is_refused_when_its_class_is_too_large(daemon) -> None:
     """The daemon sizes the arena, and refuses, typed, one over an eighth of the pool (128 MiB here)."""
     with daemon.client(inline_threshold=0) as c:
