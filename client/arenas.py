@@ -246,7 +246,7 @@ class ArenaSet:
                 try:
                     self._install(key, self._fd.call("arena", **fields))
                 except MmfeatError as exc:
-                    if exc.code not in _ROOM_ERRORS or not self._give_back_oldest(pool, key):
+                    if exc.code not in _ROOM_ERRORS or not self._give_back_oldest(pool, key, 0.0):
                         raise
                     self._install(key, self._fd.call("arena", **fields))
             else:
@@ -257,14 +257,16 @@ class ArenaSet:
             self._refused(key, exc)
         return True
 
-    def _give_back_oldest(self, pool: int, key: tuple[int, int]) -> bool:
-        """Return the least recently used arena of ``pool`` of another size class than ``key``'s, none of
-        it being written, so that a class with no arena yet can have one; whether one went back. Without
-        this a session at its arena limit (or its share of the pool) would reserve every feature of a new
-        size class until an old arena went idle. Its features stay readable: a returned arena takes no
-        new feature, and the daemon frees it once they are over."""
+    def _give_back_oldest(self, pool: int, key: tuple[int, int], idle_s: float) -> bool:
+        """Return the least recently used arena of ``pool`` of another size class than ``key``'s, unused
+        for ``idle_s`` and none of it being written, so that ``key``'s class can have one; whether one
+        went back. Without this a session at its arena limit (or its share of the pool) would reserve
+        every feature of a new size class that its arenas cannot hold until an old arena went idle for
+        IDLE_S. Its features stay readable: a returned arena takes no new feature, and the daemon frees
+        it once they are over."""
+        cutoff = time.monotonic() - idle_s
         others = [a for a in self._arenas.get(pool, ()) if _class_of(a, self._usual.get(pool)) != key[1]
-                  and not a.writing()]
+                  and a.last_used <= cutoff and not a.writing()]
         if not others:
             return False
         oldest = min(others, key=lambda a: a.last_used)
@@ -286,6 +288,11 @@ class ArenaSet:
                 self._install(key, reply)
 
     def _refused(self, key: tuple[int, int], exc: Exception) -> None:
+        # An arena asked for ahead of need was refused: an arena of another class that has not been used
+        # for a while goes back, and the next put asks again, rather than its class reserving meanwhile.
+        if (isinstance(exc, MmfeatError) and exc.code in _ROOM_ERRORS
+                and self._give_back_oldest(key[0], key, _RETRY_S)):
+            return
         self._retry_at[key] = time.monotonic() + _RETRY_S
         log.debug("no arena (size class %d) in pool %d for now: %s", key[1], key[0], exc)
 

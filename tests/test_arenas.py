@@ -281,6 +281,22 @@ def test_a_session_at_its_arena_limit_gives_an_old_arena_back_for_a_new_size_cla
             assert torch.equal(c.get(t), torch.full((100 * 1024,), float(k)))
             c.ack(t)
         assert c.flush()
+        # Three in flight: more than one 2 MiB arena holds. The next one of the class, asked for ahead of
+        # need, takes the place of the usual arena left unused for a while.
+        time.sleep(1.2)
+        in_flight: list[tuple[int, object]] = []
+        for k in range(16):
+            if k == 6:
+                before = d.stats()["counters"]["reserves"]  # past the switch: a steady state from here
+            in_flight.append((k, c.put(torch.full((256 * 1024,), float(k)))))
+            if len(in_flight) == 3:
+                j, big = in_flight.pop(0)
+                assert torch.equal(c.get(big), torch.full((256 * 1024,), float(j)))
+                c.ack(big)
+        assert d.stats()["counters"]["reserves"] == before
+        for j, big in in_flight:
+            c.ack(big)
+        assert c.flush()
         assert _consistent(d.stats()["pools"][0])
     d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
 
