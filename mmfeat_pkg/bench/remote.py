@@ -323,7 +323,7 @@ def ratios_to_nixl_read(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         b = base.get((r["size"], r["round"]))
         r["x_nixl_read"] = r["features_per_s"] / b if b else None
-    return combine_rounds(rows, keys=("mode", "size"), spread="x_nixl_read")
+    return combine_rounds(rows, keys=("mode", "size"), spread=("x_nixl_read",))
 
 
 def run_remote_bench(args: argparse.Namespace) -> int:
