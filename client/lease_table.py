@@ -14,10 +14,10 @@ import struct
 import threading
 from typing import Callable, Optional
 
-from mmfeat.atomics import Words, fence_acquire
+from mmfeat.atomics import FENCE_NEEDED, Words, fence_acquire
 from mmfeat.protos.lease_table import (
-    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, ENTRY_BYTES, FLAG_DRAINING, FREE, HEADER, HEADER_FLAGS_WORD, LIVE_STATES,
-    MAGIC, POOL, PUBLISHED, STATE, ack_word, state_word, table_bytes, word_offset,
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, ENTRY_BYTES, FLAG_DRAINING, FREE, GEN_MASK, HEADER, HEADER_FLAGS_WORD,
+    LIVE_STATES, MAGIC, POOL, PUBLISHED, STATE, ack_word, state_word, table_bytes, word_offset,
 )
 
 STATE_FREE = FREE
@@ -49,9 +49,16 @@ class LeaseTableView:
         # Neither refers back to this view: a dropped view is unmapped at once, not at the next GC.
         self._load: Callable[[int], int] = (self._words.load_at if self._words is not None
                                             else functools.partial(_read_word, mm))
-
-    def _state(self, slot: int) -> int:
-        return self._load(self._states + 8 * slot)
+        plain = self._words.plain_view() if self._words is not None else None
+        self._states_q: Optional[memoryview] = None
+        if plain is not None:
+            # Where a plain load is an acquire load (x86-64), the STATE and ACKS columns as memoryviews:
+            # indexing one reads a slot's word with no Python frame, and a put, get and ack read
+            # several. These bound methods shadow the methods below (same results, any slot in range).
+            first_state, first_ack = self._states // 8, self._acks // 8
+            self._states_q = plain[first_state : first_state + slots]
+            self.state_word = self._states_q.__getitem__  # type: ignore[method-assign]
+            self._ack_word = plain[first_ack : first_ack + slots].__getitem__  # type: ignore[method-assign]
 
     def state(self, lease: int, gen: int, pool: int, offset: int, nbytes: int) -> int:
         """The lease's state if its slot holds generation ``gen`` live with this range; STATE_FREE if the
@@ -60,28 +67,29 @@ class LeaseTableView:
         live = self._live_entry(lease, gen)
         if live is None:
             return STATE_FREE
-        word, entry = live
-        if entry[:3] != (pool, offset, nbytes):
+        word, pool_, offset_, nbytes_, _ = live
+        if pool_ != pool or offset_ != offset or nbytes_ != nbytes:
             return STATE_MISMATCH
         return word & 3
 
-    def _live_entry(self, lease: int, gen: int) -> Optional[tuple[int, tuple[int, int, int, int]]]:
-        """The STATE word and (POOL, OFFSET, NBYTES, CONSUMERS) of generation ``gen`` of slot ``lease``
+    def _live_entry(self, lease: int, gen: int) -> Optional[tuple[int, int, int, int, int]]:
+        """The STATE word and POOL, OFFSET, NBYTES, CONSUMERS of generation ``gen`` of slot ``lease``
         while it is RESERVED or PUBLISHED; None otherwise."""
         if not 0 <= lease < self.slots:
             return None
-        at = self._states + 8 * lease
-        word = self._load(at)
+        load = self.state_word
+        word = load(lease)
         if word >> 2 != gen or word & 3 not in LIVE_STATES:
             return None
         # The entry words were written before STATE named this generation (release store, acquire
         # load); reading STATE again, after a fence, proves they still belong to it (generations only
         # grow: no ABA; DONE and FREE only follow PUBLISHED).
-        entry = _ENTRY_HEAD.unpack_from(self._mm, self._entries + ENTRY_BYTES * lease)
-        fence_acquire()
-        if self._load(at) != word:
+        pool, offset, nbytes, consumers = _ENTRY_HEAD.unpack_from(self._mm, self._entries + ENTRY_BYTES * lease)
+        if FENCE_NEEDED:
+            fence_acquire()
+        if load(lease) != word:
             return None
-        return word, entry
+        return word, pool, offset, nbytes, consumers
 
     def add_acks(self, lease: int, gen: int, pool: int, offset: int, nbytes: int, count: int) -> bool:
         """Add ``count`` acks to the lease's ack word if its slot still holds generation ``gen`` live with
@@ -95,19 +103,21 @@ class LeaseTableView:
             return False
         at = self._acks + 8 * lease
         want = gen & ACK_GEN_MASK
-        seen = words.load_at(at)
+        seen = self._ack_word(lease)
         for _ in range(_CAS_TRIES):  # bounded: under a peer that rewrites the word without end, send a message
             if seen >> 32 != want or (seen & ACK_COUNT_MASK) + count > ACK_COUNT_MASK:
                 return False
             live = self._live_entry(lease, gen)
-            if live is None or live[1][:3] != (pool, offset, nbytes):
-                return False  # ended, or another range: the daemon says why (a message ack)
+            if live is None:
+                return False  # ended: the daemon says why (a message ack)
+            word, pool_, offset_, nbytes_, consumers = live
+            if pool_ != pool or offset_ != offset or nbytes_ != nbytes:
+                return False  # another range: the daemon says why
             ok, seen = words.cas_at(at, seen, seen + count)
             if ok:
-                word, entry = live
-                if (seen & ACK_COUNT_MASK) + count >= entry[3] and word & 3 == PUBLISHED:
+                if (seen & ACK_COUNT_MASK) + count >= consumers and word & 3 == PUBLISHED:
                     # The last ack: a failed swap means the daemon ended it meanwhile, which is as good.
-                    words.cas_at(self._states + 8 * lease, word, state_word(gen, DONE))
+                    words.cas_at(self._states + 8 * lease, word, (gen & GEN_MASK) << 2 | DONE)
                 return True
         return False
 
@@ -118,11 +128,18 @@ class LeaseTableView:
         # Plain stores: the release store of STATE below orders every earlier store of this thread.
         _ENTRY.pack_into(self._mm, self._entries + ENTRY_BYTES * slot, pool, offset, nbytes, consumers, token)
         _U64.pack_into(self._mm, self._acks + 8 * slot, ack_word(gen))
-        self._words.store_at(self._states + 8 * slot, state_word(gen, PUBLISHED))
+        if self._states_q is not None:
+            self._states_q[slot] = state_word(gen, PUBLISHED)  # a plain store is a release store here
+        else:
+            self._words.store_at(self._states + 8 * slot, state_word(gen, PUBLISHED))
 
     def state_word(self, slot: int) -> int:
-        """The STATE word of a slot of this process's own arena (a slot the daemon granted)."""
+        """The STATE word of a slot the caller checked is in range (its own arena's, one the daemon
+        granted)."""
         return self._load(self._states + 8 * slot)
+
+    def _ack_word(self, slot: int) -> int:
+        return self._load(self._acks + 8 * slot)
 
     def draining(self) -> bool:
         return bool(_U64.unpack_from(self._mm, 8 * HEADER_FLAGS_WORD)[0] & FLAG_DRAINING)

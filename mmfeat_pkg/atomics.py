@@ -73,6 +73,10 @@ def _box() -> tuple[ctypes.c_uint64, int]:
     return box
 
 
+# Whether fence_acquire does anything here: hot paths test this instead of calling it for nothing.
+FENCE_NEEDED = _lib is not None and not PLAIN_ORDERED
+
+
 def fence_acquire() -> None:
     """Order the loads before this call before every load and store after it (a bulk read, such as a
     numpy copy of a column, followed by reads that depend on what it saw)."""
@@ -96,6 +100,11 @@ class Words:
             raise ValueError("plain loads and stores are acquire/release only on x86-64 (and need libatomic's CAS)")
         use_plain = PLAIN_ORDERED if plain is None else plain
         self._plain: Optional[memoryview] = memoryview(self._anchor).cast("B").cast("Q") if use_plain else None
+
+    def plain_view(self) -> Optional[memoryview]:
+        """The words as a memoryview of 8-byte items where plain loads and stores are acquire and release
+        (x86-64): indexing it reads a word with no Python frame. None elsewhere: use load_at."""
+        return self._plain
 
     def load(self, i: int) -> int:
         """Acquire load of word ``i``: what the writer stored before releasing it is visible after."""
@@ -129,7 +138,10 @@ class Words:
     def cas_at(self, offset: int, expected: int, new: int) -> tuple[bool, int]:
         if _lib is None:
             raise RuntimeError("compare-and-swap needs libatomic (not found); the message path does not use it")
-        box, address = _box()
+        try:
+            box, address = _boxes.box  # each ack makes one or two: no helper frame for the common case
+        except AttributeError:
+            box, address = _box()
         box.value = expected
         ok = _cas8(self._base + offset, address, new, SEQ_CST, SEQ_CST)
         return ok, box.value
