@@ -15,18 +15,17 @@ from typing import Any, Optional, Union
 import msgpack
 
 from . import inline_wire
-from .descriptor_parts import KnownParts, Tail, head_bytes
-from .dtypes import DTYPE_SIZES
+from .descriptor_parts import Encoder, KnownParts, Tail, head_bytes, head_fields
 from .messages import TOKEN_BYTES
+from .tensor_spec import MAX_TENSORS as _MAX_TENSORS
+from .tensor_spec import DescriptorError, TensorSpec
+from .tensor_spec import tensor_specs as _tensor_specs
 
 FORMAT = 1
 POOL_KINDS = ("host", "cuda")  # where a pool's memory lives
 HANDLE_KINDS = ("posix_fd", "fabric")  # how a process gains access to a pool
 KINDS = (*POOL_KINDS, "inline")
-_MAX_DIMS = 16
-_MAX_TENSORS = 1024
 _MAX_DESCRIPTOR_BYTES = 1 << 31
-_MAX_INT = 1 << 62  # shapes, strides and offsets: far past any real tensor, and products stay exact
 # Leases start on this boundary (the daemon's allocator aligns every range), so any dtype view is aligned.
 LEASE_ALIGNMENT = 256
 
@@ -35,6 +34,7 @@ PARSE_CACHE_MAX_BYTES = 512
 PARSE_CACHE_ENTRIES = 4096
 _parsed: dict[bytes, "Descriptor"] = {}
 _known = KnownParts()  # heads and tails already checked: a later descriptor checks only what differs
+_encoder = Encoder()  # the same parts' bytes, for to_bytes
 # Inline descriptors by the identity of the bytes they were parsed from: a consumer's ack(blob) after its
 # get(blob) finds the parse there. Keyed by identity, not value: hashing a 64 KiB payload costs more
 # than parsing its header. An entry holds its bytes alive, so entries and their bytes are both bounded.
@@ -84,99 +84,6 @@ def parse_in_full(data: bytes) -> "Descriptor":
 
 
 _INT_FIELDS = ("pool", "epoch", "lease", "gen", "offset", "nbytes")
-
-
-class DescriptorError(ValueError):
-    """Bytes that are not a valid descriptor."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor inside a lease: ``offset`` is in bytes from the lease start, strides in elements."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def extent(self) -> int:
-        """Bytes from ``offset`` to one past the last element the tensor can touch."""
-        last = 0
-        for d, s in zip(self.shape, self.strides):
-            if d == 0:
-                return 0
-            last += (d - 1) * s
-        return (last + 1) * DTYPE_SIZES[self.dtype]
-
-    def to_wire(self) -> list[Any]:
-        return [self.dtype, list(self.shape), list(self.strides), self.offset]
-
-    @classmethod
-    def from_wire(cls, raw: Any) -> "TensorSpec":
-        return _spec_from_wire(raw, None)
-
-    @classmethod
-    def checked(cls, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> "TensorSpec":
-        """The spec of fields that are already checked, without the frozen dataclass's four
-        ``object.__setattr__`` calls (see ``Descriptor.checked``): producers make one per tensor they put."""
-        spec = object.__new__(cls)
-        spec.__dict__.update(dtype=dtype, shape=shape, strides=strides, offset=offset)
-        return spec
-
-
-def _spec_from_wire(raw: Any, nbytes: Optional[int]) -> TensorSpec:
-    """A tensor spec from its wire form, checked in one pass (consumers parse one per feature); with
-    ``nbytes``, also checked to lie inside a lease of that size: its extent and its element count."""
-    if not (isinstance(raw, list) and len(raw) == 4):
-        raise DescriptorError("tensor spec must be [dtype, shape, strides, offset]")
-    dtype, shape, strides, offset = raw
-    itemsize = DTYPE_SIZES.get(dtype) if isinstance(dtype, str) else None
-    if itemsize is None:
-        raise DescriptorError(f"unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and isinstance(strides, list)) or len(shape) != len(strides):
-        raise DescriptorError("shape and strides must be lists of the same length")
-    if len(shape) > _MAX_DIMS:
-        raise DescriptorError(f"more than {_MAX_DIMS} dimensions")
-    if type(offset) is not int or not 0 <= offset <= _MAX_INT:
-        raise DescriptorError("shape, strides and offset must be non-negative integers")
-    numel, last = 1, 0
-    for d, s in zip(shape, strides):
-        if type(d) is not int or type(s) is not int or not 0 <= d <= _MAX_INT or not 0 <= s <= _MAX_INT:
-            raise DescriptorError("shape, strides and offset must be non-negative integers")
-        if s == 0 and d > 1:
-            # A zero stride repeats one element: a tiny descriptor could then make copy=True allocate
-            # far more than the lease holds. Producers write contiguous tensors, so none is legitimate.
-            raise DescriptorError("a zero stride on a dimension larger than 1 is refused")
-        numel *= d
-        last += (d - 1) * s
-    if offset % itemsize:
-        raise DescriptorError(f"tensor offset {offset} is not aligned to its {dtype} elements")
-    extent = (last + 1) * itemsize if numel else 0
-    if nbytes is not None and (offset + extent > nbytes or offset + numel * itemsize > nbytes):
-        raise DescriptorError(
-            f"tensor at offset {offset} ({numel} x {itemsize} B, extent {extent} B) overruns the {nbytes}-byte lease"
-        )
-    return TensorSpec.checked(dtype, tuple(shape), tuple(strides), offset)
-
-
-def _tensor_specs(tensors: Any, many: bool, nbytes: int) -> tuple[TensorSpec, ...]:
-    if not isinstance(tensors, list) or not tensors or len(tensors) > _MAX_TENSORS:
-        raise DescriptorError(f"a descriptor holds 1 to {_MAX_TENSORS} tensors")
-    if not many and len(tensors) != 1:
-        raise DescriptorError("a single-tensor descriptor must hold exactly one tensor")
-    return tuple([_spec_from_wire(t, nbytes) for t in tensors])
 
 
 _UNPACK_KWARGS: dict[str, Any] = dict(raw=False, max_bin_len=_MAX_DESCRIPTOR_BYTES, max_array_len=_MAX_TENSORS * 4,
@@ -248,6 +155,12 @@ class Descriptor:
             return wire
         if self.inline is not None:
             return inline_wire.encode(self._head_fields(), [self.inline], len(self.inline))[0]
+        if self.kind != "inline" and type(self.token) is bytes and len(self.token) == TOKEN_BYTES:
+            # A pool descriptor, as every producer makes one per feature: the bytes of its head and tail
+            # are made once (descriptor_parts.Encoder); a field of another type takes the whole packb.
+            return _encoder.encode((self.kind, self.node, self.endpoint, self.device, self.pool, self.epoch),
+                                   self.lease, self.gen, self.token, self.offset, self.nbytes, self.many,
+                                   self.tensors)
         return msgpack.packb(
             [
                 FORMAT,
@@ -320,7 +233,7 @@ class Descriptor:
                 _remember_inline(data, desc, len(data))
                 return desc
             head = (desc.kind, desc.node, desc.endpoint, desc.device, desc.pool, desc.epoch)
-            _known.remember_head(data, head_bytes(FORMAT, *head), head)
+            _known.remember_head(data, head_bytes(FORMAT, *head), head_fields(*head))
             split = _known.split(data)
             if split is not None:
                 _known.remember_tail(data[split[5]:], (desc.nbytes, desc.many, desc.tensors))
@@ -388,7 +301,7 @@ class Descriptor:
     def _parse_after_head(cls, data: bytes, split: tuple[Any, ...]) -> "Descriptor":
         """A descriptor whose head is known: its four fields are decoded (``split``); its tail is one
         already checked or is checked here alone, as ``_parse`` checks those fields of a pool descriptor."""
-        (kind, node, endpoint, device, pool, epoch), lease, gen, token, offset, at = split
+        head, lease, gen, token, offset, at = split
         tail_bytes = data[at:]
         tail = _known.tail(tail_bytes)
         if tail is None:
@@ -396,9 +309,8 @@ class Descriptor:
             _known.remember_tail(tail_bytes, tail)
         if offset % LEASE_ALIGNMENT:
             raise DescriptorError(f"lease offset {offset} is not {LEASE_ALIGNMENT}-byte aligned, as every lease is")
-        return cls.checked(kind=kind, tensors=tail[2], nbytes=tail[0], many=tail[1], node=node, endpoint=endpoint,
-                           device=device, pool=pool, epoch=epoch, lease=lease, gen=gen, token=token, offset=offset,
-                           inline=None)
+        return cls.of_pool(head, tensors=tail[2], nbytes=tail[0], many=tail[1], lease=lease, gen=gen, token=token,
+                           offset=offset)
 
     @classmethod
     def _parse(cls, data: bytes) -> "Descriptor":
@@ -453,6 +365,24 @@ class Descriptor:
         desc.__dict__.update(kind=kind, tensors=tensors, nbytes=nbytes, many=many, node=node, endpoint=endpoint,
                              device=device, pool=pool, epoch=epoch, lease=lease, gen=gen, token=token, offset=offset,
                              inline=inline)
+        return desc
+
+    @classmethod
+    def of_pool(cls, head: dict[str, Any], *, tensors: tuple[TensorSpec, ...], nbytes: int, many: bool, lease: int,
+                gen: int, token: bytes, offset: int) -> "Descriptor":
+        """``checked`` for a pool descriptor whose kind, node, endpoint, device, pool and epoch are ``head``
+        (``descriptor_parts.head_fields``, made once per pool): a producer's put and the parse of a known
+        head make one per feature, and only these seven fields differ from one to the next."""
+        desc = object.__new__(cls)
+        fields = desc.__dict__
+        fields.update(head)
+        fields["tensors"] = tensors
+        fields["nbytes"] = nbytes
+        fields["many"] = many
+        fields["lease"] = lease
+        fields["gen"] = gen
+        fields["token"] = token
+        fields["offset"] = offset
         return desc
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:

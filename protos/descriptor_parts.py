@@ -17,6 +17,7 @@ valid, mutated and re-encoded bytes.
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Any, Optional
 
 import msgpack
@@ -59,14 +60,20 @@ Head = tuple[str, str, str, int, int, int]  # kind, node, endpoint, device, pool
 Tail = tuple[int, bool, tuple[Any, ...]]  # nbytes, many, the checked tensor specs
 
 
+def head_fields(kind: str, node: str, endpoint: str, device: int, pool: int, epoch: int) -> dict[str, Any]:
+    """A pool descriptor's head as the fields it sets (no inline data), for ``Descriptor.of_pool``."""
+    return {"kind": kind, "node": node, "endpoint": endpoint, "device": device, "pool": pool, "epoch": epoch,
+            "inline": None}
+
+
 class KnownParts:
     """Heads and tails already checked, and the fields they stand for."""
 
     def __init__(self) -> None:
-        self._heads: list[tuple[bytes, Head]] = []  # most recently learned first; at most _HEADS
+        self._heads: list[tuple[bytes, dict[str, Any]]] = []  # most recently learned first; at most _HEADS
         self._tails: dict[bytes, Tail] = {}
 
-    def remember_head(self, data: bytes, head: bytes, fields: Head) -> None:
+    def remember_head(self, data: bytes, head: bytes, fields: dict[str, Any]) -> None:
         """Remember a head whose fields a full parse of ``data`` accepted, if ``data`` starts with it."""
         if data.startswith(head):
             self._heads = [(head, fields)] + [h for h in self._heads if h[0] != head][: _HEADS - 1]
@@ -82,9 +89,10 @@ class KnownParts:
     def tail(self, tail: bytes) -> Optional[Tail]:
         return self._tails.get(tail)
 
-    def split(self, data: bytes) -> Optional[tuple[Head, int, int, bytes, int, int]]:
+    def split(self, data: bytes) -> Optional[tuple[dict[str, Any], int, int, bytes, int, int]]:
         """For bytes that start with a known head and go on with three unsigned integers and a 16-byte
-        token around the third (lease, generation, token, offset): the head's fields, those four, and
+        token around the third (lease, generation, token, offset): the head's fields (``head_fields``,
+        shared: not to be changed), those four, and
         where the tail starts. None for anything else. The offset's alignment and the tail are the
         caller's to check."""
         for head, fields in self._heads:
@@ -102,3 +110,41 @@ class KnownParts:
         except (_Unknown, IndexError, struct.error):
             return None
         return fields, lease, gen, token, offset, at
+
+
+class Encoder:
+    """A pool descriptor's bytes from the parts of it a process has encoded before: its head's bytes (by
+    its six fields) and its tail's (by the very tuple of tensor specs, which a producer's layout cache and
+    a parse's known tails hand out again), joined around its four own fields. The same bytes msgpack
+    makes for the whole array: it encodes each element on its own, after a one-byte array header."""
+
+    def __init__(self) -> None:
+        self._heads: dict[Head, bytes] = {}
+        # id of a tuple of specs -> (that tuple, nbytes, many, the tail's bytes); an entry holds its tuple,
+        # so the id cannot be another tuple's while the entry is there.
+        self._tails: dict[int, tuple[tuple[Any, ...], int, bool, bytes]] = {}
+
+    def encode(self, head: Head, lease: int, gen: int, token: bytes, offset: int, nbytes: int, many: bool,
+               tensors: tuple[Any, ...]) -> bytes:
+        head_wire = self._heads.get(head)
+        if head_wire is None:
+            if len(self._heads) >= _HEADS:
+                self._heads.clear()
+            head_wire = self._heads[head] = head_bytes(1, *head)
+        tail = self._tails.get(id(tensors))
+        if tail is None or tail[0] is not tensors or tail[1] != nbytes or tail[2] is not many:
+            if len(self._tails) >= _TAILS:
+                self._tails.clear()
+            wire = msgpack.packb([nbytes, many, [t.to_wire() for t in tensors], None], use_bin_type=True)[1:]
+            tail = self._tails[id(tensors)] = (tensors, nbytes, many, wire)
+        try:
+            packer = _packers.packer
+        except AttributeError:
+            packer = _packers.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+        middle = packer.pack([lease, gen, token, offset])  # its first byte is the fixarray header
+        return b"".join((head_wire, middle[1:], tail[3]))
+
+
+# One Packer per thread (a Packer is not thread-safe): packb makes a Packer per call, which costs three
+# times the packing of the four fields.
+_packers = threading.local()

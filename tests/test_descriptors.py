@@ -313,3 +313,44 @@ def test_a_fault_after_a_known_head_is_refused_as_the_full_parse_refuses_it(inde
     with pytest.raises(DescriptorError) as after_head:
         Descriptor.from_bytes(blob)
     assert str(after_head.value) == str(full.value)
+
+
+def test_to_bytes_is_msgpack_of_every_field_whatever_it_encoded_before() -> None:
+    """A pool descriptor's bytes are joined from its head's and tail's bytes, kept from earlier descriptors
+    (descriptor_parts.Encoder, keyed by the head's fields and by the very tuple of specs): they must be
+    the bytes msgpack makes for all fifteen fields, also for the same tuple with another size or ``many``."""
+    from mmfeat.protos.descriptor_parts import head_fields
+
+    rng = random.Random(5)
+    one = (TensorSpec("uint8", (4096,), (1,), 0),)
+    two = (TensorSpec("bfloat16", (16, 8), (8, 1), 0), TensorSpec("int64", (5,), (1,), 256))
+    ints = [0, 1, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 64) - 1]
+    for _ in range(3000):
+        tensors = rng.choice((one, two))
+        head = head_fields(rng.choice(("host", "cuda")), rng.choice(("", "node-a", "n" * 300)),
+                           rng.choice(("ipc:///x", "tcp://10.0.0.1:5555")), rng.choice((-1, 0, 7, 300)),
+                           rng.choice((0, 1, 200)), rng.choice(ints))
+        d = Descriptor.of_pool(head, tensors=tensors, nbytes=4096 + 256 * rng.randrange(3), many=rng.random() < 0.5,
+                               lease=rng.choice(ints), gen=rng.choice(ints), token=rng.randbytes(16),
+                               offset=rng.choice(ints))
+        fields = [1, d.kind, d.node, d.endpoint, d.device, d.pool, d.epoch, d.lease, d.gen, d.token, d.offset,
+                  d.nbytes, d.many, [t.to_wire() for t in d.tensors], None]
+        assert d.to_bytes() == msgpack.packb(fields, use_bin_type=True)
+        assert d == Descriptor(**{k: v for k, v in vars(d).items()})
+
+
+def test_of_pool_makes_what_checked_makes() -> None:
+    """``Descriptor.of_pool`` (a head's fields, then the seven that differ) is ``checked`` for a pool
+    descriptor: the same fields, nothing more, and as frozen."""
+    import dataclasses
+
+    from mmfeat.protos.descriptor_parts import head_fields
+
+    tensors = (TensorSpec("float32", (4,), (1,), 0),)
+    made = Descriptor.of_pool(head_fields("cuda", "n", "e", 2, 3, 4), tensors=tensors, nbytes=256, many=True,
+                              lease=5, gen=6, token=b"t" * 16, offset=512)
+    checked = Descriptor.checked(kind="cuda", tensors=tensors, nbytes=256, many=True, node="n", endpoint="e",
+                                 device=2, pool=3, epoch=4, lease=5, gen=6, token=b"t" * 16, offset=512, inline=None)
+    assert vars(made) == vars(checked) and made == checked
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.offset = 0  # type: ignore[misc]
