@@ -24,7 +24,7 @@ from mmfeat.protos.messages import MAX_CONSUMERS, AckReply
 
 from .acked_leases import AckedLeases
 from .channel import ControlChannel
-from .pinned import PendingCopies, pending_key
+from .pinned import PendingCopies
 from .session import Session
 
 log = logging.getLogger("mmfeat.client")
@@ -47,9 +47,9 @@ class Acks:
     def ack(self, desc: Descriptor, count: int, after: Any, wait: bool) -> Optional[dict[str, Any]]:
         if not 1 <= count <= MAX_CONSUMERS:
             raise ValueError(f"count must be between 1 and {MAX_CONSUMERS}")
-        if desc.is_inline:
+        if desc.kind == "inline":
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
-        staged = self._pending.take(pending_key(desc))
+        staged = self._pending.take_for(desc)
         if staged is not None:  # get(device=) of a host-pool feature: its DMA may still be reading the pool
             if wait:
                 staged.synchronize()

@@ -9,7 +9,6 @@ alone cannot say who ended it; this memory can.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import ErrorCode, MmfeatError
@@ -27,15 +26,16 @@ class AckedLeases:
     def __init__(self, limit: int = MAX_REMEMBERED) -> None:
         self._limit = limit
         self._lock = threading.Lock()
-        self._acks: OrderedDict[Key, int] = OrderedDict()
+        self._acks: dict[Key, int] = {}
 
     def remember(self, desc: Descriptor) -> None:
         """``desc`` (this daemon's, this epoch's) was acked by this client."""
         key = (desc.epoch, desc.pool, desc.lease, desc.gen)
+        acks = self._acks
         with self._lock:
-            self._acks[key] = self._acks.get(key, 0) + 1
-            if len(self._acks) > self._limit:
-                self._acks.popitem(last=False)
+            acks[key] = acks.get(key, 0) + 1
+            if len(acks) > self._limit:
+                del acks[next(iter(acks))]  # the oldest: a dict keeps insertion order
 
     def refuse_repeat(self, session: Session, desc: Descriptor) -> None:
         """Raise NOT_FOUND (STALE once its slot was reused) if this client acked ``desc`` before and the

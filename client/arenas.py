@@ -22,7 +22,7 @@ from typing import Any, Optional
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
-from mmfeat.protos.lease_table import DONE, GEN_MASK, PUBLISHED, state_word
+from mmfeat.protos.lease_table import DONE, GEN_MASK, PUBLISHED
 from mmfeat.protos.messages import ArenaReply
 
 from .fd_transport import FdTransport
@@ -98,8 +98,8 @@ class ProducerArena:
 
     def reclaim(self) -> None:
         """Take back the space and slots of the oldest features that are over."""
-        ring, table, done = self._ring, self._table, self._done
-        while done and table.state_word(done[0].slot) != done[0].done_word:
+        ring, state_word, done = self._ring, self._table.state_word, self._done
+        while done and state_word(done[0].slot) != done[0].done_word:
             self._free_slots.append(done.popleft().slot)
         while ring:
             p = ring[0]
@@ -108,7 +108,7 @@ class ProducerArena:
             elif not p.published:
                 return  # still being written
             else:
-                word = table.state_word(p.slot)
+                word = state_word(p.slot)
                 if word == p.live_word:
                     return  # still live
                 if word == p.done_word:
@@ -119,18 +119,22 @@ class ProducerArena:
             self.used -= p.end - p.start
 
     def place(self, nbytes: int) -> Optional[Placement]:
-        size = _align(nbytes)
+        size = -(-nbytes // LEASE_ALIGNMENT) * LEASE_ALIGNMENT  # _align, inline: once per put
         self.reclaim()  # one load when nothing ended: reuse the freshest space and slots first
-        start = self._fit(size) if self._free_slots else None
+        free = self._free_slots
+        start = self._fit(size) if free else None
         if start is None:
             return None
+        last_gen, state_word = self._last_gen, self._table.state_word
         while True:
-            slot = self._free_slots.pop()
+            slot = free.pop()
             # The daemon wrote FREE with this slot's last generation; the next feature takes the one above
             # (above this producer's own last one too, whatever a peer wrote there meanwhile).
-            gen = max(self._table.state_word(slot) >> 2, self._last_gen[slot - self._slot_base]) + 1
+            i = slot - self._slot_base
+            gen = state_word(slot) >> 2
+            gen = (gen if gen > last_gen[i] else last_gen[i]) + 1
             if gen <= GEN_MASK:
-                self._last_gen[slot - self._slot_base] = gen
+                last_gen[i] = gen
                 break
             # Every generation of the slot is spent: a peer of the group wrote the highest one (SPEC.md,
             # section 9). A wrapped generation would be refused, and its feature lost: retire the slot.
@@ -138,10 +142,10 @@ class ProducerArena:
             if self.retired == 1:
                 log.warning("lease slot %d of arena %d has no generation left (a peer of the group wrote the "
                             "highest); retiring such slots", slot, self.arena_id)
-            if not self._free_slots:
+            if not free:
                 return None
         p = Placement(self, slot, gen, self.offset + start, start, start + size, False, False,
-                      state_word(gen, PUBLISHED), state_word(gen, DONE))
+                      gen << 2 | PUBLISHED, gen << 2 | DONE)  # state_word(gen, ...): gen <= GEN_MASK
         self._ring.append(p)
         self.used += size
         self.last_used = time.monotonic()
@@ -192,7 +196,8 @@ class ArenaSet:
         if table.draining():
             return None
         with self._lock:
-            self._collect(pool)
+            if self._pending:
+                self._collect(pool)
             arenas = self._arenas.get(pool)
             if pool not in self._usual:
                 if not self._request(pool, device, None, wait=True):  # a session's first feature: one round trip

@@ -154,7 +154,7 @@ class Client:
 
     def _connect(self) -> Session:
         session = self._session
-        if session is not None and session.alive():
+        if session is not None and session.fd.alive():  # Session.alive, one frame less: every put, get and ack
             return session
         with self._connect_lock:
             if self._session is not None:
@@ -179,7 +179,8 @@ class Client:
 
     def put(self, tensor: torch.Tensor, consumers: int = 1) -> Descriptor:
         """Place one tensor in the pool for ``consumers`` consumers; returns its descriptor."""
-        self._check_writable()
+        if self.readonly:
+            self._check_writable()
         return self._producer.put([tensor], consumers, many=False)
 
     def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1) -> Descriptor:
@@ -245,7 +246,7 @@ class Client:
         reused memory. The check reads the daemon's lease table (shared memory): a live lease costs no
         round trip, and only a lease the table calls gone is looked up, for the reason.
         """
-        return self._consumer.get(_as_descriptor(desc), copy, verify, device)
+        return self._consumer.get(desc if type(desc) is Descriptor else _as_descriptor(desc), copy, verify, device)
 
     def prefetch(self, descs: Union[DescLike, Sequence[DescLike]]) -> None:
         """Start making other nodes' features readable here without waiting: this node's daemon pulls
@@ -265,7 +266,7 @@ class Client:
         returns at once; a background thread adds the ack once the event completes (the GPU work that
         read the feature is done). ``flush()`` waits until the daemon has applied them all.
         """
-        return self._acks.ack(_as_descriptor(desc), count, after, wait)
+        return self._acks.ack(desc if type(desc) is Descriptor else _as_descriptor(desc), count, after, wait)
 
     def _ack_in_finalizer(self, desc: Descriptor) -> bool:
         """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs); True when it was a

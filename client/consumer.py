@@ -33,7 +33,7 @@ class Consumer:
         self._pending = pending  # staged copies from host pools still in flight, which their acks wait for
 
     def get(self, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
-        if desc.is_inline:
+        if desc.kind == "inline":
             out = [tz.view(_inline_base(desc, copy and device is None), spec) for spec in desc.tensors]
             return _finish(out, desc.many, False, device)
         session = self._connect()
@@ -48,9 +48,16 @@ class Consumer:
         pool = session.pools.get(desc.pool)
         if pool is None or desc.offset + desc.nbytes > pool.size:
             raise MmfeatError(ErrorCode.FORBIDDEN, f"lease [{desc.offset}, +{desc.nbytes}) is outside pool {desc.pool}")
-        if verify:
-            self.verify(session, desc)
-        mapping = session.mapping(desc.pool)
+        if verify:  # verify(), without its frame for the common live lease
+            state = session.table.state(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes)
+            if state <= STATE_FREE:
+                self._not_live(desc, state)
+        # A host pool's mapping without the call: session.mapping looks it up the same way.
+        mapping = session.mappings.get((desc.pool, -1)) if pool.kind == "host" else None
+        if mapping is None:
+            mapping = session.mapping(desc.pool)
+        if device is None and not copy and not desc.many:
+            return tz.pool_view(mapping.tensor, desc.offset, desc.tensors[0])  # the common get: one view
         if device is not None and pool.kind == "host" and feature_staging("host", device) == "pinned_async":
             staged = self._stage(mapping, desc, device)
             if staged is not None:
@@ -129,8 +136,11 @@ class Consumer:
         A live lease costs no round trip; otherwise ``lookup`` asks the daemon, whose error says why
         (expired, acked, reused slot, a range that does not match)."""
         state = session.table.state(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes)
-        if state > STATE_FREE:
-            return
+        if state <= STATE_FREE:
+            self._not_live(desc, state)
+
+    def _not_live(self, desc: Descriptor, state: int) -> None:
+        """The table says STATE_FREE or STATE_MISMATCH: raise what the daemon says."""
         self._channel.call("lookup", lease=desc.lease_ref())
         if state == STATE_MISMATCH:  # the daemon found it fine: the table is the authority on ranges
             raise MmfeatError(ErrorCode.FORBIDDEN,

@@ -32,6 +32,11 @@ _SHARED_WAIT_S = 0.005
 # the shared-memory path. A daemon restart is noticed within it (its descriptors are STALE anyway).
 _ALIVE_EVERY_S = 0.001
 
+# This process's pid, kept by a fork hook: alive() runs on every put, get and ack, and a getpid() system
+# call there cost more than the rest of its fast path. Python runs the hook in every forked child.
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
 # Called with a success reply to a call nobody waits for any more (it timed out): what it granted must
 # be given back, since nobody will use it.
 OnUnclaimed = Callable[[dict[str, Any]], None]
@@ -63,11 +68,13 @@ class FdTransport:
     def alive(self) -> bool:
         """False once the daemon closed the channel (it exited or restarted). Reads and logs the error
         replies of failed fd-channel requests on the way: they are the only other thing it sends."""
-        if self._closed or self._gone or self.pid != os.getpid():
+        if self._closed or self._gone or self.pid != _pid[0]:
             return False
         now = time.monotonic()
         if now < self._next_check:
             return True
+        if self.pid != os.getpid():
+            return False  # a fork that ran no hook (not through Python's os.fork): seen within the interval
         self._next_check = now + _ALIVE_EVERY_S
         with self._read_lock:
             self._gone = not self._drain()

@@ -144,5 +144,12 @@ class PendingCopies:
         with self._lock:
             return self._events.pop(key, None)
 
+    def take_for(self, desc: Descriptor) -> Optional[Any]:
+        """``take(pending_key(desc))``, without the key or the lock where nothing is pending: every ack
+        asks, and only consumers that stage copies to a GPU have any."""
+        if not self._events:
+            return None  # a copy staged by this consumer's get was added before its ack asks
+        return self.take(pending_key(desc))
+
     def __len__(self) -> int:
         return len(self._events)

@@ -51,8 +51,11 @@ class Producer:
         if not 1 <= consumers <= MAX_CONSUMERS:
             raise ValueError(f"consumers must be between 1 and {MAX_CONSUMERS}")
         specs, nbytes = tz.layout(tensors)
-        device = next((t.device.index for t in tensors if t.is_cuda), None)
-        put = PutInFlight(tuple(specs), nbytes, many, consumers, device, tensors)
+        if len(tensors) == 1:  # no generator for the common single tensor
+            device = tensors[0].device.index if tensors[0].is_cuda else None
+        else:
+            device = next((t.device.index for t in tensors if t.is_cuda), None)
+        put = PutInFlight(specs, nbytes, many, consumers, device, tensors)
         if nbytes < self.inline_threshold or nbytes == 0:
             return self._inline(put, FallbackReason.BELOW_THRESHOLD, "")
         if self._fallbacks.daemon_down:
@@ -67,15 +70,15 @@ class Producer:
             self._fd_short = None
         try:
             session = self._connect()
-            pool = self._pool_for(session, device)
+            pool, pool_tensor = self._target(session, device)
             if pool.kind == "cuda":
                 # Mapped (or known not to map) before any lease exists: a pool that cannot be mapped here
                 # costs no reserve and release round trip per put.
                 try:
-                    self._pool_tensor(session, pool.pool, device)
+                    pool_tensor = self._pool_tensor(session, pool.pool, device)
                 except (RuntimeError, OSError) as exc:  # CudaError and PoolMapError too
                     return self._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
-            desc = self._put_in_arena(session, pool, put)
+            desc = self._put_in_arena(session, pool, put, pool_tensor)
             if desc is not None:
                 return desc
             session, reply = self._reserve(session, pool, put)
@@ -109,15 +112,18 @@ class Producer:
             raise
         return desc
 
-    def _put_in_arena(self, session: Session, pool: PoolInfo, put: PutInFlight) -> Optional[Descriptor]:
-        """The descriptor of the feature placed and published in an arena; None to reserve instead."""
+    def _put_in_arena(self, session: Session, pool: PoolInfo, put: PutInFlight,
+                      pool_tensor: Optional[torch.Tensor] = None) -> Optional[Descriptor]:
+        """The descriptor of the feature placed and published in an arena; None to reserve instead.
+        ``pool_tensor``: the pool's mapping where the caller has it already."""
         spot = put.place_in_arena(session, self._channel.endpoint, pool)
         if spot is None:
             return None
         placed, token, desc = spot
         arenas = session.arenas
         try:
-            pool_tensor = self._pool_tensor(session, desc.pool, put.device)
+            if pool_tensor is None:
+                pool_tensor = self._pool_tensor(session, desc.pool, put.device)
         except (RuntimeError, OSError):
             arenas.abandon(placed)
             return None  # the reserve path meets the same failure and falls back, saying why
@@ -129,6 +135,22 @@ class Producer:
         # The payload is complete (and, on a GPU, synchronised): the STATE store may make it visible.
         arenas.publish(placed, put.nbytes, put.consumers, token)
         return desc
+
+    def _target(self, session: Session, device: Optional[int]) -> tuple[PoolInfo, Optional[torch.Tensor]]:
+        """The pool a feature on ``device`` goes to, and its mapping here if it is a mapped host pool. A
+        session's pools and host mappings never change, so a CPU feature's are kept for the session:
+        choosing them again cost a tenth of a put."""
+        if device is not None:
+            return self._pool_for(session, device), None
+        cached = session.host_target
+        if cached is not None:
+            return cached
+        pool = self._pool_for(session, None)
+        mapping = session.mappings.get((pool.pool, -1)) if pool.kind == "host" else None
+        tensor = mapping.tensor if mapping is not None else None
+        if tensor is not None:
+            session.host_target = (pool, tensor)
+        return pool, tensor
 
     def _pool_for(self, session: Session, device: Optional[int]) -> PoolInfo:
         gpu_pool = session.pool_on_local_device(device) if device is not None else None

@@ -8,17 +8,52 @@ so both paths make their descriptor, and fall back, from the same object.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
+from mmfeat.protos.descriptor_parts import head_fields
 from mmfeat.protos.messages import TOKEN_BYTES, PoolInfo
 
 from . import tensors as tz
 from .arenas import Placement
 from .session import Session
+
+
+# A feature's token (the capability to ack or release it) comes from the kernel's CSPRNG, drawn for this
+# many tokens at once: a getrandom() call per put cost as much as placing the feature. Per thread; a
+# forked child drops its parent's draw, so that no token is handed out by both.
+_TOKENS_PER_DRAW = 64
+
+
+class _Tokens(threading.local):
+    def __init__(self) -> None:
+        self.drawn = b""
+        self.at = 0
+
+
+_tokens = _Tokens()
+
+
+def _forget_tokens() -> None:
+    global _tokens
+    _tokens = _Tokens()
+
+
+os.register_at_fork(after_in_child=_forget_tokens)
+
+
+def new_token() -> bytes:
+    """A fresh, unpredictable token of TOKEN_BYTES."""
+    tokens = _tokens
+    at = tokens.at
+    if at >= len(tokens.drawn):
+        tokens.drawn, at = os.urandom(TOKEN_BYTES * _TOKENS_PER_DRAW), 0
+    tokens.at = at + TOKEN_BYTES
+    return tokens.drawn[at : at + TOKEN_BYTES]
 
 
 @dataclass(slots=True)
@@ -35,10 +70,14 @@ class PutInFlight:
                    offset: int) -> Descriptor:
         """The descriptor of this feature placed at ``offset`` of ``pool``, as lease (or arena slot)
         ``lease`` of generation ``gen``."""
-        info = session.pools[pool]
-        return Descriptor.checked(kind=info.kind, tensors=self.specs, nbytes=self.nbytes, many=self.many,
-                                  node=session.node, endpoint=endpoint, device=info.device, pool=pool,
-                                  epoch=session.epoch, lease=lease, gen=gen, token=token, offset=offset, inline=None)
+        heads = session.descriptor_heads
+        head = heads.get((pool, endpoint))
+        if head is None:  # once per pool: every descriptor of it has the same six first fields
+            info = session.pools[pool]
+            head = heads[(pool, endpoint)] = head_fields(info.kind, session.node, endpoint, info.device, pool,
+                                                         session.epoch)
+        return Descriptor.of_pool(head, tensors=self.specs, nbytes=self.nbytes, many=self.many, lease=lease, gen=gen,
+                                  token=token, offset=offset)
 
     def place_in_arena(self, session: Session, endpoint: str,
                        pool: PoolInfo) -> Optional[tuple[Placement, bytes, Descriptor]]:
@@ -50,7 +89,7 @@ class PutInFlight:
         placed = arenas.place(pool.pool, pool.device, self.nbytes)
         if placed is None:
             return None
-        token = os.urandom(TOKEN_BYTES)
+        token = new_token()
         return placed, token, self.descriptor(session, endpoint, pool.pool, placed.slot, placed.gen, token,
                                               placed.offset)
 

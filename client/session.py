@@ -44,6 +44,9 @@ class Session:
         self.endpoint = endpoint
         self.pools: dict[int, PoolInfo] = {p.pool: p for p in hello.pools}
         self.mappings: dict[tuple[int, int], Any] = {}  # (pool id, device) -> HostMapping or CudaMapping
+        # (pool id, endpoint) -> the fields every descriptor of that pool starts with (PutInFlight.descriptor)
+        self.descriptor_heads: dict[tuple[int, str], dict[str, Any]] = {}
+        self.host_target: Optional[tuple[PoolInfo, Any]] = None  # a CPU feature's pool and its mapping (Producer)
         self.fds = fds  # pool fds kept for pools mapped lazily (GPU pools: once per device)
         self.pid = fd.pid  # the process that opened it: a forked child must open its own
         self.table = table

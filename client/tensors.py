@@ -42,22 +42,24 @@ def layout_cache_len() -> int:
     return len(_one)
 
 
-def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], int]:
-    """Specs for ``tensors`` packed contiguously one after another, and the total size in bytes."""
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], int]:
+    """Specs for ``tensors`` packed contiguously one after another, and the total size in bytes. One
+    tensor of a shape seen before gets the same tuple of specs again: the descriptor's encoder keeps
+    the bytes of a tuple it has encoded."""
     if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
         t = tensors[0]
         key = (t.dtype, t.shape)
         hit = _one.get(key)
         if hit is None:
-            specs, nbytes = _layout(tensors)
+            hit = _layout(tensors)
             if len(_one) >= LAYOUT_CACHE_ENTRIES:
                 _one.clear()
-            hit = _one[key] = (specs[0], nbytes)
-        return [hit[0]], hit[1]
+            _one[key] = hit
+        return hit
     return _layout(tensors)
 
 
-def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], int]:
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], int]:
     specs, offset = [], 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -70,7 +72,7 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorSpec], int]:
             step *= max(d, 1)
         specs.append(TensorSpec.checked(dtype_name(t.dtype), shape, tuple(reversed(strides)), offset))
         offset += t.numel() * t.element_size()
-    return specs, offset
+    return tuple(specs), offset
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -126,15 +128,15 @@ def pool_view(pool: torch.Tensor, lease_offset: int, spec: TensorSpec) -> torch.
     """The tensor ``spec`` names in the lease at ``lease_offset`` of ``pool`` (a uint8 tensor over the
     whole pool): one ``as_strided`` on a view of the pool in the spec's dtype, made once per pool and
     dtype. torch checks the result against the pool's storage, whatever the spec says."""
-    dtype = torch_dtype(spec.dtype)
-    if 0 in spec.shape:
-        return torch.empty(spec.shape, dtype=dtype, device=pool.device)
     views = _typed_views(pool)
-    typed = views.get(dtype)
-    if typed is None:
-        typed = views[dtype] = pool.view(dtype)
+    hit = views.get(spec.dtype)
+    if hit is None:
+        hit = views[spec.dtype] = (pool.view(torch_dtype(spec.dtype)), DTYPE_SIZES[spec.dtype])
+    typed, itemsize = hit
+    if 0 in spec.shape:
+        return torch.empty(spec.shape, dtype=typed.dtype, device=pool.device)
     start = lease_offset + spec.offset  # a multiple of the itemsize: leases are 256-byte aligned
-    return typed.as_strided(spec.shape, spec.strides, start // DTYPE_SIZES[spec.dtype])
+    return typed.as_strided(spec.shape, spec.strides, start // itemsize)
 
 
 def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[torch.Tensor],
@@ -168,8 +170,9 @@ def _dense_host(t: torch.Tensor) -> bool:
             and not t.is_neg())
 
 
-def _typed_views(pool: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
-    # Kept on the pool tensor itself, so the views go when the mapping goes.
+def _typed_views(pool: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+    # Kept on the pool tensor itself, so the views go when the mapping goes; by dtype name, with the
+    # itemsize, which is what a spec gives.
     views = getattr(pool, "_mmfeat_views", None)
     if views is None:
         views = {}

@@ -234,8 +234,10 @@ def test_one_tensors_layout_from_the_cache_is_the_one_it_would_build() -> None:
         (spec,), nbytes = tz.layout([t])
         assert spec == tz.layout([t, t])[0][0] and nbytes == t.numel() * t.element_size()
     assert tz.layout([cases[0]])[0][0] != tz.layout([cases[1]])[0][0]
+    # The very tuple again for the same layout: the descriptor encoder keeps a tail's bytes by that tuple.
+    assert tz.layout([torch.ones(3, 4)])[0] is tz.layout([cases[0]])[0]
     for n in range(tz.LAYOUT_CACHE_ENTRIES + 8):  # more shapes than it keeps: it starts again, and stays bounded
-        assert tz.layout([torch.zeros(n + 1, dtype=torch.uint8)]) == ([TensorSpec("uint8", (n + 1,), (1,), 0)], n + 1)
+        assert tz.layout([torch.zeros(n + 1, dtype=torch.uint8)]) == ((TensorSpec("uint8", (n + 1,), (1,), 0),), n + 1)
     assert 0 < tz.layout_cache_len() <= tz.LAYOUT_CACHE_ENTRIES
 
 
@@ -258,3 +260,29 @@ def test_timers_wake_the_loop_only_for_those_that_wake_it() -> None:
         timers["watchdog"] = 1.0
     with pytest.raises(ValueError):
         timers.add("tick", 1.0)
+
+
+def test_put_tokens_are_fresh_and_a_forked_child_draws_its_own() -> None:
+    """Producers draw tokens (the capability to ack or release a feature) from the kernel several at a
+    time: each is new, and a child forked mid-draw hands out none of the tokens its parent will."""
+    import os
+
+    from mmfeat.client.put_in_flight import new_token
+
+    seen = {new_token() for _ in range(1000)}
+    assert len(seen) == 1000 and all(len(t) == 16 for t in seen)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next tokens, to the parent
+        os.close(read)
+        os.write(write, b"".join(new_token() for _ in range(8)))
+        os._exit(0)
+    os.close(write)
+    child = b""
+    while chunk := os.read(read, 4096):
+        child += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    parent = b"".join(new_token() for _ in range(8))
+    assert len(child) == 128 and child != parent
+    assert not {child[i : i + 16] for i in range(0, 128, 16)} & {parent[i : i + 16] for i in range(0, 128, 16)}
