@@ -145,7 +145,7 @@ def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[tor
     for t, spec in zip(tensors, specs):
         if not t.numel():
             continue
-        if _plain_host_bytes(pool, t):
+        if not pool.is_cuda and _dense_host(t):  # host memory that holds exactly the packed bytes
             # The common case, a contiguous CPU tensor into a host pool, is one memmove: a tenth of the
             # instructions of a view and copy_ (torch's dispatch), per feature, and the same bytes.
             # memmove checks nothing, so the bounds that as_strided would check are checked here.
@@ -155,12 +155,6 @@ def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[tor
             ctypes.memmove(pool.data_ptr() + start, t.data_ptr(), n)
         else:
             pool_view(pool, lease_offset, spec).copy_(t)
-
-
-def _plain_host_bytes(pool: torch.Tensor, t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory holds exactly the bytes its packed copy must: a dense CPU tensor without
-    a lazy conjugate or negation bit, going into host memory."""
-    return not pool.is_cuda and _dense_host(t)
 
 
 def _dense_host(t: torch.Tensor) -> bool:

@@ -34,20 +34,19 @@ class _Unknown(Exception):
     """Bytes this module does not recognise: the full parse decides."""
 
 
+# msgpack's unsigned integer forms past a positive fixint: type byte -> (its big-endian value, the length)
+_UINTS = {0xCC: (struct.Struct(">B"), 2), 0xCD: (_U16, 3), 0xCE: (_U32, 5), 0xCF: (_U64, 9)}
+
+
 def _uint(data: bytes, at: int) -> tuple[int, int]:
     """A non-negative msgpack integer at ``at``: (value, the offset after it)."""
     kind = data[at]
     if kind < 0x80:
         return kind, at + 1
-    if kind == 0xCC:
-        return data[at + 1], at + 2
-    if kind == 0xCD:
-        return _U16.unpack_from(data, at + 1)[0], at + 3
-    if kind == 0xCE:
-        return _U32.unpack_from(data, at + 1)[0], at + 5
-    if kind == 0xCF:
-        return _U64.unpack_from(data, at + 1)[0], at + 9
-    raise _Unknown
+    form = _UINTS.get(kind)
+    if form is None:
+        raise _Unknown
+    return form[0].unpack_from(data, at + 1)[0], at + form[1]
 
 
 def head_bytes(fmt: int, kind: str, node: str, endpoint: str, device: int, pool: int, epoch: int) -> bytes:
