@@ -337,6 +337,15 @@ def test_to_bytes_is_msgpack_of_every_field_whatever_it_encoded_before() -> None
                   d.nbytes, d.many, [t.to_wire() for t in d.tensors], None]
         assert d.to_bytes() == msgpack.packb(fields, use_bin_type=True)
         assert d == Descriptor(**{k: v for k, v in vars(d).items()})
+    # Values equal to an int already encoded, of another type: encoded as they are (and refused by a parse).
+    d = Descriptor.of_pool(head_fields("host", "", "ipc:///x", 0, 0, 1), tensors=one, nbytes=4096, many=False,
+                           lease=1, gen=1, token=b"t" * 16, offset=0)
+    d.to_bytes()
+    for odd in (dict(device=False), dict(pool=0.0), dict(epoch=True), dict(nbytes=4096.0)):
+        blob = replace(d, **odd).to_bytes()
+        assert blob != d.to_bytes()
+        with pytest.raises(DescriptorError):
+            Descriptor.from_bytes(blob)
 
 
 def test_of_pool_makes_what_checked_makes() -> None:
