@@ -91,9 +91,8 @@ class KnownParts:
     def split(self, data: bytes) -> Optional[tuple[dict[str, Any], int, int, bytes, int, int]]:
         """For bytes that start with a known head and go on with three unsigned integers and a 16-byte
         token around the third (lease, generation, token, offset): the head's fields (``head_fields``,
-        shared: not to be changed), those four, and
-        where the tail starts. None for anything else. The offset's alignment and the tail are the
-        caller's to check."""
+        shared: not to be changed), those four, and where the tail starts. None for anything else. The
+        offset's alignment and the tail are the caller's to check."""
         for head, fields in self._heads:
             if data.startswith(head):
                 break
