@@ -34,9 +34,9 @@ from .session import Session, open_session
 log = logging.getLogger("mmfeat.client")
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MMFEAT_TIMEOUT", "5"))
-# Below this, carrying the bytes in the message itself costs less than the pool (where the crossover
-# lies: docs/performance.md); 256 KiB also keeps messages that carry bytes small.
-DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(256 * 1024)))
+# Below this, carrying the bytes in the message itself costs less than the pool; from it up, the pool
+# (where the crossover lies: docs/performance.md).
+DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(64 * 1024)))
 # The largest feature put sends inline when the pool cannot take it; a larger one raises TOO_LARGE.
 DEFAULT_INLINE_MAX = int(os.environ.get("MMFEAT_INLINE_MAX", str(256 << 20)))
 

@@ -32,7 +32,7 @@ def test_requests_reach_two_ranks_over_zmq_with_every_tensor_intact(daemon, chil
     ranks = [spawn.Process(target=w.rank, args=(str(daemon.runtime_dir), ep, 12, results)) for ep in endpoints]
     for p in ranks:
         p.start()
-    with daemon.client() as c:  # the default 256 KiB threshold: images and the mask pooled, the rest pickled
+    with daemon.client() as c:  # the default threshold: images and the mask pooled, the rest pickled
         for rid in range(12):
             data = dumps(w.make_request(rid), consumers=2, client=c)
             assert len(data) < 20_000, len(data)  # descriptors, not pixels
