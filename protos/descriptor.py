@@ -14,6 +14,11 @@ from typing import Any, Optional, Union
 
 import msgpack
 
+try:
+    from zmq import Frame as _ZmqFrame
+except ImportError:  # the wire format alone, without the client's transport
+    _ZmqFrame = None
+
 from . import inline_wire
 from .descriptor_parts import Encoder, KnownParts, Tail, head_bytes, head_fields
 from .messages import TOKEN_BYTES
@@ -214,7 +219,8 @@ class Descriptor:
         """The descriptor ``data`` holds: bytes, or any contiguous buffer, such as a memoryview or a zmq
         Frame received with ``copy=False``. An inline payload in a buffer is viewed where it lies, not
         copied (keep the buffer unchanged while its tensors are in use); a bytearray, made to be written
-        again, is copied first."""
+        again, is copied first. Only bytes, read-only buffers and zmq Frames are found again by identity:
+        a writable buffer may hold the next feature by the time it comes back."""
         if type(data) is not bytes:
             return cls._from_buffer(data)
         # A consumer parses the same bytes for get() and again for ack(): the second time (and every
@@ -250,13 +256,13 @@ class Descriptor:
         """``from_bytes`` of anything but bytes: small ones (every pool descriptor) as bytes, through the
         cache; larger ones read in place."""
         hit = _inline_parsed.get(id(data))
-        if hit is not None and hit[0] is data:
+        if hit is not None and hit[0] is data and _unchanging(data):
             _counts["cache_hits"] += 1
             return hit[1]
         buf = _buffer_of(data)
         if type(buf) is bytes:
             return cls.from_bytes(buf)
-        return cls._inline_from_bytes(buf, data)
+        return cls._inline_parse(buf, data)  # looked up above, where a writable buffer gets no answer
 
     @classmethod
     def _inline_from_bytes(cls, data: Union[bytes, memoryview], source: Any) -> "Descriptor":
@@ -266,6 +272,10 @@ class Descriptor:
         if hit is not None and hit[0] is source:
             _counts["cache_hits"] += 1
             return hit[1]
+        return cls._inline_parse(data, source)
+
+    @classmethod
+    def _inline_parse(cls, data: Union[bytes, memoryview], source: Any) -> "Descriptor":
         _counts["parses"] += 1
         desc = cls._parse_new(data)
         if desc.is_inline:
@@ -397,6 +407,13 @@ def _remember_inline(source: Any, desc: Descriptor, nbytes: int) -> None:
     """Keep ``desc``, parsed from ``source`` (``nbytes`` long), found again by identity; the entry holds
     ``source`` alive, so its id cannot be reused while it is there."""
     global _inline_cached_bytes
+    if type(source) is not bytes:
+        if not _unchanging(source):
+            return  # a buffer written again (a receive buffer) holds the next feature under the same identity
+        view = memoryview(source)
+        if view.obj is not None and view.obj is not source:
+            # A view holds its whole exporter alive (a batch it was cut from): the entry costs all of it.
+            nbytes = max(nbytes, memoryview(view.obj).nbytes)
     if nbytes > INLINE_CACHE_MAX_BYTES:
         return  # its second parse reads the header alone: the payload is viewed, not copied
     while _inline_parsed and (len(_inline_parsed) >= INLINE_CACHE_ENTRIES
@@ -404,6 +421,12 @@ def _remember_inline(source: Any, desc: Descriptor, nbytes: int) -> None:
         _inline_cached_bytes -= _inline_parsed.popitem(last=False)[1][2]
     _inline_parsed[id(source)] = (source, desc, nbytes)
     _inline_cached_bytes += nbytes
+
+
+def _unchanging(source: Any) -> bool:
+    """Whether ``source``'s bytes stay as they are while it lives, so its identity may stand for them: a
+    read-only buffer, or a zmq Frame (writable by the buffer protocol, yet each receive makes a new one)."""
+    return type(source) is _ZmqFrame or memoryview(source).readonly
 
 
 def _buffer_of(data: Any) -> Union[bytes, memoryview]:
