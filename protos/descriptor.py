@@ -162,10 +162,12 @@ class Descriptor:
             return inline_wire.encode(self._head_fields(), [self.inline], len(self.inline))[0]
         if (self.kind != "inline" and type(self.token) is bytes and len(self.token) == TOKEN_BYTES
                 and type(self.device) is int and type(self.pool) is int and type(self.epoch) is int
-                and type(self.nbytes) is int):
+                and type(self.nbytes) is int and type(self.kind) is str and type(self.node) is str
+                and type(self.endpoint) is str and type(self.tensors) is tuple):
             # A pool descriptor, as every producer makes one per feature: the bytes of its head and tail
             # are made once (descriptor_parts.Encoder). A field of another type (1.0 or True where an int
-            # belongs: equal keys, other bytes) takes the whole packb, so its bytes stay what it holds.
+            # or a str belongs: equal keys, other bytes) or a list of specs (changed in place, it would
+            # keep the bytes cached by its identity) takes the whole packb, so its bytes stay what it holds.
             return _encoder.encode((self.kind, self.node, self.endpoint, self.device, self.pool, self.epoch),
                                    self.lease, self.gen, self.token, self.offset, self.nbytes, self.many,
                                    self.tensors)

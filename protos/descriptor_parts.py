@@ -130,17 +130,31 @@ class Encoder:
                 self._heads.clear()
             head_wire = self._heads[head] = head_bytes(1, *head)
         tail = self._tails.get(id(tensors))
-        if tail is None or tail[0] is not tensors or tail[1] != nbytes or tail[2] is not many:
-            if len(self._tails) >= _TAILS:
-                self._tails.clear()
-            wire = msgpack.packb([nbytes, many, [t.to_wire() for t in tensors], None], use_bin_type=True)[1:]
-            tail = self._tails[id(tensors)] = (tensors, nbytes, many, wire)
+        if tail is not None and tail[0] is tensors and tail[1] == nbytes and tail[2] is many:
+            tail_wire = tail[3]
+        else:
+            tail_wire = msgpack.packb([nbytes, many, [t.to_wire() for t in tensors], None], use_bin_type=True)[1:]
+            # Kept by the tuple's identity only if nothing in it can change: a spec built by hand with a
+            # list for its shape, changed in place, would otherwise keep the bytes of what it was.
+            if _frozen(tensors):
+                if len(self._tails) >= _TAILS:
+                    self._tails.clear()
+                self._tails[id(tensors)] = (tensors, nbytes, many, tail_wire)
         try:
             packer = _packers.packer
         except AttributeError:
             packer = _packers.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
         middle = packer.pack([lease, gen, token, offset])  # its first byte is the fixarray header
-        return b"".join((head_wire, middle[1:], tail[3]))
+        return b"".join((head_wire, middle[1:], tail_wire))
+
+
+def _frozen(tensors: tuple[Any, ...]) -> bool:
+    """Whether every spec's wire fields are immutable values (str, int and tuples of ints)."""
+    for t in tensors:
+        if (type(t.dtype) is not str or type(t.offset) is not int or type(t.shape) is not tuple
+                or type(t.strides) is not tuple or any(type(v) is not int for v in (*t.shape, *t.strides))):
+            return False
+    return True
 
 
 # One Packer per thread (a Packer is not thread-safe): packb makes a Packer per call, which costs three

@@ -1,17 +1,29 @@
 """Attacks on the fast paths of put, get, ack and the descriptor's caches: a receive buffer reused for the
-next feature and a parse cache that would hold a large buffer."""
+next feature, a parse cache that would hold a large buffer, and descriptors built by hand with odd or
+mutable fields."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
+import msgpack
 import numpy as np
 import torch
 
+from mmfeat.protos import Descriptor
 from mmfeat.protos import descriptor
+from mmfeat.protos.descriptor import TensorSpec
 
 BIG = 1 << 62  # an inline_threshold no feature reaches: every put goes inline
+
+
+def _packb(d: Descriptor) -> bytes:
+    """What msgpack makes of the descriptor's fields as they are: what to_bytes must write."""
+    return msgpack.packb([1, d.kind, d.node, d.endpoint, d.device, d.pool, d.epoch, d.lease, d.gen, d.token,
+                          d.offset, d.nbytes, d.many, [t.to_wire() for t in d.tensors], d.inline],
+                         use_bin_type=True)
 
 
 def test_a_receive_buffer_refilled_with_the_next_feature_is_parsed_again(daemon) -> None:
@@ -73,3 +85,32 @@ def test_a_small_view_of_a_large_buffer_is_not_kept_alive_by_the_parse_cache(dae
         del view, batch
         gc.collect()
         assert gone() is None, "the parse cache keeps a buffer larger than its whole bound alive"
+
+
+def test_a_hand_built_descriptor_writes_the_fields_it_holds() -> None:
+    """to_bytes writes what a descriptor holds now, not the bytes cached for an equal-looking one before:
+    a list of specs changed after a first to_bytes, and head fields of other types but equal values."""
+    spec = TensorSpec("uint8", (256,), (1,), 0)
+    base = Descriptor(kind="host", tensors=(spec,), nbytes=512, node="n", endpoint="e", pool=1, epoch=2, lease=3,
+                      gen=4, token=b"t" * 16, offset=256)
+    assert base.to_bytes() == _packb(base)
+
+    specs = [spec]
+    listed = dataclasses.replace(base, tensors=specs)  # type: ignore[arg-type]
+    assert listed.to_bytes() == _packb(listed)
+    specs.append(TensorSpec("uint8", (256,), (1,), 256))
+    assert listed.to_bytes() == _packb(listed), "a changed list of specs was written as before"
+
+    shape = [256]
+    mutable = dataclasses.replace(base, tensors=(TensorSpec("uint8", shape, (1,), 0),))  # type: ignore[arg-type]
+    assert mutable.to_bytes() == _packb(mutable)
+    shape[0] = 512
+    assert mutable.to_bytes() == _packb(mutable), "a changed shape list was written as before"
+
+    for kind_a, kind_b in ((1, True), (1.0, 1)):  # equal as dict keys, not as msgpack bytes
+        a = dataclasses.replace(base, kind=kind_a)  # type: ignore[arg-type]
+        b = dataclasses.replace(base, kind=kind_b)  # type: ignore[arg-type]
+        assert a.to_bytes() == _packb(a) and b.to_bytes() == _packb(b), "a head cached for an equal key"
+        node_b = dataclasses.replace(base, node=kind_b)  # type: ignore[arg-type]
+        assert dataclasses.replace(base, node=kind_a).to_bytes() == _packb(dataclasses.replace(base, node=kind_a))
+        assert node_b.to_bytes() == _packb(node_b)
