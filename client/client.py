@@ -261,10 +261,11 @@ class Client:
         read afterwards: the memory may be reused at once.
 
         By default this is one compare-and-swap in the lease table: no message, no round trip; the
-        daemon applies it on its next sweep (within milliseconds). ``wait=True`` sends it to the daemon
-        and returns its answer (remaining, freed, over_acked). ``after`` (a torch.cuda.Stream or Event)
-        returns at once; a background thread adds the ack once the event completes (the GPU work that
-        read the feature is done). ``flush()`` waits until the daemon has applied them all.
+        daemon applies it on its next sweep (at most a second later, sooner while features flow).
+        ``wait=True`` sends it to the daemon and returns its answer (remaining, freed, over_acked).
+        ``after`` (a torch.cuda.Stream or Event) returns at once; a background thread adds the ack once
+        the event completes (the GPU work that read the feature is done). ``flush()`` waits until the
+        daemon has applied them all.
         """
         return self._acks.ack(desc if type(desc) is Descriptor else _as_descriptor(desc), count, after, wait)
 
