@@ -99,6 +99,11 @@ class ProducerArena:
     def reclaim(self) -> None:
         """Take back the space and slots of the oldest features that are over."""
         ring, state_word, done = self._ring, self._table.state_word, self._done
+        if not done and ring:
+            # The usual put: the oldest feature still live, nothing waiting for FREE; one load.
+            p = ring[0]
+            if p.published and state_word(p.slot) == p.live_word:
+                return
         while done and state_word(done[0].slot) != done[0].done_word:
             self._free_slots.append(done.popleft().slot)
         while ring:
@@ -192,38 +197,62 @@ class ArenaSet:
         """Space for ``nbytes`` in one of this session's arenas of ``pool``; None: reserve instead. A
         feature over half the usual arena goes to an arena of its own size class, asked for with its
         size, so that it too costs no message."""
-        table = self._table
-        if table.draining():
+        if self._table.draining():
             return None
         with self._lock:
             if self._pending:
                 self._collect(pool)
             arenas = self._arenas.get(pool)
+            if arenas:
+                # The usual put: the arena that had room last time takes this feature too. The slow path
+                # below tries the arenas in the same order, so this changes which arena only in cost.
+                first = arenas[0]
+                if nbytes <= first.size * MAX_FEATURE_FRACTION:
+                    p = first.place(nbytes)
+                    if p is not None:
+                        if first.used > first.size * _LOW_WATER:
+                            self._ask_ahead(pool, device, nbytes, arenas)
+                        return p
+            return self._place_slow(pool, device, nbytes, arenas)
+
+    def _place_slow(self, pool: int, device: Optional[int], nbytes: int,
+                    arenas: Optional[list[ProducerArena]]) -> Optional[Placement]:
+        """place() past its first arena: a session's first feature, a new size class, a full arena."""
+        if pool not in self._usual:
+            if not self._request(pool, device, None, wait=True):  # a session's first feature: one round trip
+                return None
+            arenas = self._arenas.get(pool)
             if pool not in self._usual:
-                if not self._request(pool, device, None, wait=True):  # a session's first feature: one round trip
-                    return None
-                arenas = self._arenas.get(pool)
-                if pool not in self._usual:
-                    return None
-            large = nbytes if nbytes > self._usual[pool] * MAX_FEATURE_FRACTION else None
+                return None
+        large = nbytes if nbytes > self._usual[pool] * MAX_FEATURE_FRACTION else None
+        fitting = [a for a in arenas or () if nbytes <= a.size * MAX_FEATURE_FRACTION]
+        if not fitting and large is not None:
+            # The first feature of its size class waits for its arena, as a session's first does.
+            self._request(pool, device, large, wait=True)
+            arenas = self._arenas.get(pool)
             fitting = [a for a in arenas or () if nbytes <= a.size * MAX_FEATURE_FRACTION]
-            if not fitting and large is not None:
-                # The first feature of its size class waits for its arena, as a session's first does.
-                self._request(pool, device, large, wait=True)
-                arenas = self._arenas.get(pool)
-                fitting = [a for a in arenas or () if nbytes <= a.size * MAX_FEATURE_FRACTION]
-            for arena in fitting:
-                p = arena.place(nbytes)
-                if p is not None:
-                    assert arenas is not None
-                    if arena is not arenas[0]:  # keep the arena that had room first next time
-                        arenas.remove(arena)
-                        arenas.insert(0, arena)
-                    if arena.low() and len(fitting) == 1:  # the next one, before this one fills
-                        self._request(pool, device, large, wait=False)
-                    return p
+        for arena in fitting:
+            p = arena.place(nbytes)
+            if p is not None:
+                assert arenas is not None
+                if arena is not arenas[0]:  # keep the arena that had room first next time
+                    arenas.remove(arena)
+                    arenas.insert(0, arena)
+                if arena.low() and len(fitting) == 1:  # the next one, before this one fills
+                    self._request(pool, device, large, wait=False)
+                return p
+        self._request(pool, device, large, wait=False)
+        return None
+
+    def _ask_ahead(self, pool: int, device: Optional[int], nbytes: int, arenas: list[ProducerArena]) -> None:
+        """Ask for the next arena of ``nbytes``'s class while the only one that takes it runs low."""
+        fitting = 0
+        for a in arenas:
+            if nbytes <= a.size * MAX_FEATURE_FRACTION:
+                fitting += 1
+        if fitting == 1:
+            large = nbytes if nbytes > self._usual[pool] * MAX_FEATURE_FRACTION else None
             self._request(pool, device, large, wait=False)
-            return None
 
     def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes) -> None:
         """Make a placed feature visible: its lease-table entry, then its STATE word."""
