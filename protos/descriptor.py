@@ -237,7 +237,13 @@ class Descriptor:
         _counts["parses"] += 1
         split = _known.split(data)
         if split is not None:  # a pool this process has parsed a descriptor of before
-            desc = cls._parse_or_refuse(data, split)
+            tail = _known.tail(data[split[5]:])
+            if tail is not None and not split[4] % LEASE_ALIGNMENT:
+                # Head and tail both checked before: _parse_after_head's result, without its frames.
+                desc = cls.of_pool(split[0], tensors=tail[2], nbytes=tail[0], many=tail[1], lease=split[1],
+                                   gen=split[2], token=split[3], offset=split[4])
+            else:
+                desc = cls._parse_or_refuse(data, split)
         else:
             desc = cls._parse_new(data)
             if desc.is_inline:

@@ -30,23 +30,8 @@ _U16, _U32, _U64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 _ARRAY15 = b"\x9f"
 
 
-class _Unknown(Exception):
-    """Bytes this module does not recognise: the full parse decides."""
-
-
 # msgpack's unsigned integer forms past a positive fixint: type byte -> (its big-endian value, the length)
 _UINTS = {0xCC: (struct.Struct(">B"), 2), 0xCD: (_U16, 3), 0xCE: (_U32, 5), 0xCF: (_U64, 9)}
-
-
-def _uint(data: bytes, at: int) -> tuple[int, int]:
-    """A non-negative msgpack integer at ``at``: (value, the offset after it)."""
-    kind = data[at]
-    if kind < 0x80:
-        return kind, at + 1
-    form = _UINTS.get(kind)
-    if form is None:
-        raise _Unknown
-    return form[0].unpack_from(data, at + 1)[0], at + form[1]
 
 
 def head_bytes(fmt: int, kind: str, node: str, endpoint: str, device: int, pool: int, epoch: int) -> bytes:
@@ -98,14 +83,33 @@ class KnownParts:
                 break
         else:
             return None
+        # Three unsigned integers, each a positive fixint or one of _UINTS's forms (any other type byte:
+        # KeyError), decoded inline: a consumer splits every descriptor it is sent.
+        at = len(head)
         try:
-            lease, at = _uint(data, len(head))
-            gen, at = _uint(data, at)
+            lease = data[at]
+            if lease < 0x80:
+                at += 1
+            else:
+                form = _UINTS[lease]
+                lease, at = form[0].unpack_from(data, at + 1)[0], at + form[1]
+            gen = data[at]
+            if gen < 0x80:
+                at += 1
+            else:
+                form = _UINTS[gen]
+                gen, at = form[0].unpack_from(data, at + 1)[0], at + form[1]
             if data[at : at + 2] != TOKEN_HEADER:
                 return None
             token = data[at + 2 : at + 18]
-            offset, at = _uint(data, at + 18)
-        except (_Unknown, IndexError, struct.error):
+            at += 18
+            offset = data[at]
+            if offset < 0x80:
+                at += 1
+            else:
+                form = _UINTS[offset]
+                offset, at = form[0].unpack_from(data, at + 1)[0], at + form[1]
+        except (KeyError, IndexError, struct.error):
             return None
         return fields, lease, gen, token, offset, at
 
