@@ -232,6 +232,25 @@ def test_a_draining_daemon_turns_producers_away_from_their_arenas(daemon_factory
     assert d.proc.wait(10) == 0
 
 
+def test_a_producer_asks_for_its_next_arena_before_the_first_fills(daemon_factory) -> None:
+    """Once an arena is over half full, a put asks for the next one without waiting, so the put that
+    finds the first arena full goes to the second instead of reserving: puts that keep landing in the
+    arena that had room (placement's fast path) ask as the others do."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1")
+    with d.client(inline_threshold=0, fallback="error") as c:
+        held = [c.put(torch.full((16 * 1024,), float(k))) for k in range(9)]  # 64 KiB each: over half of 1 MiB
+        time.sleep(0.5)  # the next arena's grant is in by the time the first is full
+        held += [c.put(torch.full((16 * 1024,), float(k))) for k in range(9, 20)]  # 20 of them: 1.25 MiB
+        s = d.stats()
+        assert s["counters"]["reserves"] == 0 and s["counters"]["arena_publishes"] == 20
+        assert s["counters"]["arenas_granted"] >= 2
+        for k, desc in enumerate(held):
+            assert torch.equal(c.get(desc), torch.full((16 * 1024,), float(k)))
+            c.ack(desc)
+        assert c.flush()
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
+
+
 def test_a_feature_over_half_an_arena_goes_to_an_arena_of_its_size_class(daemon_factory) -> None:
     """A feature over half the usual arena costs no message either: the producer asks once for an arena
     of its size class (a power of two at least twice it), and the next ones of that class go there. One
