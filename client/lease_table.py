@@ -104,13 +104,20 @@ class LeaseTableView:
         at = self._acks + 8 * lease
         want = gen & ACK_GEN_MASK
         seen = self._ack_word(lease)
+        load, mm, entry = self.state_word, self._mm, self._entries + ENTRY_BYTES * lease
         for _ in range(_CAS_TRIES):  # bounded: under a peer that rewrites the word without end, send a message
             if seen >> 32 != want or (seen & ACK_COUNT_MASK) + count > ACK_COUNT_MASK:
                 return False
-            live = self._live_entry(lease, gen)
-            if live is None:
-                return False  # ended: the daemon says why (a message ack)
-            word, pool_, offset_, nbytes_, consumers = live
+            # _live_entry, inline (every consumer acks every feature): False where it would give None,
+            # since then the lease ended and the daemon says why (a message ack).
+            word = load(lease)
+            if word >> 2 != gen or word & 3 not in LIVE_STATES:
+                return False
+            pool_, offset_, nbytes_, consumers = _ENTRY_HEAD.unpack_from(mm, entry)
+            if FENCE_NEEDED:
+                fence_acquire()
+            if load(lease) != word:
+                return False
             if pool_ != pool or offset_ != offset or nbytes_ != nbytes:
                 return False  # another range: the daemon says why
             ok, seen = words.cas_at(at, seen, seen + count)
