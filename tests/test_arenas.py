@@ -305,8 +305,11 @@ def test_a_session_at_its_arena_limit_gives_an_old_arena_back_for_a_new_size_cla
         time.sleep(1.2)
         in_flight: list[tuple[int, object]] = []
         for k in range(16):
-            if k == 6:
-                before = d.stats()["counters"]["reserves"]  # past the switch: a steady state from here
+            if k == 8:
+                # Past the switch: the second arena of the class is granted (its reply is read at the next
+                # put), and from here on no feature reserves.
+                d.wait_for(lambda s: s["counters"]["arenas_granted"] >= 4, what="a second arena of the class")
+                before = d.stats()["counters"]["reserves"]
             in_flight.append((k, c.put(torch.full((256 * 1024,), float(k)))))
             if len(in_flight) == 3:
                 j, big = in_flight.pop(0)
