@@ -184,3 +184,18 @@ def test_remote_goals_show_only_when_asked() -> None:
     assert "a remote get adds 0 us" in plain and "MISSED" not in plain and "reference goals" not in plain
     asked = _render(rows, goals=True)
     assert asked.split("the project's reference goals")[1].count("MISSED 16M: remote >= 0.8x") == 1
+
+
+def test_bench_steps_times_the_clients_steps_for_the_pool_and_inline_paths() -> None:
+    r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "bench", "--steps", "--sizes", "64K", "--count", "100"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("client steps in one process") and lines[1].split() == [
+        "size", "path", "put", "to_bytes", "from_bytes", "get", "ack", "total", "copy"]
+    rows = {line.split()[1]: [float(x) for x in line.split()[2:]] for line in lines[2:]}
+    assert set(rows) == {"pool", "inline"}
+    for path, (*steps, total, copy) in rows.items():
+        assert all(s > 0 for s in steps) and copy > 0, (path, steps)
+        assert abs(sum(steps) - total) < 0.05, (path, steps, total)
+    assert "unacknowledged" not in r.stderr

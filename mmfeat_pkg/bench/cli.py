@@ -59,6 +59,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "its reference machine (docs/performance.md): a smaller machine may miss them")
     p.add_argument("--use-running", action="store_true",
                    help="measure the daemon at --runtime-dir instead of a private one")
+    p.add_argument("--steps", action="store_true",
+                   help="instead of the handoff between processes, time the client's steps (put, to_bytes, "
+                        "from_bytes, get, ack) for one feature at a time in this process, pool and inline, at each "
+                        "--sizes (--count features, default 2000)")
     p.add_argument("--remote", action="store_true",
                    help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "
                         "and plain ZMQ TCP bytes (needs mmfeat[mesh])")
@@ -246,7 +250,7 @@ def run_bench(args: argparse.Namespace) -> int:
     unknown = set(modes) - set(MODES) - {RAY}
     if unknown:
         raise SystemExit(f"mmfeat bench: unknown modes {sorted(unknown)}; choose from {','.join(MODES + (RAY,))}")
-    if RAY in modes and ray_missing():
+    if RAY in modes and ray_missing() and not args.steps:
         raise SystemExit(f"mmfeat bench: the {RAY} mode needs Ray, and {ray_missing()}: {RAY_HINT}")
     control_clients = [int(c) for c in args.control_clients.split(",") if c]
     work = Path(tempfile.mkdtemp(prefix="mmfb-", dir="/tmp"))
@@ -265,6 +269,12 @@ def run_bench(args: argparse.Namespace) -> int:
             pool_mb = max(256, (max(sizes) * (2 * args.window + 2)) // MiB + 64, 32 * max(sizes) // MiB)
             daemon = _start_daemon(runtime_dir, pool_mb)
         device, daemon_pid = _daemon_facts(runtime_dir)
+        if args.steps:
+            from .steps import render_steps, run_steps
+
+            count = args.count or 2000
+            print(render_steps(run_steps(runtime_dir, sizes, count), count))
+            return 0
         if RAY in modes and device != "cpu":
             # Ray's actors would need GPUs of their own and its object store holds host memory only.
             raise SystemExit(f"mmfeat bench: the {RAY} mode measures host pools only, and this daemon's pool is on "
