@@ -257,13 +257,15 @@ class ArenaSet:
     def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes) -> None:
         """Make a placed feature visible: its lease-table entry, then its STATE word."""
         self._table.publish(p.slot, p.gen, p.arena.pool, p.offset, nbytes, consumers, token)
-        with self._lock:
-            p.published = True
+        # Not under the lock: a KeyboardInterrupt while waiting for it would leave a feature that STATE shows
+        # published counted as being written, and its ring would stop there for good. One attribute store
+        # is atomic; made after the STATE store, it is all reclaim needs.
+        p.published = True
 
     def abandon(self, p: Placement) -> None:
         """The feature was never published (its write failed): its space and slot come back."""
+        p.abandoned = True  # before the lock, for the same reason as in publish: any reclaim takes it back
         with self._lock:
-            p.abandoned = True
             p.arena.reclaim()
 
     def _request(self, pool: int, device: Optional[int], nbytes: Optional[int], wait: bool) -> bool:

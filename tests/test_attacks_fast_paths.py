@@ -1,0 +1,116 @@
+"""Attacks on the per-feature fast paths: a put interrupted midway."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+
+class _FailingCopy(torch.Tensor):
+    """A tensor whose memory cannot be read: the copy into the pool raises, as a Ctrl-C during it would."""
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        raise KeyboardInterrupt
+
+
+def test_a_put_interrupted_during_its_copy_gives_its_slot_and_range_back(daemon_factory) -> None:
+    """A put whose copy raises (any BaseException) after its placement returns the placement: with one
+    arena of 64 slots, eighty interrupted puts of 256 KiB (more slots and bytes than its 1 MiB) and
+    forty complete ones after them all go to that arena."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arena-slots", "64", "--arenas-per-session", "1")
+    with d.client(inline_threshold=0, fallback="error") as c:
+        warm = c.put(torch.ones(4096))
+        c.ack(warm)
+        for k in range(80):
+            try:
+                c.put(torch.full((65536,), float(k)).as_subclass(_FailingCopy))
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise AssertionError("the failing copy did not raise")
+        for k in range(40):
+            x = torch.full((4096,), float(k))
+            desc = c.put(x)
+            assert torch.equal(c.get(desc), x)
+            c.ack(desc)
+        s = d.stats()
+        assert s["counters"]["reserves"] == 0 and s["counters"]["arena_publishes"] == 41, s["counters"]
+        assert c.flush()
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arena to go back")
+
+
+# Runs in its own process: SIGINT goes to that process's main thread only.
+_INTERRUPTED_PUT = r"""
+import json, os, signal, sys, threading, time
+import torch
+from mmfeat.client import Client
+
+c = Client(sys.argv[1], inline_threshold=0, fallback="error", timeout=5.0)
+first = c.put(torch.ones(4096))
+c.ack(first)
+arenas = c.session.arenas
+held = threading.Event()
+
+
+def hold_lock_then_interrupt():
+    with arenas._lock:
+        held.set()
+        time.sleep(0.5)  # the put has copied (or failed to) and waits for the lock, if it takes it there
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.2)
+
+
+helper = threading.Thread(target=hold_lock_then_interrupt, daemon=True)
+
+
+class GrabLock(torch.Tensor):
+    def data_ptr(self):  # the copy: after placement, before publish
+        helper.start()
+        held.wait(5)
+        if sys.argv[2] == "abandon":
+            raise RuntimeError("the copy failed")  # put then gives the placement back
+        return super().data_ptr()
+
+
+try:
+    c.put(torch.ones(4096).as_subclass(GrabLock))  # its descriptor, if it returns one, is never acked
+    helper.join()  # the interrupt lands here where put did not wait for the lock
+    sys.exit("no interrupt")
+except KeyboardInterrupt as exc:
+    assert sys.argv[2] == "publish" or isinstance(exc.__context__, RuntimeError), repr(exc.__context__)
+# A feature published with nobody to ack it (publish) ends after ack_ttl.
+deadline = time.monotonic() + 30
+while c.stats()["leases"]["PUBLISHED"]:
+    assert time.monotonic() < deadline, "the interrupted feature never expired"
+    time.sleep(0.1)
+for k in range(40):  # 10 MiB in all: ten times the arena, which each ack gives back
+    x = torch.full((65536,), float(k))
+    d = c.put(x)
+    assert torch.equal(c.get(d), x)
+    c.ack(d)
+assert c.flush()
+print(json.dumps(c.stats()["counters"]), flush=True)
+c.close()
+"""
+
+
+@pytest.mark.parametrize("where", ["publish", "abandon"])
+def test_a_put_interrupted_while_waiting_for_the_arenas_lock_does_not_stop_its_ring(daemon_factory, where) -> None:
+    """A KeyboardInterrupt that lands in put while it waits for the arenas' lock, after its feature's
+    STATE word is stored (publish) or after its copy failed (abandon), leaves either a published feature
+    nobody holds, which the daemon expires, or a placement nobody will write: its ring goes on past both.
+    Were either still counted as being written, its arena's ring would stop there for good: every later
+    feature would reserve, and the arena would never go back while idle."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arena-slots", "64", "--arenas-per-session", "1",
+                       "--ack-ttl", "1")
+    run = subprocess.run([sys.executable, "-c", _INTERRUPTED_PUT, str(d.runtime_dir), where], capture_output=True,
+                         text=True, timeout=90)
+    assert run.returncode == 0, run.stdout + run.stderr
+    counters = json.loads(run.stdout.strip().splitlines()[-1])
+    assert counters["reserves"] == 0 and counters["arena_publishes"] == 41 + (where == "publish"), counters
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the session's arena to go back")
