@@ -1,14 +1,18 @@
-"""Attacks on the per-feature fast paths: a put interrupted midway."""
+"""Attacks on the per-feature fast paths: a put interrupted midway, threads sharing one Client while
+arenas fill and spill, and every one-byte change of real descriptors against the full parse."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
+from mmfeat.protos import descriptor
+from mmfeat.protos.descriptor import Descriptor, DescriptorError
 
 
 class _FailingCopy(torch.Tensor):
@@ -114,3 +118,80 @@ def test_a_put_interrupted_while_waiting_for_the_arenas_lock_does_not_stop_its_r
     counters = json.loads(run.stdout.strip().splitlines()[-1])
     assert counters["reserves"] == 0 and counters["arena_publishes"] == 41 + (where == "publish"), counters
     d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the session's arena to go back")
+
+
+def test_threads_filling_and_spilling_arenas_never_share_a_slot_or_a_byte(daemon_factory) -> None:
+    """Four threads put through one Client and hold what they put, so arenas fill, new ones are asked
+    for ahead of need, features of a larger class get arenas of their own and others reserve: the fast
+    and slow placements interleave. No two live features may share a slot or a byte of the pool."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arena-slots", "16")
+    errors: list[str] = []
+    held: list[list[tuple[Descriptor, torch.Tensor]]] = [[] for _ in range(4)]
+    with d.client(inline_threshold=0, fallback="error") as producer, d.client() as consumer:
+        def work(k: int) -> None:
+            try:
+                for i in range(40):
+                    # Mostly the usual class; every fifth over half an arena (its own class).
+                    n = 600 * 1024 if i % 5 == 4 else 1024 * (1 + (i * 7 + k) % 24)
+                    x = torch.full((n // 4,), float(k * 1000 + i))
+                    held[k].append((producer.put(x), x))
+            except Exception as exc:  # reported below: a thread's exception would otherwise vanish
+                errors.append(f"thread {k}: {exc!r}")
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:5]
+        live = [pair for per_thread in held for pair in per_thread]
+        assert len(live) == 160
+        slots = [(desc.lease, desc.gen) for desc, _ in live]
+        assert len({lease for lease, _ in slots}) == len(slots), "a slot was handed out twice"
+        spans = sorted((desc.pool, desc.offset, desc.offset + desc.nbytes) for desc, _ in live)
+        for (pa, _, end), (pb, start, _) in zip(spans, spans[1:]):
+            assert pa != pb or end <= start, "two live features share bytes"
+        for desc, x in live:
+            assert torch.equal(consumer.get(desc), x)
+            consumer.ack(desc)
+        s = d.stats()["counters"]
+        # Both ways in: the arenas until their slots ran out, then reserves.
+        assert s["arena_publishes"] >= 32 and s["reserves"] > 0 and s["bad_table_words"] == 0, s
+        assert consumer.flush() and producer.flush()
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
+
+
+def test_every_one_byte_change_of_real_descriptors_parses_as_the_full_parse_does(daemon) -> None:
+    """Each byte of descriptors a producer made, set to each of its 256 values: from_bytes (a known head
+    and tail, four fields decoded by hand) must accept exactly what the full parse accepts, as the same
+    descriptor. Random mutations elsewhere sample this space; here it is covered whole."""
+    with daemon.client(inline_threshold=0) as c:
+        made = [c.put(torch.ones(1000)), c.put_many([torch.ones(300, dtype=torch.int16), torch.zeros(5, 7)])]
+        blobs = [desc.to_bytes() for desc in made]
+        for desc in made:
+            c.ack(desc)
+    for blob in blobs:
+        Descriptor.from_bytes(blob)  # a consumer's first parse: the full one, which learns its head and tail
+        assert descriptor.parse_known(blob) is not None  # its head and tail are known: the fast parse runs
+    checked = agreed_refusals = 0
+    for blob in blobs:
+        for at in range(len(blob)):
+            for value in range(256):
+                if value == blob[at]:
+                    continue
+                bad = blob[:at] + bytes((value,)) + blob[at + 1:]
+                try:
+                    full = descriptor.parse_in_full(bad)
+                except DescriptorError:
+                    full = None
+                try:
+                    fast = Descriptor.from_bytes(bad)
+                except DescriptorError:
+                    fast = None
+                assert (fast is None) == (full is None), (at, value, bad.hex())
+                if full is None:
+                    agreed_refusals += 1
+                else:
+                    assert vars(fast) == vars(full), (at, value, bad.hex())
+                checked += 1
+    assert checked > 50_000 and agreed_refusals > checked // 2, (checked, agreed_refusals)
