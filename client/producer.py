@@ -124,12 +124,13 @@ class Producer:
         try:
             if pool_tensor is None:
                 pool_tensor = self._pool_tensor(session, desc.pool, put.device)
+            _write(pool_tensor, desc.offset, put)
         except (RuntimeError, OSError):
             arenas.abandon(placed)
-            return None  # the reserve path meets the same failure and falls back, saying why
-        try:
-            _write(pool_tensor, desc.offset, put)
-        except BaseException:
+            if pool_tensor is None:  # no mapping: the reserve path meets the same failure and falls back
+                return None
+            raise
+        except BaseException:  # anything else, an interrupt included: the slot and its range come back
             arenas.abandon(placed)
             raise
         # The payload is complete (and, on a GPU, synchronised): the STATE store may make it visible.

@@ -89,9 +89,13 @@ class PutInFlight:
         placed = arenas.place(pool.pool, pool.device, self.nbytes)
         if placed is None:
             return None
-        token = new_token()
-        return placed, token, self.descriptor(session, endpoint, pool.pool, placed.slot, placed.gen, token,
-                                              placed.offset)
+        try:
+            token = new_token()
+            return placed, token, self.descriptor(session, endpoint, pool.pool, placed.slot, placed.gen, token,
+                                                  placed.offset)
+        except BaseException:  # an interrupt here would otherwise hold the slot, and its ring, until the end
+            arenas.abandon(placed)
+            raise
 
     def inline(self) -> Descriptor:
         """The descriptor that carries the bytes themselves, copied once: from each tensor's memory
