@@ -139,8 +139,8 @@ class Producer:
 
     def _target(self, session: Session, device: Optional[int]) -> tuple[PoolInfo, Optional[torch.Tensor]]:
         """The pool a feature on ``device`` goes to, and its mapping here if it is a mapped host pool. A
-        session's pools and host mappings never change, so a CPU feature's are kept for the session:
-        choosing them again cost a tenth of a put."""
+        session's pools and host mappings never change, so a CPU feature's are kept for the session rather
+        than chosen again on every put."""
         if device is not None:
             return self._pool_for(session, device), None
         cached = session.host_target

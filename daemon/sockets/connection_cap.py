@@ -28,8 +28,9 @@ log = logging.getLogger("mmfeatd")
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 _IDLE_WAIT_S = 1.0  # how often the thread looks at its stop flag when nothing happens (a safety net)
 # While it follows a monitor the thread needs no net: its ROUTER is unwatched before a reset or a close,
-# and the monitor's last event (MONITOR_STOPPED) wakes it. A wake-up a second, cache-cold while payload
-# copies flow, was a tenth of the CPU of a daemon with clients attached; this rare one is a last resort.
+# and the monitor's last event (MONITOR_STOPPED) wakes it. Each wake-up is cache-cold while payload
+# copies flow, and with clients attached such fixed wake-ups are most of the daemon's CPU: this rare one
+# is a last resort.
 _MONITOR_WAIT_S = 30.0
 # A monitor event's first frame (zmq_socket_monitor): the event's 16-bit id, then its 32-bit value (for
 # ACCEPTED and DISCONNECTED, the connection's fd). Read here rather than with zmq.utils.monitor, whose
