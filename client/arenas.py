@@ -41,10 +41,6 @@ _RETRY_S = 1.0  # after a refused arena request (pool full, limit reached)
 _ROOM_ERRORS = (ErrorCode.OVER_QUOTA, ErrorCode.POOL_FULL)
 
 
-def _align(n: int) -> int:
-    return -(-n // LEASE_ALIGNMENT) * LEASE_ALIGNMENT
-
-
 def _class_of(arena: "ProducerArena", usual: Optional[int]) -> int:
     """The size-class key of ``arena``: 0 for the usual size, else its size."""
     return 0 if arena.size == usual else arena.size
@@ -124,7 +120,7 @@ class ProducerArena:
             self.used -= p.end - p.start
 
     def place(self, nbytes: int) -> Optional[Placement]:
-        size = -(-nbytes // LEASE_ALIGNMENT) * LEASE_ALIGNMENT  # _align, inline: once per put
+        size = -(-nbytes // LEASE_ALIGNMENT) * LEASE_ALIGNMENT  # leases start LEASE_ALIGNMENT apart
         self.reclaim()  # one load when nothing ended: reuse the freshest space and slots first
         free = self._free_slots
         start = self._fit(size) if free else None

@@ -40,7 +40,9 @@ DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(64 
 # The largest feature put sends inline when the pool cannot take it; a larger one raises TOO_LARGE.
 DEFAULT_INLINE_MAX = int(os.environ.get("MMFEAT_INLINE_MAX", str(256 << 20)))
 
-DescLike = Union[Descriptor, bytes, bytearray, memoryview, Any]  # Any: a buffer, such as a zmq Frame
+# A Descriptor, or its bytes in bytes or any buffer (a memoryview, a zmq Frame): Any, since typing has no
+# name for "supports the buffer protocol" before Python 3.12.
+DescLike = Any
 
 
 class Client:
