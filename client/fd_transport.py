@@ -32,8 +32,8 @@ _SHARED_WAIT_S = 0.005
 # the shared-memory path. A daemon restart is noticed within it (its descriptors are STALE anyway).
 _ALIVE_EVERY_S = 0.001
 
-# This process's pid, kept by a fork hook: alive() runs on every put, get and ack, and a getpid() system
-# call there cost more than the rest of its fast path. Python runs the hook in every forked child.
+# This process's pid, kept by a fork hook: alive() runs on every put, get and ack, where a getpid() system
+# call each time would be the costliest step of its fast path. Python runs the hook in every forked child.
 _pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 

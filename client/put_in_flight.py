@@ -24,8 +24,8 @@ from .session import Session
 
 
 # A feature's token (the capability to ack or release it) comes from the kernel's CSPRNG, drawn for this
-# many tokens at once: a getrandom() call per put cost as much as placing the feature. Per thread; a
-# forked child drops its parent's draw, so that no token is handed out by both.
+# many tokens at once, so that a put makes no getrandom() system call of its own. Per thread; a forked
+# child drops its parent's draw, so that no token is handed out by both.
 _TOKENS_PER_DRAW = 64
 
 

@@ -101,8 +101,8 @@ def packed_parts(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], n
         if spec.offset > at:
             parts.append(bytes(spec.offset - at))
         if _dense_host(t):
-            # A ctypes array over the tensor's memory: a tenth of the cost of torch's views and numpy's
-            # (a per-feature cost on the inline path); it holds no reference, hence "while tensors live".
+            # A ctypes array over the tensor's memory: far cheaper to make than torch's views or numpy's,
+            # and made per feature on the inline path; it holds no reference, hence "while tensors live".
             parts.append((ctypes.c_char * n).from_address(t.data_ptr()))
         else:
             host = t.detach().cpu().resolve_conj().resolve_neg()

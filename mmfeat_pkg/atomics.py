@@ -56,7 +56,7 @@ if _lib is not None:
     # The expected value goes by address, from a box kept per thread: making a c_uint64 and a byref for
     # each call costs a noticeable share of the call itself, and the last ack of a feature makes two.
     # PYFUNCTYPE: called with the GIL held, as a few nanoseconds of work should be; releasing and taking
-    # it back cost more than the swap.
+    # it back would cost more than the swap itself.
     _cas8 = ctypes.PYFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int,
                              ctypes.c_int)(("__atomic_compare_exchange_8", _lib))
     _fence = _lib.atomic_thread_fence

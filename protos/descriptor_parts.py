@@ -3,8 +3,8 @@
 Every descriptor of one pool starts with the same bytes (format, kind, node, endpoint, device, pool,
 epoch: the *head*), and every descriptor of one feature shape ends with the same bytes (nbytes, many,
 the tensor specs, no inline data: the *tail*). Only the four fields between differ from feature to
-feature: lease, generation, token and offset. A consumer parsing a new descriptor spent most of its
-10 µs checking the head and tail again (dtype, shape against the lease, strides, alignment).
+feature: lease, generation, token and offset. A full parse of each new descriptor would spend most of
+its time checking the head and tail again (dtype, shape against the lease, strides, alignment).
 
 Here a head is remembered once a full parse has accepted it, as the bytes msgpack makes for its
 fields, and a tail once it was checked, as the bytes it came in. A descriptor that starts with a known

@@ -70,7 +70,7 @@ def client_budget(fd_limit: int, max_clients: int) -> int:
 
 def anon_bytes(statm: int) -> int:
     """Resident anonymous memory of this process (RSS less file-backed and shared pages). ``statm``: an
-    fd of /proc/self/statm kept open, read again from its start (a tenth of the cost of opening it)."""
+    fd of /proc/self/statm kept open, read again from its start (opening it each time costs far more)."""
     fields = os.pread(statm, 128, 0).split()
     return (int(fields[1]) - int(fields[2])) * resource.getpagesize()
 
