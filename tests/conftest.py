@@ -44,6 +44,16 @@ def assert_fds_settle(pid: int, baseline: int, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def fan_out(q_prod, q_cons: list) -> None:
+    """Hand each item the producer puts on ``q_prod`` to every consumer's queue, as a server's scheduler
+    fans a request out to its ranks, until the producer's None, which every consumer then gets too."""
+    while (item := q_prod.get(timeout=90)) is not None:
+        for q in q_cons:
+            q.put(item)
+    for q in q_cons:
+        q.put(None)
+
+
 def run_ready_child(code: str, runtime_dir: Path, make_arg, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter that connects first and says so, and only then make its argument.
 

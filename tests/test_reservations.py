@@ -11,7 +11,7 @@ from mmfeat.client import Client, dlpack
 from mmfeat.protos import DaemonUnavailableError, ErrorCode, MmfeatError
 
 from . import reservation_workers, workers
-from .conftest import assert_fds_settle, fd_count
+from .conftest import assert_fds_settle, fan_out, fd_count
 
 BIG = (40, 1 << 20)  # 40 MiB of uint8: more than half of a 128 MiB pool's arena, so a reserved lease
 
@@ -34,11 +34,7 @@ def test_filled_in_place_and_read_right_by_two_consumer_processes(daemon_factory
                                 args=(str(d.runtime_dir), 2, q_prod, results))
     for p in (*consumers, producer):
         p.start()
-    while (item := q_prod.get(timeout=90)) is not None:
-        for q in q_cons:
-            q.put(item)
-    for q in q_cons:
-        q.put(None)
+    fan_out(q_prod, q_cons)
     out = sorted(results.get(timeout=90) for _ in range(3))
     for p in (*consumers, producer):
         p.join(30)

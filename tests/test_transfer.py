@@ -10,7 +10,7 @@ from mmfeat.client import Client
 from mmfeat.protos import ErrorCode, MmfeatError
 
 from . import workers
-from .conftest import assert_fds_settle, fd_count
+from .conftest import assert_fds_settle, fan_out, fd_count
 
 
 def _run(ctx, runtime_dir, copies: tuple[bool, bool]) -> list:
@@ -24,12 +24,7 @@ def _run(ctx, runtime_dir, copies: tuple[bool, bool]) -> list:
     producer = ctx.Process(target=workers.produce, args=(str(runtime_dir), len(copies), q_prod))
     for p in (*consumers, producer):
         p.start()
-    # Fan the producer's descriptors out to every consumer, as a server's scheduler would.
-    while (item := q_prod.get(timeout=90)) is not None:
-        for q in q_cons:
-            q.put(item)
-    for q in q_cons:
-        q.put(None)
+    fan_out(q_prod, q_cons)  # the producer's descriptors to every consumer, as a server's scheduler would
     out = [results.get(timeout=90) for _ in consumers]
     for p in (*consumers, producer):
         p.join(30)
