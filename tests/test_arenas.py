@@ -304,17 +304,28 @@ def test_a_session_at_its_arena_limit_gives_an_old_arena_back_for_a_new_size_cla
         # need, takes the place of the usual arena left unused for a while.
         time.sleep(1.2)
         in_flight: list[tuple[int, object]] = []
-        for k in range(16):
-            if k == 8:
-                # Past the switch: the second arena of the class is granted (its reply is read at the next
-                # put), and from here on no feature reserves.
-                d.wait_for(lambda s: s["counters"]["arenas_granted"] >= 4, what="a second arena of the class")
-                before = d.stats()["counters"]["reserves"]
+
+        def cycle(k: int) -> None:
             in_flight.append((k, c.put(torch.full((256 * 1024,), float(k)))))
             if len(in_flight) == 3:
                 j, big = in_flight.pop(0)
                 assert torch.equal(c.get(big), torch.full((256 * 1024,), float(j)))
                 c.ack(big)
+
+        # Puts go on until the daemon grants the second arena of the class: the refusal of the first
+        # request, and the give-back it causes, are read at a put, however late the daemon answers.
+        refused = d.stats()["counters"]["arenas_refused"]
+        k, deadline = 0, time.monotonic() + 20
+        while (s := d.stats())["counters"]["arenas_granted"] < 4:
+            assert time.monotonic() < deadline, f"no second arena of the class after {k} puts: {d.stats()}"
+            cycle(k)
+            k += 1
+        # One request refused, then one granted: the refusal gave the idle usual arena back at once,
+        # where a retry each second would be refused until the reaper took that arena (IDLE_S).
+        assert s["counters"]["arenas_refused"] == refused + 1
+        before = d.stats()["counters"]["reserves"]
+        for k in range(k, k + 8):  # the grant is read at the next put; from there on no feature reserves
+            cycle(k)
         assert d.stats()["counters"]["reserves"] == before
         for j, big in in_flight:
             c.ack(big)
