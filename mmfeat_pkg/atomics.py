@@ -19,7 +19,6 @@ acquire fence is then nothing, as it is for GCC on x86-64. Compare-and-swap alwa
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 import threading
@@ -32,13 +31,20 @@ RELAXED, ACQUIRE, RELEASE, SEQ_CST = 0, 2, 3, 5
 def _load_library() -> Optional[ctypes.CDLL]:
     if os.environ.get("MMFEAT_NO_ATOMICS") == "1":  # to run the message path on purpose (tests, triage)
         return None
-    for name in (ctypes.util.find_library("atomic"), "libatomic.so.1"):
-        if not name:
-            continue
+    # The soname first: find_library runs ldconfig (or gcc) in a subprocess, which a sandboxed or slim
+    # container may not have, and which costs a fork at every import.
+    try:
+        return ctypes.CDLL("libatomic.so.1")
+    except OSError:
+        pass
+    from ctypes.util import find_library
+
+    name = find_library("atomic")
+    if name:
         try:
             return ctypes.CDLL(name)
         except OSError:
-            continue
+            pass
     return None
 
 

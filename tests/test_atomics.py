@@ -108,3 +108,26 @@ def test_dropping_a_lease_table_view_lets_its_mapping_close() -> None:
         mm.close()
     finally:
         gc.enable()
+
+
+def test_loading_the_c_libraries_forks_nothing() -> None:
+    """libatomic in every client and libc's malloc_trim and getifaddrs in the daemon load without a
+    subprocess: find_library forks ldconfig, which a sandboxed unit or slim image may lack, and which
+    the daemon would otherwise fork from its serving loop at its first trim."""
+    import subprocess
+    import sys
+
+    code = """
+import subprocess
+def refuse(*args, **kwargs):
+    raise AssertionError(f"a subprocess was started: {args}")
+subprocess.Popen = refuse
+from mmfeat import atomics
+assert atomics.AVAILABLE
+from mmfeat.daemon.sockets.budgets import malloc_trim
+malloc_trim()
+from mmfeat.daemon.mesh.data_plane import interface_addresses
+assert interface_addresses()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -10,7 +10,6 @@ and GPUDirect where they exist and puts the TCP data plane on the mesh's network
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import ipaddress
 import os
 import logging
@@ -44,7 +43,7 @@ _Ifaddrs._fields_ = [("next", ctypes.POINTER(_Ifaddrs)), ("name", ctypes.c_char_
 def interface_addresses() -> dict[str, set[str]]:
     """Every interface of this network namespace with its IPv4 and IPv6 addresses (getifaddrs: the
     primary address and every secondary one, which SIOCGIFADDR would miss)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # libc is loaded already; find_library would fork ldconfig
     head = ctypes.POINTER(_Ifaddrs)()
     if libc.getifaddrs(ctypes.byref(head)) != 0:
         err = ctypes.get_errno()

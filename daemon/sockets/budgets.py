@@ -8,7 +8,6 @@ its anonymous memory against a budget that grows with its connections.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import resource
@@ -82,7 +81,8 @@ def malloc_trim() -> None:
     """Give freed heap pages back to the kernel (glibc keeps them otherwise, after a flood)."""
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # The symbols already loaded (libc's among them): find_library would fork ldconfig from the loop.
+        _libc = ctypes.CDLL(None)
     trim = getattr(_libc, "malloc_trim", None)
     if trim is not None:
         trim(0)
