@@ -120,7 +120,8 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the sockets. Pool mappings stay cached for the process; tensors already returned stay valid.
+        """Close the sockets. Tensors already returned stay valid: they hold the pool's pages, which are
+        unmapped once the last of them is gone and no other client of this process uses the pool.
         Arenas go back to the pool once the features in them are acked."""
         self._report_at_exit.detach()
         self._reservations.close()

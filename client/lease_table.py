@@ -1,8 +1,8 @@
 """This process's view of the daemon's lease table (layout: mmfeat.protos.lease_table).
 
 A consumer checks a descriptor here without a round trip and adds its acks here; a producer publishes
-the features of its arenas here. Mapped once per daemon epoch and shared by every Client of the
-process.
+the features of its arenas here. Mapped once per daemon epoch and shared by the sessions of the process
+that use it; unmapped once none does (held weakly, as client/mapping.py holds pools).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import mmap
 import os
 import struct
 import threading
+import weakref
 from typing import Callable, Optional
 
 from mmfeat.atomics import FENCE_NEEDED, Words, fence_acquire
@@ -153,7 +154,8 @@ class LeaseTableView:
 
 
 _lock = threading.Lock()
-_tables: dict[tuple[str, int], LeaseTableView] = {}
+# Weakly, as client/mapping.py holds pools: the sessions using a table hold it.
+_tables: "weakref.WeakValueDictionary[tuple[str, int], LeaseTableView]" = weakref.WeakValueDictionary()
 
 
 def map_lease_table(endpoint: str, epoch: int, fd: int, slots: int, writable: bool) -> LeaseTableView:
@@ -174,7 +176,7 @@ def map_lease_table(endpoint: str, epoch: int, fd: int, slots: int, writable: bo
                 mm.close()
                 raise ValueError("the lease table's header does not match the daemon's hello")
             for key in [k for k in _tables if k[0] == endpoint]:
-                del _tables[key]  # an older epoch's table: unmapped once nothing uses it
+                _tables.pop(key, None)  # an older epoch's table: unmapped once nothing uses it
             view = LeaseTableView(mm, slots, writable)
             _tables[(endpoint, epoch)] = view
             return view

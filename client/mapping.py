@@ -1,10 +1,17 @@
-"""Host pool mappings, made once per process and kept in a cache keyed by endpoint, pool and epoch."""
+"""Host pool mappings, shared by the sessions of a process through a cache keyed by endpoint, pool and epoch.
+
+The cache holds them weakly: the sessions using a mapping hold it, and tensors from get() hold its pages.
+Once the last session closes and the last such tensor is gone, the pages are unmapped, so a process that
+outlives its daemon, or talks to several, does not keep a pool's memory allocated for the rest of its life
+(a deleted memfd's pages stay allocated while anything maps them).
+"""
 
 from __future__ import annotations
 
 import mmap
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,11 +30,12 @@ class HostMapping:
 
 
 _lock = threading.Lock()
-_cache: dict[tuple[str, int, int, bool], Any] = {}  # endpoint, pool, epoch, read-only
+_cache: "weakref.WeakValueDictionary[tuple[str, int, int, bool], HostMapping]" = weakref.WeakValueDictionary()
 
 
 def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int, readonly: bool = False) -> HostMapping:
-    """Map the pool behind ``fd`` (closing ``fd`` either way) unless this process already has it.
+    """Map the pool behind ``fd`` (closing ``fd`` either way) unless a session of this process has it
+    mapped already; the caller keeps the mapping for as long as it uses it.
     ``readonly`` maps it ``PROT_READ`` only, through a read-only fd: a write into it faults (SIGSEGV)."""
     import torch
 
@@ -39,7 +47,7 @@ def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int, r
             # A new epoch for this endpoint means the daemon restarted: forget the old pool. Its memory
             # goes back once the last tensor viewing it is gone.
             for key in [k for k in _cache if k[0] == endpoint and k[2] != epoch]:
-                del _cache[key]
+                _cache.pop(key, None)
             if os.fstat(fd).st_size < size:
                 raise ValueError(f"pool fd is {os.fstat(fd).st_size} B, daemon said {size} B")
             # MAP_POPULATE: take the page faults here, once, not on the hot path.

@@ -204,7 +204,7 @@ def test_a_forked_child_that_drops_its_copy_of_a_parcel_does_not_ack_it(daemon) 
 
 
 def test_tensors_freed_after_their_client_closed_ack_without_reopening_it(daemon) -> None:
-    """The tensors outlive ``close()`` (the mappings stay); when they go, the ack is a store into the
+    """The tensors outlive ``close()`` (they hold the pool's pages); when they go, the ack is a store into the
     table that is still mapped, from whichever thread frees them: no session is opened there (a round
     trip inside a garbage collection, and fds that nobody closes)."""
     with daemon.client() as c:
