@@ -239,7 +239,9 @@ def test_a_producer_asks_for_its_next_arena_before_the_first_fills(daemon_factor
     d = daemon_factory("--pool-mb", "64", "--arena-mb", "1")
     with d.client(inline_threshold=0, fallback="error") as c:
         held = [c.put(torch.full((16 * 1024,), float(k))) for k in range(9)]  # 64 KiB each: over half of 1 MiB
-        time.sleep(0.5)  # the next arena's grant is in by the time the first is full
+        # The daemon answers the request in its own time, and the put after its answer reads it: wait for
+        # the grant rather than a guess at how long a loaded machine takes to make it.
+        d.wait_for(lambda s: s["counters"]["arenas_granted"] >= 2, what="the next arena, asked for at low water")
         held += [c.put(torch.full((16 * 1024,), float(k))) for k in range(9, 20)]  # 20 of them: 1.25 MiB
         s = d.stats()
         assert s["counters"]["reserves"] == 0 and s["counters"]["arena_publishes"] == 20
@@ -278,10 +280,16 @@ def test_a_feature_over_half_an_arena_goes_to_an_arena_of_its_size_class(daemon_
     d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
 
 
-def test_a_session_at_its_arena_limit_gives_an_old_arena_back_for_a_new_size_class(daemon_factory) -> None:
+def test_a_session_at_its_arena_limit_gives_an_old_arena_back_for_a_new_size_class(daemon_factory,
+                                                                                   monkeypatch) -> None:
     """A producer that holds arenas_per_session usual arenas and then puts a feature of a new size class
     gives back its least recently used arena and takes one of that class, instead of reserving each such
     feature until an arena goes idle; the features of the arena it gave back stay readable."""
+    from mmfeat.client import arenas
+
+    # The idle reaper must not take the usual arena first: on a loaded machine the steps below can outlast
+    # IDLE_S, and the request would then be granted with no refusal, which is what this test counts.
+    monkeypatch.setattr(arenas, "IDLE_S", 3600.0)
     d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arenas-per-session", "2")
     with d.client(inline_threshold=0, fallback="error") as c:
         small = [c.put(torch.full((100 * 1024,), float(k))) for k in range(2)]  # 400 KiB each, the first arena
