@@ -22,13 +22,13 @@ def test_reserve_ttl_frees_unpublished(daemon_factory) -> None:
 
 def test_ack_ttl_frees_published_and_spares_acked(daemon_factory) -> None:
     # an ack_ttl longer than a loaded machine's pause between put and ack
-    d = daemon_factory("--pool-mb", "16", "--ack-ttl", "1.5")
+    d = daemon_factory("--pool-mb", "16", "--ack-ttl", "3")
     with d.client(inline_threshold=0) as c:
         abandoned = c.put(torch.ones(10000), consumers=2)
         done = c.put(torch.ones(10000), consumers=1)
         c.ack(done)
         # Features, not the pool: the producer's arena stays granted until it idles out.
-        s = d.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="both features to end")
+        s = d.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, timeout=20, what="both features to end")
         assert s["counters"]["expired"] == 1 and s["counters"]["frees"] == 2
         assert abandoned.lease != done.lease or abandoned.gen != done.gen
 
@@ -44,7 +44,7 @@ def test_killed_producer_reserved_leases_freed_at_once(daemon, children) -> None
         assert s["pools"][0]["leases"]["RESERVED"] == 5 and s["clients"] == 1
         os.kill(pid, signal.SIGKILL)
         # reserve_ttl is 30 s by default: freeing within seconds proves the disconnect did it.
-        s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=5, what="reclaim on disconnect")
+        s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=20, what="reclaim on disconnect")
         assert s["counters"]["reclaimed_on_disconnect"] == 5 and s["counters"]["expired"] == 0
         assert s["clients"] == 0
     finally:
