@@ -152,7 +152,9 @@ def test_get_of_a_live_lease_needs_no_round_trip(daemon) -> None:
     """The lease table answers for live leases: a get works while the daemon is frozen."""
     import signal
 
-    with daemon.client(inline_threshold=0) as producer, daemon.client(timeout=0.5) as consumer:
+    # A get that asked the frozen daemon would time out and raise; 2 s, as the ack after the thaw must
+    # not time out on a loaded machine either.
+    with daemon.client(inline_threshold=0) as producer, daemon.client(timeout=2.0) as consumer:
         desc = producer.put(torch.arange(4096, dtype=torch.float32), consumers=1)
         consumer.get(desc)  # connects (and maps) while the daemon runs
         daemon.proc.send_signal(signal.SIGSTOP)

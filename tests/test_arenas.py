@@ -30,9 +30,10 @@ def _consistent(pool: dict) -> bool:
 
 def test_put_get_and_ack_need_no_daemon(daemon) -> None:
     """Once the arena is granted, a frozen daemon does not slow put, get or ack: none of them sends it
-    anything (a message would time out after 0.5 s, and this producer raises instead of going inline)."""
-    with daemon.client(inline_threshold=0, timeout=0.5, fallback="error") as producer, \
-            daemon.client(timeout=0.5) as consumer:
+    anything (a message would time out, and this producer raises instead of going inline). The timeouts
+    are short, but not so short that a loaded machine's daemon misses them before and after the freeze."""
+    with daemon.client(inline_threshold=0, timeout=2.0, fallback="error") as producer, \
+            daemon.client(timeout=2.0) as consumer:
         warm = producer.put(torch.zeros(1000))  # the arena is granted here, and the consumer connects
         consumer.get(warm)
         consumer.ack(warm)
@@ -59,8 +60,8 @@ def test_the_last_ack_hands_the_space_back_before_the_daemon_sweeps(daemon) -> N
     reuses its space at once: with the daemon frozen (no sweep, no FREE), fifty features go through one
     range, each in a slot of its own (a slot comes back only once the daemon wrote FREE). A reader of a
     DONE feature is never handed the bytes now there: it asks the daemon, which says the feature ended."""
-    with daemon.client(inline_threshold=0, timeout=0.5, fallback="error") as producer, \
-            daemon.client(timeout=0.5) as consumer:
+    with daemon.client(inline_threshold=0, timeout=2.0, fallback="error") as producer, \
+            daemon.client(timeout=2.0) as consumer:
         warm = producer.put(torch.zeros(16384))
         consumer.get(warm)
         consumer.ack(warm)

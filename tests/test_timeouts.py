@@ -23,7 +23,8 @@ def _frozen(daemon):
 
 
 def test_an_ack_that_timed_out_is_not_applied_later_and_its_retry_counts_once(daemon) -> None:
-    with daemon.client(inline_threshold=0) as producer, daemon.client(timeout=0.5) as consumer:
+    # 2 s: the retry after the thaw must not time out on a loaded machine too.
+    with daemon.client(inline_threshold=0) as producer, daemon.client(timeout=2.0) as consumer:
         desc = producer.put(torch.ones(5000), consumers=2)
         consumer.connect()
         with _frozen(daemon):
