@@ -52,8 +52,11 @@ def test_a_put_interrupted_during_its_copy_gives_its_slot_and_range_back(daemon_
 _INTERRUPTED_PUT = r"""
 import json, os, signal, sys, threading, time
 import torch
-from mmfeat.client import Client
+from mmfeat.client import Client, arenas
 
+# The expiry waited for below can outlast IDLE_S on a loaded machine: the reaper would then return the
+# session's only arena, and the next put reserve, which is what a stopped ring looks like here.
+arenas.IDLE_S = 3600.0
 c = Client(sys.argv[1], inline_threshold=0, fallback="error", timeout=5.0)
 first = c.put(torch.ones(4096))
 c.ack(first)
@@ -75,7 +78,7 @@ helper = threading.Thread(target=hold_lock_then_interrupt, daemon=True)
 class GrabLock(torch.Tensor):
     def data_ptr(self):  # the copy: after placement, before publish
         helper.start()
-        held.wait(5)
+        held.wait(30)
         if sys.argv[2] == "abandon":
             raise RuntimeError("the copy failed")  # put then gives the placement back
         return super().data_ptr()
