@@ -216,10 +216,10 @@ def test_idle_attached_clients_cost_requests_and_the_loop_nothing(daemon_factory
         assert d.stats()["clients"] == 1500
         many = _ping_cpu(d, dealer)
         assert many <= 2 * few + 10, f"3000 pings took {few} ticks with 0 idle clients, {many} with 1500"
-        before = _cpu_ticks(d.pid)
+        before, t0 = _cpu_ticks(d.pid), time.monotonic()
         time.sleep(2)
-        idle = _cpu_ticks(d.pid) - before
-        assert idle <= 10, f"{idle} ticks of CPU in 2 s while idle with 1500 clients attached"
+        idle, seconds = _cpu_ticks(d.pid) - before, time.monotonic() - t0  # past 2 s on a loaded machine
+        assert idle <= 5 * seconds, f"{idle} ticks of CPU in {seconds:.1f} s while idle with 1500 clients attached"
     finally:
         for s in channels:
             s.close()

@@ -28,11 +28,12 @@ def test_an_idle_daemon_sleeps_and_still_stops_on_a_signal(runtime_dir) -> None:
             c.ack(c.put(torch.ones(100_000)))
         d.wait_for(lambda s: s["clients"] == 0 and s["pools"][0]["used"] == 0, what="the client to go")
         time.sleep(1.5)
-        before = _wakeups(d.pid)
+        before, t0 = _wakeups(d.pid), time.monotonic()
         time.sleep(3)
-        woke = _wakeups(d.pid) - before
-        # A sweep every 20 ms and a monitor poll every 25 ms made about 270 wake-ups in 3 s.
-        assert woke <= 30, f"an idle daemon woke {woke} times in 3 s"
+        woke, seconds = _wakeups(d.pid) - before, time.monotonic() - t0
+        # A sweep every 20 ms and a monitor poll every 25 ms made about 270 wake-ups in 3 s. Per second
+        # measured: a loaded machine's sleep(3) lasts longer, and an idle daemon's timers run all the same.
+        assert woke <= 10 * seconds, f"an idle daemon woke {woke} times in {seconds:.1f} s"
         d.proc.send_signal(signal.SIGHUP)  # handled in the loop it wakes, not a second later
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(10) == 0
@@ -57,14 +58,15 @@ def test_a_daemon_whose_client_is_idle_wakes_only_for_its_tick(runtime_dir) -> N
             for k in range(4):
                 c.ack(c.put(torch.ones(1000)))  # ended by the loop's sweeps: no stats request to sweep
                 time.sleep(0.6 + 0.037 * k)  # the sweep interval has backed off, at another phase each time
-                before, loop_before = _wakeups(d.pid), _wakeups(d.pid, main_only=True)
+                before, loop_before, t0 = _wakeups(d.pid), _wakeups(d.pid, main_only=True), time.monotonic()
                 time.sleep(1)
-                woke.append(_wakeups(d.pid) - before)
-                loop_woke.append(_wakeups(d.pid, main_only=True) - loop_before)
+                seconds = time.monotonic() - t0  # over a second on a loaded machine: rates, not counts
+                woke.append((_wakeups(d.pid) - before) / seconds)
+                loop_woke.append((_wakeups(d.pid, main_only=True) - loop_before) / seconds)
             assert sorted(loop_woke)[2] <= 5, (f"the loop of a daemon with an idle client woke {loop_woke} times "
-                                               "in 1 s spells")
+                                               "a second")
             # The guard's 10, the loop's 2-3, the connection thread's safety net of 1: 13-14 here.
-            assert sorted(woke)[2] <= 20, f"a daemon with an idle client woke {woke} times in 1 s spells"
+            assert sorted(woke)[2] <= 20, f"a daemon with an idle client woke {woke} times a second"
             last = c.put(torch.ones(10))
             assert torch.equal(c.get(last), torch.ones(10))  # and it still serves at once
             c.ack(last)
