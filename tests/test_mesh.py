@@ -71,7 +71,7 @@ def test_two_nodes_meet_exchange_hellos_and_keep_heartbeats(cluster) -> None:
     assert "mesh on tcp://127.0.0.1" in table and "b" in table and " up " in table
     from prometheus_client.parser import text_string_to_metric_families
 
-    deadline = time.monotonic() + 10  # the loop refreshes the metrics snapshot every 0.5 s, 1 s when idle
+    deadline = time.monotonic() + 30  # the loop refreshes the metrics snapshot every 0.5 s, 1 s when idle
     while True:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

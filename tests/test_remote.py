@@ -114,7 +114,7 @@ def test_a_prefetch_pulls_ahead_and_the_get_finds_the_copy(cluster) -> None:
         consumer.prefetch(batch)  # as a scheduler does with a batch it received
         with a.client(inline_threshold=1 << 30) as inliner:
             consumer.prefetch(inliner.put(torch.ones(8)))  # inline: nothing to do
-        b.wait_for(lambda s: s["mesh"]["copies"] == 3, what="the three prefetched copies")
+        b.wait_for(lambda s: s["mesh"]["copies"] == 3, timeout=30, what="the three prefetched copies")
         for k, desc in enumerate(batch):
             assert torch.equal(consumer.get(desc), torch.full((1 << 18,), float(k)))
             consumer.ack(desc)

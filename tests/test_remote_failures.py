@@ -105,7 +105,7 @@ def test_copies_of_a_dead_owners_features_go_once_the_consumers_here_acked(clust
         cluster.stop("a", signal.SIGKILL)
         consumer.ack(early)  # before b knows: the relay may be queued for a peer that never answers
         b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "down", timeout=20, what="a down")
-        s = b.wait_for(lambda s: s["mesh"]["copies"] == 1, timeout=10, what="the acked copy freed")
+        s = b.wait_for(lambda s: s["mesh"]["copies"] == 1, timeout=20, what="the acked copy freed")
         assert s["pools"][0]["leases"]["PUBLISHED"] == 1  # the other one is still read here
         with pytest.raises(PeerUnavailableError):
             consumer.ack(late, wait=True)  # cannot be relayed, and frees the copy all the same
@@ -135,7 +135,7 @@ def test_hostile_feature_messages_from_an_authenticated_peer_leave_the_owner_con
         evil.send(encode_mesh("pulled", {"leases": [bad] * 4}))
         evil.send(encode_mesh("acked", {"batch": k, "results": []}))  # a reply, sent as a request
     answers = []
-    while evil.poll(2000):
+    while evil.poll(5000):  # until a has answered all it will: a loaded machine can pause it for seconds
         answers.append(evil.recv())
     assert len(answers) >= 300  # a check and an acks answer each, while the HWM allows
     s = a.stats()
