@@ -142,7 +142,8 @@ os.kill(os.getpid(), signal.SIGKILL)  # no close: its arena still holds six unre
 
 
 def test_a_killed_producers_features_stay_readable_and_its_arena_is_trimmed(daemon) -> None:
-    out = subprocess.run([sys.executable, "-c", _PRODUCER, str(daemon.runtime_dir)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _PRODUCER, str(daemon.runtime_dir)], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == -signal.SIGKILL, out.stderr
     blobs = [bytes.fromhex(line) for line in out.stdout.split()]
     assert len(blobs) == 6
@@ -380,7 +381,8 @@ with Client(sys.argv[1], inline_threshold=0, fallback="error") as c:
     assert c.flush()
 """
     env = {**os.environ, "MMFEAT_NO_ATOMICS": "1"}
-    out = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)], env=env, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     s = daemon.stats()
     assert s["counters"]["reserves"] == 5 and s["counters"]["arena_publishes"] == 0 and s["pools"][0]["used"] == 0
