@@ -124,6 +124,9 @@ class Session:
         if self.arenas is not None:
             self.arenas.close()
         self.fd.close()
+        # The callback is the only reference back to this session: without it a closed session is freed
+        # by its last user, not by a garbage collection, and its pool mappings go with it.
+        self.fd.on_unclaimed = None
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
