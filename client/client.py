@@ -122,22 +122,31 @@ class Client:
     def close(self) -> None:
         """Close the sockets. Tensors already returned stay valid: they hold the pool's pages, which are
         unmapped once the last of them is gone and no other client of this process uses the pool.
-        Arenas go back to the pool once the features in them are acked."""
+        Arenas go back to the pool once the features in them are acked. A put still writing in another
+        thread finishes first: close() waits up to 2 s for it, then leaves ending the session to it."""
         self._report_at_exit.detach()
         self._reservations.close()
         self._acks.close()
         self._fallbacks.close(min(self.timeout, 2.0))
-        # Publishes went into the lease table or on the fd channel: the daemon reads both before it
-        # handles this close.
-        if self._session is not None:
-            if self._session.arenas is not None and self._session.pid == os.getpid():
-                self._session.arenas.give_back_all(min(self.timeout, 2.0))
-            self._session.close()
+        # Under the lock: a put or get in another thread may be replacing the session right now.
+        with self._connect_lock:
             s = self._session
-            self._closed_table = (s.pid, s.node, s.epoch, s.table)
-            self._session = None
+            if s is not None:
+                self._closed_table = (s.pid, s.node, s.epoch, s.table)  # first: finalisers read both unlocked
+                self._session = None
+        if s is not None:
+            # Not while a put in another thread still writes into the session's space: the daemon would
+            # hand it to another producer, whose feature that put then overwrites.
+            s.retire(lambda: self._end_session(s), min(self.timeout, 2.0))
         self._channel.failures.report()
         self._channel.close()
+
+    def _end_session(self, s: Session) -> None:
+        # Publishes went into the lease table or on the fd channel: the daemon reads both before it
+        # handles this close.
+        if s.arenas is not None and s.pid == os.getpid():
+            s.arenas.give_back_all(min(self.timeout, 2.0))
+        s.close()
 
     @property
     def session(self) -> Session:

@@ -68,8 +68,16 @@ class Producer:
             if time.monotonic() < self._fd_short[0]:
                 return self._fallback_or_raise(put, FallbackReason.FD_LIMIT, self._fd_short[1])
             self._fd_short = None
+        writing: list[Session] = []  # the sessions this put counts as writing into (Session.begin_write)
         try:
-            session = self._connect()
+            return self._put_in_pool(put, device, writing)
+        finally:
+            for s in writing:
+                s.end_write()
+
+    def _put_in_pool(self, put: PutInFlight, device: Optional[int], writing: list[Session]) -> Descriptor:
+        try:
+            session = self._writing_in(self._connect(), writing)
             pool, pool_tensor = self._target(session, device)
             if pool.kind == "cuda":
                 # Mapped (or known not to map) before any lease exists: a pool that cannot be mapped here
@@ -81,7 +89,7 @@ class Producer:
             desc = self._put_in_arena(session, pool, put, pool_tensor)
             if desc is not None:
                 return desc
-            session, reply = self._reserve(session, pool, put)
+            session, reply = self._reserve(session, pool, put, writing)
         except FdLimitError as exc:  # the daemon may be fine: no probing, only a pause
             self._fd_short = (time.monotonic() + _FD_SHORT_S, exc)
             return self._fallback_or_raise(put, FallbackReason.FD_LIMIT, exc)
@@ -164,8 +172,22 @@ class Producer:
         with torch.cuda.device(device):
             return session.mapping(pool_id, device).tensor
 
-    def _reserve(self, session: Session, pool: PoolInfo, put: PutInFlight) -> tuple[Session, LeaseReply]:
-        """The reserve reply and the session it was made in (a new one if the daemon restarted)."""
+    def _writing_in(self, session: Session, writing: list[Session]) -> Session:
+        """``session``, counted as written into by this put (in ``writing``) so that closing it waits for
+        the write; the client's next session where a close in another thread is ending this one."""
+        if not session.begin_write():
+            session = self._connect()  # the closing thread took it from the client: this opens the next
+            if not session.begin_write():
+                raise MmfeatError(ErrorCode.BAD_STATE, "the Client was closed twice while this put ran: put "
+                                  "after close() has returned, or on a Client that no other thread closes")
+        writing.append(session)
+        return session
+
+    def _reserve(self, session: Session, pool: PoolInfo, put: PutInFlight,
+                 writing: Optional[list[Session]] = None) -> tuple[Session, LeaseReply]:
+        """The reserve reply and the session it was made in (a new one if the daemon restarted), counted
+        in ``writing`` where the caller writes the feature before this returns (put; not reserve, whose
+        caller fills the tensors later and close() gives back)."""
         fields: dict[str, Any] = {"session": session.token, "nbytes": put.nbytes, "consumers": put.consumers}
         # The daemon's ordinal of the GPU this tensor is on, or -1: its host pool, which on a GPU node is
         # not its first pool.
@@ -178,6 +200,8 @@ class Producer:
         # The daemon restarted between our hello and this reserve, or cut the session (SPEC.md, section 9):
         # one fresh session, one retry.
         session = self._reconnect(session)
+        if writing is not None:
+            session = self._writing_in(session, writing)
         fields["session"] = session.token
         return session, LeaseReply.from_wire(self._channel.call("reserve", **fields))
 

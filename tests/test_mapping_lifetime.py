@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import torch
+
 # Every child starts with these: its runtime dir in ``rt`` and ``mapped(name)``, how many mappings of
 # that name the process has now (without a garbage collection unless ``collect``).
 PROLOGUE = """
@@ -49,3 +51,131 @@ print("ok")
 """
     assert run_child(code, str(daemon.runtime_dir)).strip() == "ok"
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the feature to be freed")
+
+
+# A producer whose tensor stops inside its copy into the pool until told to go on: a put that is still
+# writing (a large feature, a descheduled thread) while another thread closes the client.
+SLOW_PUT = """
+inside, go = threading.Event(), threading.Event()
+
+class Slow(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            inside.set()
+            go.wait(60)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+c = Client(rt, inline_threshold=0, fallback="error")
+c.ack(c.put(torch.zeros(int(sys.argv[2]))))  # the session's first arena, for features this size
+slow = torch.full((int(sys.argv[2]) // 2, 2), 7.0).t().as_subclass(Slow)  # not contiguous: copied by copy_
+out = {}
+
+def put():
+    try:
+        out["desc"] = c.put(slow)
+    except Exception as exc:
+        out["exc"] = exc
+
+t = threading.Thread(target=put)
+t.start()
+assert inside.wait(60)
+c.close()
+print("closed", flush=True)
+assert sys.stdin.readline().strip() == "go"
+go.set()
+t.join(60)
+print(out["desc"].to_bytes().hex() if "desc" in out else f"failed: {out['exc']!r}", flush=True)
+"""
+
+
+def _put_during_close(daemon, elements: int) -> None:
+    child = subprocess.Popen([sys.executable, "-c", PROLOGUE + SLOW_PUT, str(daemon.runtime_dir), str(elements)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "closed", child.stderr.read() if child.poll() is not None else ""
+        with daemon.client(inline_threshold=0, fallback="error") as other:
+            mine = other.put(torch.full((elements,), 1.0))
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            out, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err[-4000:]
+            got = other.get(mine)
+            assert torch.equal(got, torch.full((elements,), 1.0)), (
+                "another producer's put, still writing when its client closed, overwrote this feature")
+            assert not out.startswith("failed"), f"the put racing close: {out}"
+            slow = bytes.fromhex(out.strip())
+            theirs = other.get(slow)
+            assert torch.equal(theirs, torch.full((elements // 2, 2), 7.0).t())
+            del got, theirs
+            other.ack(mine)
+            other.ack(slow)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
+                    what="every feature and session to end")
+
+
+def test_closing_a_client_while_a_put_writes_into_its_arena_does_not_free_that_space(daemon) -> None:
+    """close() gives the session's arenas back and ends it; while a put in another thread is still
+    writing into an arena, the daemon would hand that space to the next producer, whose feature the put
+    then overwrites (its consumers read wrong bytes). close() waits for the write, or leaves the end of
+    the session to it."""
+    _put_during_close(daemon, 1 << 16)
+
+
+def test_closing_a_client_while_a_put_writes_into_its_reserved_lease_does_not_free_it(daemon) -> None:
+    """The same for a feature too large for an arena, written into a lease reserved in the session: the
+    session's end frees its unpublished leases."""
+    _put_during_close(daemon, 1 << 22)
+
+
+def test_close_racing_puts_gets_and_acks_in_other_threads_raises_nothing_and_reads_right(daemon) -> None:
+    """Threads share one Client while another thread closes it: close() itself raises nothing (it used
+    to find the session replaced under it), no thread reads unmapped memory or wrong bytes, and what
+    fails says so with a typed error. A call after close() opens the client's next session; the final
+    close() ends it, and every feature is freed."""
+    code = """
+from mmfeat.client import MmfeatError
+x = torch.arange(1 << 16, dtype=torch.float32)
+errors = []
+
+def work(c, stop):
+    while not stop.is_set():
+        try:
+            d = c.put(x)
+            v = c.get(d)
+            if not torch.equal(v, x):
+                errors.append("wrong bytes")
+            del v
+            c.ack(d)
+        except MmfeatError:
+            pass  # typed: the client was closed under this call
+        except BaseException as exc:
+            errors.append(repr(exc))
+
+for _ in range(15):
+    c = Client(rt, inline_threshold=0, timeout=5)
+    c.connect()
+    stop = threading.Event()
+    threads = [threading.Thread(target=work, args=(c, stop)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    try:
+        c.close()
+    except BaseException as exc:
+        errors.append(f"close: {exc!r}")
+    stop.set()
+    for t in threads:
+        t.join(60)
+    c.close()  # the session a racing call opened after the first close
+assert not errors, errors[:5]
+print("ok")
+"""
+    assert run_child(code, str(daemon.runtime_dir), timeout=300).strip() == "ok"
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
+                    what="every feature and session to end")
+
