@@ -179,3 +179,167 @@ print("ok")
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
                     what="every feature and session to end")
 
+
+def test_every_kind_of_view_of_a_get_outlives_its_client_and_then_lets_the_pool_go(daemon) -> None:
+    """Views made from a get() by as_strided, numpy, frombuffer, DLPack (torch's and numpy's), a
+    storage and a memoryview all hold the pool's pages through the tensor's storage: they read the
+    right bytes after both clients closed and a collection, and the pool goes with the last of them."""
+    code = """
+import numpy as np
+a, b = Client(rt, inline_threshold=0), Client(rt, inline_threshold=0, readonly=True)
+d = a.put(torch.arange(100_000, dtype=torch.float32))
+v = b.get(d)
+arr = v.numpy()
+views = [v.as_strided((10,), (3,), v.storage_offset() + 99_972), arr, torch.frombuffer(arr, dtype=torch.float32),
+         torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(v)), np.from_dlpack(v),
+         torch.empty(0).set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride()), memoryview(arr)]
+b.ack(d)
+a.close()
+b.close()
+del a, b, v, arr, d
+assert mapped(collect=True) == 1
+for x in views:
+    assert float(x[-1]) == 99_999.0, type(x)
+del x
+while views:
+    assert mapped(collect=True) == 1, f"unmapped while a {type(views[-1])} views it"
+    views.pop()
+assert mapped(collect=True) == 0
+print("ok")
+"""
+    assert run_child(code, str(daemon.runtime_dir)).strip() == "ok"
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the feature to be freed")
+
+
+def test_parcel_values_outlive_their_clients_and_their_acks_land_from_the_finaliser(daemon) -> None:
+    """``loads(data).value`` kept after the Parcel and both clients are gone reads the right bytes;
+    dropping it acks through the closed client's lease table, and unmaps the pool."""
+    code = """
+from mmfeat.client import dumps, loads
+a, b = Client(rt, inline_threshold=0), Client(rt, inline_threshold=0)
+value = loads(dumps({"px": torch.arange(50_000, dtype=torch.float32)}, client=a), client=b).value
+a.close()
+b.close()
+del a, b
+assert mapped(collect=True) == 1 and float(value["px"][-1]) == 49_999.0
+import warnings
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", ResourceWarning)  # collected without ack(): acked now, as intended
+    del value
+    assert mapped(collect=True) == 0
+print("ok")
+"""
+    assert run_child(code, str(daemon.runtime_dir)).strip() == "ok"
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the finaliser's ack to free the feature")
+
+
+def test_views_of_a_restarted_daemons_pool_keep_their_bytes_beside_the_new_pool(daemon_factory) -> None:
+    """A daemon restart gives a new epoch and a new pool: the client maps it, the views of the old pool
+    keep reading its bytes (its pages live while they map them), and it goes with the last of them."""
+    first = daemon_factory("--pool-mb", "16")
+    child = subprocess.Popen([sys.executable, "-c", PROLOGUE + """
+c = Client(rt, inline_threshold=0)
+d = c.put(torch.full((50_000,), 3.0))
+old = c.get(d)
+c.ack(d)
+print("ready", flush=True)
+assert sys.stdin.readline().strip() == "restarted"
+d = c.put(torch.full((50_000,), 5.0))
+new = c.get(d)
+assert mapped(collect=True) == 2, "the old pool and the new"
+assert torch.equal(old, torch.full((50_000,), 3.0)) and torch.equal(new, torch.full((50_000,), 5.0))
+c.ack(d)
+del old
+assert mapped(collect=True) == 1, "only the new pool"
+del new
+c.close()
+assert mapped(collect=True) == 0
+print("ok", flush=True)
+""", str(first.runtime_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.poll() is not None else ""
+        assert first.stop() == 0
+        second = daemon_factory("--pool-mb", "16")
+        child.stdin.write("restarted\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0 and out.strip() == "ok", err[-4000:]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    second.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the feature to be freed")
+
+
+def test_two_daemons_pools_are_mapped_and_unmapped_apart(daemon, tmp_path_factory) -> None:
+    """Clients of two daemons in one process: closing one client and dropping its views unmaps its
+    daemon's pool only; the other's views and client go on working."""
+    from .conftest import start_daemon
+
+    runtime = tmp_path_factory.mktemp("second", numbered=True)
+    other = start_daemon(runtime, "--pool-mb", "16")
+    try:
+        code = """
+a, b = Client(sys.argv[1], inline_threshold=0), Client(sys.argv[2], inline_threshold=0)
+da, db = a.put(torch.full((50_000,), 1.0)), b.put(torch.full((50_000,), 2.0))
+va, vb = a.get(da), b.get(db)
+assert mapped(collect=True) == 2
+a.ack(da)
+a.close()
+assert float(va.sum()) == 50_000.0
+del va
+assert mapped(collect=True) == 1, "the first daemon's pool goes; the second's stays"
+assert float(vb.sum()) == 100_000.0
+b.ack(db)
+d = b.put(torch.full((50_000,), 4.0))
+assert float(b.get(d).sum()) == 200_000.0
+b.ack(d)
+del vb
+b.close()
+assert mapped(collect=True) == 0
+print("ok")
+"""
+        assert run_child(code, str(daemon.runtime_dir), str(runtime)).strip() == "ok"
+        daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the first daemon's feature to be freed")
+        other.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the second daemon's features to be freed")
+    finally:
+        assert other.stop() == 0
+
+
+def test_a_forked_child_reads_its_parents_views_and_uses_the_pool_on_its_own(daemon) -> None:
+    """A child forked while its parent holds views and an open client reads those views, closes its
+    copy of the client without touching the parent's session, and puts and gets through a session of
+    its own; the parent's client goes on working, and its closed pool is unmapped with its views."""
+    code = """
+torch.set_num_threads(1)  # torch's own thread pool does not survive a fork (a parallel sum would hang)
+c = Client(rt, inline_threshold=0)
+d = c.put(torch.full((50_000,), 6.0))
+v = c.get(d)
+pid = os.fork()
+if pid == 0:
+    ok = float(v.sum()) == 300_000.0
+    try:
+        mine = c.put(torch.full((50_000,), 8.0))  # the child's own session
+        ok = ok and float(c.get(mine).sum()) == 400_000.0
+        c.ack(mine)
+        c.close()
+    except BaseException as exc:
+        print("child:", repr(exc), file=sys.stderr, flush=True)
+        ok = False
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+assert status == 0, f"child status {status}"
+assert float(v.sum()) == 300_000.0
+c.ack(d)  # v must not be read from here on: its space may be reused
+d = c.put(torch.full((50_000,), 9.0))
+assert float(c.get(d).sum()) == 450_000.0
+c.ack(d)
+c.close()
+assert mapped(collect=True) == 1, "v still views the pool"
+del v
+assert mapped(collect=True) == 0
+print("ok")
+"""
+    assert run_child(code, str(daemon.runtime_dir)).strip() == "ok"
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
+                    what="every feature and session to end")
