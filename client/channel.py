@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,6 +40,20 @@ _GONE_CHECK_MS = 100
 _context_started_pid: Optional[int] = None
 
 
+# Every channel of this process: a forked child takes their locks fresh. A thread of the parent that waits
+# in a call at the fork holds its channel's lock in the child for good, where no thread will release it,
+# and the child's first call on that channel would wait forever.
+_channels: "weakref.WeakSet[ControlChannel]" = weakref.WeakSet()
+
+
+def _unlock_in_child() -> None:
+    for channel in list(_channels):
+        channel._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
+
+
 class ControlChannel:
     """Request/reply over DEALER with id matching, so a reply that arrives after its timeout is dropped
     instead of being mistaken for the next one. Safe to share between threads."""
@@ -58,6 +73,7 @@ class ControlChannel:
         self.failures = AsyncFailures()
         # Set once hello showed that the daemon's CLOCK_MONOTONIC is this process's.
         self.send_deadlines = False
+        _channels.add(self)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is not None and self._pid != os.getpid():

@@ -45,6 +45,19 @@ DEFAULT_INLINE_MAX = int(os.environ.get("MMFEAT_INLINE_MAX", str(256 << 20)))
 DescLike = Any
 
 
+# Every Client of this process, whose connect lock a forked child takes fresh (as client/channel.py does
+# its channels' locks): a thread of the parent opening a session at the fork holds it there for good.
+_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+
+
+def _unlock_in_child() -> None:
+    for client in list(_clients):
+        client._connect_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
+
+
 class Client:
     def __init__(
         self,
@@ -79,6 +92,7 @@ class Client:
         # outlive close(), and their finalisers' acks go there (the table stays mapped for the process).
         self._closed_table: Optional[tuple[int, str, int, LeaseTableView]] = None
         self._connect_lock = threading.Lock()
+        _clients.add(self)
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
                                   inline_max, fallback)
         self._reservations = Reservations(self._producer)

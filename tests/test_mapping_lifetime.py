@@ -4,6 +4,7 @@ unmapped memory shows as the SIGSEGV it is instead of ending the test run."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -341,5 +342,87 @@ assert mapped(collect=True) == 0
 print("ok")
 """
     assert run_child(code, str(daemon.runtime_dir)).strip() == "ok"
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
+                    what="every feature and session to end")
+
+
+# A thread of the parent is inside a call to a stopped daemon (holding the client's locks) when the
+# parent forks; the child then uses the client it inherited, once the daemon runs again.
+FORK_DURING_CALL = """
+import signal
+torch.set_num_threads(1)  # torch's own thread pool does not survive a fork
+c = Client(rt, inline_threshold=0, timeout=5)
+print("ready", flush=True)
+assert sys.stdin.readline().strip() == "stopped"
+def connect():
+    try:
+        c.connect()
+    except Exception:
+        pass
+caller = threading.Thread(target=connect, daemon=True)
+caller.start()
+time.sleep(0.5)  # it waits for the hello's reply now, inside the client's locks
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.read(r, 1)  # the daemon runs again
+    try:
+        d = c.put(torch.full((50_000,), 3.0))
+        ok = not d.is_inline and float(c.get(d).sum()) == 150_000.0
+        c.ack(d)
+        c.close()
+    except BaseException as exc:
+        print("child:", repr(exc), file=sys.stderr, flush=True)
+        ok = False
+    os._exit(0 if ok else 1)
+print("forked", flush=True)
+assert sys.stdin.readline().strip() == "continued"
+os.write(w, b"x")
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung on a lock its parent's thread held at the fork")
+assert status == 0, f"child status {status}"
+caller.join(30)
+c.close()
+print("ok", flush=True)
+"""
+
+
+def test_a_child_forked_during_a_call_in_another_thread_can_use_the_client(daemon) -> None:
+    """A fork copies the locks of the client as they are: a thread of the parent that waits in a call
+    (here the hello of connect(), to a daemon that does not answer yet) holds the control channel's
+    lock and the connect lock in the child for good, and the child's first call would wait forever.
+    The child takes them fresh, and its put, get and ack go through a session of its own."""
+    import signal
+
+    child = subprocess.Popen([sys.executable, "-c", PROLOGUE + FORK_DURING_CALL, str(daemon.runtime_dir)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = False
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.poll() is not None else ""
+        os.kill(daemon.pid, signal.SIGSTOP)
+        stopped = True
+        child.stdin.write("stopped\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "forked", child.stderr.read() if child.poll() is not None else ""
+        os.kill(daemon.pid, signal.SIGCONT)
+        stopped = False
+        child.stdin.write("continued\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=90)
+        assert child.returncode == 0 and out.strip() == "ok", err[-4000:]
+    finally:
+        if stopped:
+            os.kill(daemon.pid, signal.SIGCONT)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
                     what="every feature and session to end")
