@@ -158,6 +158,16 @@ _lock = threading.Lock()
 _tables: "weakref.WeakValueDictionary[tuple[str, int], LeaseTableView]" = weakref.WeakValueDictionary()
 
 
+def _new_lock_in_child() -> None:
+    # A thread of the parent mapping a table at the fork holds the lock in the child for good, as in
+    # client/mapping.py: the child's first session would wait for it forever.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def map_lease_table(endpoint: str, epoch: int, fd: int, slots: int, writable: bool) -> LeaseTableView:
     """Map the lease table behind ``fd`` (closing ``fd`` either way), once per daemon epoch. Writable
     when this process publishes and acks in it; read-only for the message path."""

@@ -33,6 +33,16 @@ _lock = threading.Lock()
 _cache: "weakref.WeakValueDictionary[tuple[str, int, int, bool], HostMapping]" = weakref.WeakValueDictionary()
 
 
+def _new_lock_in_child() -> None:
+    # A thread of the parent mapping a pool at the fork (MAP_POPULATE of a whole pool takes a while)
+    # holds the lock in the child for good: the child's first session would wait for it forever.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int, readonly: bool = False) -> HostMapping:
     """Map the pool behind ``fd`` (closing ``fd`` either way) unless a session of this process has it
     mapped already; the caller keeps the mapping for as long as it uses it.

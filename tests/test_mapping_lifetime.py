@@ -426,3 +426,52 @@ def test_a_child_forked_during_a_call_in_another_thread_can_use_the_client(daemo
             child.wait()
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
                     what="every feature and session to end")
+
+
+def test_a_child_forked_while_its_parent_maps_a_pool_and_table_maps_its_own(daemon) -> None:
+    """A thread of the parent inside map_host_pool or map_lease_table at the fork (the pool's
+    MAP_POPULATE can take a while) holds their locks; here a thread holds both across the fork. The
+    child's own session maps them all the same, instead of waiting forever."""
+    code = """
+import signal
+from mmfeat.client import lease_table, mapping
+torch.set_num_threads(1)  # torch's own thread pool does not survive a fork
+held, release = threading.Event(), threading.Event()
+
+def mapping_now():
+    with mapping._lock, lease_table._lock:
+        held.set()
+        release.wait(60)
+
+t = threading.Thread(target=mapping_now)
+t.start()
+assert held.wait(60)
+pid = os.fork()
+if pid == 0:
+    try:
+        with Client(rt, inline_threshold=0) as c:
+            d = c.put(torch.full((50_000,), 3.0))
+            ok = not d.is_inline and float(c.get(d).sum()) == 150_000.0
+            c.ack(d)
+    except BaseException as exc:
+        print("child:", repr(exc), file=sys.stderr, flush=True)
+        ok = False
+    os._exit(0 if ok else 1)
+release.set()
+t.join(60)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung on a mapping lock its parent's thread held at the fork")
+assert status == 0, f"child status {status}"
+print("ok")
+"""
+    assert run_child(code, str(daemon.runtime_dir)).strip() == "ok"
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
+                    what="every feature and session to end")
