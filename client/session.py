@@ -57,48 +57,53 @@ class Session:
         # The shared-memory path: arenas to publish in, and acks added in the lease table.
         self.arenas: Optional[ArenaSet] = ArenaSet(table, fd) if table.writable else None
         fd.on_unclaimed = self._on_unclaimed
-        # Puts writing into this session's pool space now, and what retire() left for the last of them.
-        # Once the session ends the daemon frees its arenas and reserved leases, and may hand the space to
-        # another producer at once: a put still writing there would overwrite that producer's feature.
-        self._writes = 0
-        self._writes_lock = threading.Lock()  # every put takes it twice: the bare lock, not the Condition
-        self._writes_changed = threading.Condition(self._writes_lock)
+        # Puts writing into this session's pool space now (one item each), and what retire() left for the
+        # last of them. Once the session ends the daemon frees its arenas and reserved leases, and may hand
+        # the space to another producer at once: a put still writing there would overwrite that feature.
+        # A list, not a counter under a lock: append and pop are atomic, and every put does both.
+        self._writers: list[None] = []
         self._retiring = False
+        self._teardown_lock = threading.Lock()
         self._teardown: Optional[Callable[[], None]] = None
 
     def begin_write(self) -> bool:
         """Count a put that places a feature in this session's space, until its ``end_write``; False
         once the session is being closed (then the put needs the client's next session)."""
-        with self._writes_lock:
-            if self._retiring:
-                return False
-            self._writes += 1
-            return True
+        self._writers.append(None)
+        if self._retiring:  # set before retire() looks at _writers: either it sees this put, or this put sees it
+            self.end_write()
+            return False
+        return True
 
     def end_write(self) -> None:
-        with self._writes_lock:
-            self._writes -= 1
-            if self._writes or not self._retiring:
-                return
-            self._writes_changed.notify_all()
-            teardown, self._teardown = self._teardown, None
-        if teardown is not None:
-            teardown()  # retire() gave up waiting: the last put ends the session
+        writers = self._writers
+        writers.pop()
+        if self._retiring and not writers:
+            self._run_teardown()  # retire() gave up waiting: the last put ends the session
 
     def retire(self, teardown: Callable[[], None], wait: float) -> bool:
         """Run ``teardown`` (which ends the session) once no put is writing into its space: now, after
         waiting up to ``wait`` seconds for those in flight, or else when the last of them ends. Whether
         it ran here. No put begins writing here after this call."""
         if self.pid != os.getpid():
-            # A forked child's copy: the writes it counts (and the lock's state) are its parent's.
+            # A forked child's copy: the writes it counts are its parent's.
             teardown()
             return True
-        with self._writes_changed:
-            self._retiring = True
-            if not self._writes_changed.wait_for(lambda: self._writes == 0, wait):
-                self._teardown = teardown
-                return False
-        teardown()
+        self._retiring = True
+        deadline = time.monotonic() + wait
+        while self._writers and time.monotonic() < deadline:
+            time.sleep(0.001)  # only while another thread's put copies: closing is rare, a put short
+        with self._teardown_lock:
+            self._teardown = teardown
+        # Stored before this look: a put that ends after it finds the teardown, one that ended before is seen.
+        return not self._writers and self._run_teardown()
+
+    def _run_teardown(self) -> bool:
+        with self._teardown_lock:
+            teardown, self._teardown = self._teardown, None
+        if teardown is None:
+            return False
+        teardown()  # exactly once: whoever took it from _teardown
         return True
 
     def alive(self) -> bool:
