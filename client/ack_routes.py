@@ -85,7 +85,10 @@ class Acks:
         if desc.is_inline:
             return True
         if session is None or session.pid != os.getpid():
-            self.ack(desc, 1, None, False)  # no session of this process: nothing of ours can be held
+            # No session of this process: the background thread opens one and routes the ack. Not here: a
+            # collection inside _connect (this very thread, opening a session under the connect lock) runs
+            # finalisers, and connecting from one would wait for that lock for ever.
+            self._background().submit({"lease": desc.lease_ref(), "node": desc.node}, 1, os.urandom(8), None)
             return False
         fields: dict[str, Any] = {"lease": desc.lease_ref()}
         if desc.node != session.node:
@@ -138,6 +141,8 @@ class Acks:
 
             def send(fields: dict[str, Any], count: int, ack_id: bytes) -> None:
                 session = self._connect()
+                if fields.get("node") == session.node:  # a finaliser's ack, routed before a session was known
+                    fields = {k: v for k, v in fields.items() if k != "node"}
                 if not _table_ack(session, fields, count):
                     session.fd.send("ack", count=count, ack_id=ack_id, **fields)
 

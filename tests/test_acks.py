@@ -241,3 +241,30 @@ def test_pipelined_failures_are_counted_per_kind_and_logged_once(daemon, caplog)
             consumer.close()
         summary = [r.getMessage() for r in caplog.records if "by kind" in r.getMessage()]
         assert summary == ["pipelined requests that failed, by kind: ack NOT_FOUND x5, request BAD_REQUEST x3"]
+
+
+def test_a_finaliser_that_runs_while_its_client_opens_a_session_does_not_wait_for_it(daemon) -> None:
+    """A garbage collection inside _connect (a thread reopening the session, say after a daemon restart,
+    holds the connect lock with no session set) can run a loads() value's finaliser in that same thread.
+    Its ack must not wait for the lock that thread holds: it goes to the background thread, which acks
+    once the session is back. The lock held and the session unset here stand in for that moment."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from mmfeat.client import Client
+with Client(sys.argv[1], inline_threshold=0) as p, Client(sys.argv[1]) as c:
+    desc = p.put(torch.ones(1000))
+    c.get(desc)
+    with c._connect_lock:
+        session, c._session = c._session, None
+        c._ack_in_finalizer(desc)  # waited for ever on the lock this thread holds
+        c._session = session
+    assert c.flush(10.0)
+    print(c.stats()["counters"]["acks"])
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["1"], out.stderr[-2000:]
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the acked feature to be freed")
