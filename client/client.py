@@ -89,7 +89,7 @@ class Client:
         self._channel = ControlChannel(self.endpoint, timeout)
         self._session: Optional[Session] = None
         # The lease table of the session close() ended, with its pid, node and epoch: tensors from get()
-        # outlive close(), and their finalisers' acks go there (the table stays mapped for the process).
+        # outlive close(), and their finalisers' acks go there (this reference keeps the table mapped).
         self._closed_table: Optional[tuple[int, str, int, LeaseTableView]] = None
         self._connect_lock = threading.Lock()
         _clients.add(self)
