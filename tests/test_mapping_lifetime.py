@@ -13,7 +13,7 @@ import torch
 # Every child starts with these: its runtime dir in ``rt`` and ``mapped(name)``, how many mappings of
 # that name the process has now (without a garbage collection unless ``collect``).
 PROLOGUE = """
-import gc, os, sys, threading, time
+import gc, os, signal, sys, threading, time
 import torch
 from mmfeat.client import Client
 rt = sys.argv[1]
@@ -22,6 +22,18 @@ def mapped(name="mmfeat-pool0", collect=False):
     if collect:
         gc.collect()
     return open("/proc/self/maps").read().count(name)
+
+def reap(pid, hung):
+    # The forked child's exit status within 30 s; killed, and ``hung`` raised, if it is still running.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(hung)
 """
 
 
@@ -349,7 +361,6 @@ print("ok")
 # A thread of the parent is inside a call to a stopped daemon (holding the client's locks) when the
 # parent forks; the child then uses the client it inherited, once the daemon runs again.
 FORK_DURING_CALL = """
-import signal
 torch.set_num_threads(1)  # torch's own thread pool does not survive a fork
 c = Client(rt, inline_threshold=0, timeout=5)
 print("ready", flush=True)
@@ -378,16 +389,7 @@ if pid == 0:
 print("forked", flush=True)
 assert sys.stdin.readline().strip() == "continued"
 os.write(w, b"x")
-deadline = time.monotonic() + 30
-while time.monotonic() < deadline:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        break
-    time.sleep(0.1)
-else:
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError("the forked child hung on a lock its parent's thread held at the fork")
+status = reap(pid, "the forked child hung on a lock its parent's thread held at the fork")
 assert status == 0, f"child status {status}"
 caller.join(30)
 c.close()
@@ -433,7 +435,6 @@ def test_a_child_forked_while_its_parent_maps_a_pool_and_table_maps_its_own(daem
     MAP_POPULATE can take a while) holds their locks; here a thread holds both across the fork. The
     child's own session maps them all the same, instead of waiting forever."""
     code = """
-import signal
 from mmfeat.client import lease_table, mapping
 torch.set_num_threads(1)  # torch's own thread pool does not survive a fork
 held, release = threading.Event(), threading.Event()
@@ -459,16 +460,7 @@ if pid == 0:
     os._exit(0 if ok else 1)
 release.set()
 t.join(60)
-deadline = time.monotonic() + 30
-while time.monotonic() < deadline:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        break
-    time.sleep(0.1)
-else:
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError("the forked child hung on a mapping lock its parent's thread held at the fork")
+status = reap(pid, "the forked child hung on a mapping lock its parent's thread held at the fork")
 assert status == 0, f"child status {status}"
 print("ok")
 """
