@@ -200,16 +200,36 @@ class ArenaSet:
                 self._collect(pool)
             arenas = self._arenas.get(pool)
             if arenas:
-                # The usual put: the arena that had room last time takes this feature too. The slow path
-                # below tries the arenas in the same order, so this changes which arena only in cost.
-                first = arenas[0]
-                if nbytes <= first.size * MAX_FEATURE_FRACTION:
-                    p = first.place(nbytes)
-                    if p is not None:
-                        if first.used > first.size * _LOW_WATER:
-                            self._ask_ahead(pool, device, nbytes, arenas)
-                        return p
+                p = self._place_first(pool, device, nbytes, arenas)
+                if p is not None:
+                    return p
             return self._place_slow(pool, device, nbytes, arenas)
+
+    def place_now(self, pool: int, nbytes: int) -> Optional[Placement]:
+        """place() of a host feature where it waits for nothing: in the arena that took the last feature,
+        with no arena reply to read first; None where place() has more to do."""
+        if self._pending or self._table.draining():
+            return None
+        with self._lock:
+            arenas = self._arenas.get(pool)
+            return self._place_first(pool, None, nbytes, arenas) if arenas else None
+
+    def _place_first(self, pool: int, device: Optional[int], nbytes: int,
+                     arenas: list[ProducerArena]) -> Optional[Placement]:
+        """The usual put: the arena that had room last time takes this feature too. The slow path tries
+        the arenas in the same order, so this changes which arena only in cost."""
+        first = arenas[0]
+        if nbytes > first.size * MAX_FEATURE_FRACTION:
+            return None
+        p = first.place(nbytes)
+        if p is not None and first.used > first.size * _LOW_WATER:
+            try:
+                self._ask_ahead(pool, device, nbytes, arenas)
+            except BaseException:  # the daemon is gone: the caller falls back, and this space comes back
+                p.abandoned = True
+                first.reclaim()
+                raise
+        return p
 
     def _place_slow(self, pool: int, device: Optional[int], nbytes: int,
                     arenas: Optional[list[ProducerArena]]) -> Optional[Placement]:

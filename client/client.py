@@ -94,7 +94,7 @@ class Client:
         self._connect_lock = threading.Lock()
         _clients.add(self)
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
-                                  inline_max, fallback)
+                                  inline_max, fallback, self._session_now)
         self._reservations = Reservations(self._producer)
         pending = PendingCopies()  # staged copies from host pools: get() adds them, ack() waits for them
         self._consumer = Consumer(self._connect, self._channel, pending)
@@ -193,6 +193,11 @@ class Client:
             self._closed_table = None
             return self._session
 
+    def _session_now(self) -> Optional[Session]:
+        """The open session, or None where _connect would have to open one."""
+        session = self._session
+        return session if session is not None and session.fd.alive() else None
+
     def _reconnect(self, stale: Session) -> Session:
         """A fresh session after the daemon forgot ``stale`` (it restarted)."""
         with self._connect_lock:
@@ -207,7 +212,7 @@ class Client:
         """Place one tensor in the pool for ``consumers`` consumers; returns its descriptor."""
         if self.readonly:
             self._check_writable()
-        return self._producer.put([tensor], consumers, many=False)
+        return self._producer.put_one(tensor, consumers)
 
     def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1) -> Descriptor:
         """Place several tensors in one lease (one descriptor, one ack per consumer)."""

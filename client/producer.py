@@ -20,7 +20,7 @@ from . import tensors as tz
 from .channel import ControlChannel
 from .fallbacks import FallbackTracker
 from .policy import feature_pool
-from .put_in_flight import PutInFlight
+from .put_in_flight import PutInFlight, new_token
 from .session import Session
 from .stream_wait import wait_for_current_stream
 
@@ -37,8 +37,10 @@ _FD_SHORT_S = 1.0
 
 class Producer:
     def __init__(self, connect: Callable[[], Session], reconnect: Callable[[Session], Session], channel: ControlChannel,
-                 fallbacks: FallbackTracker, inline_threshold: int, inline_max: int, fallback: str) -> None:
+                 fallbacks: FallbackTracker, inline_threshold: int, inline_max: int, fallback: str,
+                 session_now: Callable[[], Optional[Session]]) -> None:
         self._connect = connect
+        self._session_now = session_now  # the open session, or None: never connects (the fast path's)
         self._reconnect = reconnect
         self._channel = channel
         self._fallbacks = fallbacks
@@ -47,10 +49,60 @@ class Producer:
         self.fallback = fallback
         self._fd_short: Optional[tuple[float, FdLimitError]] = None  # until when, and why
 
-    def put(self, tensors: list[torch.Tensor], consumers: int, many: bool) -> Descriptor:
+    def put_one(self, tensor: torch.Tensor, consumers: int) -> Descriptor:
+        """put() of one tensor: the common feature in one frame where it can be (see _put_now)."""
+        layout = tz.layout((tensor,))
+        if layout[1] >= self.inline_threshold and layout[1]:
+            desc = self._put_now(tensor, consumers, layout)
+            if desc is not None:
+                return desc
+        return self.put([tensor], consumers, False, layout)
+
+    def _put_now(self, t: torch.Tensor, consumers: int, layout: tz.Layout) -> Optional[Descriptor]:
+        """The put a server makes over and over, without the general path's objects and frames: one dense
+        host tensor, in the arena that took the last feature, in a session whose pool, mapping and
+        descriptor head the general path has set up. None for anything else, before anything is placed
+        or sent: put then does it all, fallbacks and errors included."""
+        if (not 1 <= consumers <= MAX_CONSUMERS or self._fallbacks.daemon_down or self._fd_short is not None
+                or not tz.dense_host(t)):
+            return None
+        specs, nbytes = layout
+        session = self._session_now()
+        if session is None or session.host_target is None:
+            return None
+        pool, pool_tensor = session.host_target
+        head = session.descriptor_heads.get((pool.pool, self._channel.endpoint))
+        if head is None or session.arenas is None or not session.begin_write():
+            return None
+        try:
+            arenas = session.arenas
+            try:
+                placed = arenas.place_now(pool.pool, nbytes)
+            except DaemonUnavailableError as exc:  # asking for the next arena timed out: as put() would
+                self._fallbacks.mark_down()
+                put = PutInFlight(specs, nbytes, False, consumers, None, [t])
+                return self._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
+            if placed is None:
+                return None
+            try:
+                token = new_token()
+                desc = Descriptor.of_pool(head, tensors=specs, nbytes=nbytes, many=False, lease=placed.slot,
+                                          gen=placed.gen, token=token, offset=placed.offset)
+                tz.copy_to_host_pool(pool_tensor, placed.offset, t, nbytes)
+            except BaseException:
+                arenas.abandon(placed)
+                raise
+            arenas.publish(placed, nbytes, consumers, token)
+            return desc
+        finally:
+            session.end_write()
+
+    def put(self, tensors: list[torch.Tensor], consumers: int, many: bool,
+            layout: Optional[tz.Layout] = None) -> Descriptor:
+        """``tensors`` placed in the pool, or inline; ``layout``: tz.layout(tensors) where the caller has it."""
         if not 1 <= consumers <= MAX_CONSUMERS:
             raise ValueError(f"consumers must be between 1 and {MAX_CONSUMERS}")
-        specs, nbytes = tz.layout(tensors)
+        specs, nbytes = layout if layout is not None else tz.layout(tensors)
         if len(tensors) == 1:  # no generator for the common single tensor
             device = tensors[0].device.index if tensors[0].is_cuda else None
         else:

@@ -31,10 +31,13 @@ def torch_dtype(name: str) -> torch.dtype:
         raise TypeError(f"this torch has no dtype {name!r}") from None
 
 
+# The specs of tensors packed one after another, and their size in bytes.
+Layout = tuple[tuple[TensorSpec, ...], int]
+
 # One tensor's spec and size by (dtype, shape). A server puts a few shapes over and over, and building a
 # spec was a sixth of put()'s Python; cleared when full, which costs a rebuild per shape.
 LAYOUT_CACHE_ENTRIES = 1024
-_one: dict[tuple[torch.dtype, torch.Size], tuple[TensorSpec, int]] = {}
+_one: dict[tuple[torch.dtype, torch.Size], Layout] = {}
 
 
 def layout_cache_len() -> int:
@@ -42,7 +45,7 @@ def layout_cache_len() -> int:
     return len(_one)
 
 
-def layout(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], int]:
+def layout(tensors: Sequence[torch.Tensor]) -> Layout:
     """Specs for ``tensors`` packed contiguously one after another, and the total size in bytes. One
     tensor of a shape seen before gets the same tuple of specs again: the descriptor's encoder keeps
     the bytes of a tuple it has encoded."""
@@ -59,7 +62,7 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], int
     return _layout(tensors)
 
 
-def _layout(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], int]:
+def _layout(tensors: Sequence[torch.Tensor]) -> Layout:
     specs, offset = [], 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -100,7 +103,7 @@ def packed_parts(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], n
             continue
         if spec.offset > at:
             parts.append(bytes(spec.offset - at))
-        if _dense_host(t):
+        if dense_host(t):
             # A ctypes array over the tensor's memory: far cheaper to make than torch's views or numpy's,
             # and made per feature on the inline path; it holds no reference, hence "while tensors live".
             parts.append((ctypes.c_char * n).from_address(t.data_ptr()))
@@ -145,19 +148,22 @@ def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[tor
     for t, spec in zip(tensors, specs):
         if not t.numel():
             continue
-        if not pool.is_cuda and _dense_host(t):  # host memory that holds exactly the packed bytes
-            # The common case, a contiguous CPU tensor into a host pool, is one memmove: a tenth of the
-            # instructions of a view and copy_ (torch's dispatch), per feature, and the same bytes.
-            # memmove checks nothing, so the bounds that as_strided would check are checked here.
-            start, n = lease_offset + spec.offset, t.numel() * t.element_size()
-            if start < 0 or start + n > pool.numel():
-                raise RuntimeError(f"{n} bytes at {start} do not fit the {pool.numel()}-byte pool")
-            ctypes.memmove(pool.data_ptr() + start, t.data_ptr(), n)
+        if not pool.is_cuda and dense_host(t):  # host memory that holds exactly the packed bytes
+            copy_to_host_pool(pool, lease_offset + spec.offset, t, t.numel() * t.element_size())
         else:
             pool_view(pool, lease_offset, spec).copy_(t)
 
 
-def _dense_host(t: torch.Tensor) -> bool:
+def copy_to_host_pool(pool: torch.Tensor, start: int, t: torch.Tensor, n: int) -> None:
+    """Copy the ``n`` bytes of ``t`` (``dense_host``) to ``start`` in a host pool: one memmove, a tenth of
+    the instructions of a view and copy_ (torch's dispatch), per feature, and the same bytes. memmove
+    checks nothing, so the bounds that as_strided would check are checked here."""
+    if start < 0 or start + n > pool.numel():
+        raise RuntimeError(f"{n} bytes at {start} do not fit the {pool.numel()}-byte pool")
+    ctypes.memmove(pool.data_ptr() + start, t.data_ptr(), n)
+
+
+def dense_host(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds exactly its packed bytes: dense, on the host, without a lazy conjugate
     or negation bit."""
     return (not t.is_cuda and t.layout is torch.strided and t.is_contiguous() and not t.is_conj()

@@ -469,3 +469,29 @@ def test_threads_sharing_a_client_place_features_without_overlap(daemon) -> None
         s = daemon.wait_for(_no_features, what="the last acks")
         assert s["counters"]["frees"] == 480 and s["counters"]["bad_table_words"] == 0
     assert daemon.pool()["used"] == 0
+
+
+def test_a_put_whose_request_for_the_next_arena_times_out_hands_its_space_back(daemon) -> None:
+    """The put that fills an arena past half asks for the next one. If that request times out (a frozen
+    daemon with a full fd channel), the put goes inline and its space in the arena comes back: a range
+    left placed but never published would hold the arena's ring, and the arena itself, for good."""
+    with daemon.client(inline_threshold=0, timeout=1.0) as producer, daemon.client(timeout=5.0) as consumer:
+        warm = producer.put(torch.zeros(1000))
+        consumer.ack(warm)
+        held = [producer.put(torch.full((1 << 18,), float(k))) for k in range(4)]  # 4 MiB: half the 8 MiB arena
+        assert not any(d.is_inline for d in held)
+        session = producer.session
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            while session.fd.try_send("ping"):  # the daemon's socket buffer fills: the next send waits
+                pass
+            desc = producer.put(torch.ones(1 << 18))  # past half: asks for the next arena, in vain
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert desc.is_inline and producer.fallbacks["unreachable"] == 1
+        for d in held:
+            consumer.ack(d)
+        daemon.wait_for(_no_features, what="the held features to end")
+        (arena,) = session.arenas._arenas[0]
+        arena.reclaim()
+        assert arena.used == 0 and not arena.writing(), "the inline put's range still holds the arena"

@@ -57,3 +57,31 @@ def test_a_client_that_writes_nothing_wakes_the_daemon_loop_about_once_a_second(
         seconds = time.monotonic() - t0
     # Each stats call sweeps once (the second counts here); the timer sweeps come once a second.
     assert after - before <= seconds + 2, f"{after - before} sweeps in {seconds:.1f} s with nothing written"
+
+
+def test_a_steady_put_of_one_host_tensor_skips_the_general_path(daemon) -> None:
+    """Once a session has its arena, a put of one dense host tensor is placed, copied and published by
+    Producer._put_now alone: none of the general path's steps (each a frame and an object more per
+    feature) runs, and the bytes are the same."""
+    import sys
+
+    with daemon.client(inline_threshold=0, fallback="error") as producer, daemon.client(readonly=True) as consumer:
+        x = torch.arange(16384, dtype=torch.float32)
+        consumer.ack(producer.put(x))  # the general path sets up the pool, its mapping and descriptor head
+        called: set[str] = set()
+
+        def trace(frame, event, arg):  # noqa: ANN001, ANN202 - sys.setprofile's signature
+            if event == "call" and frame.f_code.co_filename.endswith("producer.py"):
+                called.add(frame.f_code.co_name)
+
+        descs = []
+        sys.setprofile(trace)
+        try:
+            for k in range(20):
+                descs.append(producer.put(x + k))
+        finally:
+            sys.setprofile(None)
+        assert called == {"put_one", "_put_now"}, called
+        for k, desc in enumerate(descs):
+            assert torch.equal(consumer.get(desc), x + k)
+            consumer.ack(desc)
