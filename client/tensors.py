@@ -164,9 +164,9 @@ def copy_to_host_pool(pool: torch.Tensor, start: int, t: torch.Tensor, n: int) -
 
 
 def dense_host(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory holds exactly its packed bytes: dense, on the host, without a lazy conjugate
-    or negation bit."""
-    return (not t.is_cuda and t.layout is torch.strided and t.is_contiguous() and not t.is_conj()
+    """Whether ``t``'s memory holds exactly its packed bytes: dense, in host memory (not a GPU's, and not
+    a meta tensor's, which has no memory: its address is 0), without a lazy conjugate or negation bit."""
+    return (t.is_cpu and t.layout is torch.strided and t.is_contiguous() and not t.is_conj()
             and not t.is_neg())
 
 

@@ -104,6 +104,20 @@ def test_lazy_views_are_written_as_the_values_they_show(daemon) -> None:
     assert daemon.pool()["used"] == 0
 
 
+def test_a_meta_tensor_is_refused_not_read_from_address_zero(daemon) -> None:
+    """A meta tensor has a shape and no memory (its data_ptr is 0): put, through the pool or inline, raises
+    torch's error instead of copying from address 0, which killed the process, and holds no pool space."""
+    meta = torch.empty(1 << 16, device="meta")
+    for threshold in (0, 1 << 30):  # the pool's memmove and the inline path's buffer
+        with daemon.client(inline_threshold=threshold) as c:
+            with pytest.raises(NotImplementedError, match="meta"):
+                c.put(meta)
+            desc = c.put(torch.ones(4))  # the client goes on working
+            assert torch.equal(c.get(desc), torch.ones(4))
+            c.ack(desc)
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the pool to empty")
+
+
 def test_a_write_past_the_pool_is_refused_not_made() -> None:
     """The memmove path checks the bounds torch's views would: a range from a confused or hostile daemon
     must raise, never write past the mapping."""
