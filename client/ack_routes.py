@@ -150,9 +150,11 @@ class Acks:
         return self._acker
 
     def close(self) -> None:
-        if self._acker is not None:
+        # A forked child's copy of its parent's acker has no thread: flushing it would wait out the whole
+        # timeout for acks nobody sends, on a condition a parent thread may have held at the fork.
+        if self._acker is not None and self._acker.pid == os.getpid():
             self._acker.close(self._timeout)
-            self._acker = None
+        self._acker = None
 
 
 def _table_ack(session: Session, fields: dict[str, Any], count: int) -> bool:
@@ -167,6 +169,15 @@ def _table_ack(session: Session, fields: dict[str, Any], count: int) -> bool:
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _side_lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A thread of the parent making a side stream at the fork would hold the lock in the child for good.
+    global _side_lock
+    _side_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _side_stream(device: int) -> torch.cuda.Stream:

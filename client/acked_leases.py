@@ -13,6 +13,7 @@ import threading
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
+from .fork_locks import renew_in_child
 from .session import Session
 from .lease_table import STATE_FREE
 
@@ -27,6 +28,7 @@ class AckedLeases:
         self._limit = limit
         self._lock = threading.Lock()
         self._acks: dict[Key, int] = {}
+        renew_in_child(self)  # every ack takes the lock; a forked child acks through the Client it inherited
 
     def remember(self, desc: Descriptor) -> None:
         """``desc`` (this daemon's, this epoch's) was acked by this client."""

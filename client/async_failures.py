@@ -13,6 +13,8 @@ import logging
 import threading
 from collections import Counter
 
+from .fork_locks import renew_in_child
+
 log = logging.getLogger("mmfeat.client")
 
 
@@ -23,6 +25,7 @@ class AsyncFailures:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
+        renew_in_child(self)  # a forked child's close() reports through its inherited channel's counts
 
     @property
     def counts(self) -> Counter[str]:

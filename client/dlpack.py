@@ -9,6 +9,7 @@ mapping alive until torch frees the last view, so the range is unmapped only aft
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from typing import Any
 
@@ -63,12 +64,27 @@ _SHAPE_AT = ctypes.sizeof(_Managed)  # the one-element shape array follows the s
 
 # What each live tensor keeps alive (the mapping's owner), by the struct's address.
 _live: dict[int, Any] = {}
-_lock = threading.Lock()
 
 
-def _delete_impl(addr: int, live: dict[int, Any] = _live, lock: Any = _lock, free: Any = _libc.free) -> None:
+class _Guard:
+    """The lock over ``_live``, in an object the deleter binds: the deleter cannot look it up in module
+    globals (exit sets them to None), and a forked child must still be able to replace it."""
+
+    lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A thread of the parent wrapping or freeing a tensor at the fork holds the lock in the child for
+    # good: the child's next get, loads or tensor release would wait for it.
+    _Guard.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
+def _delete_impl(addr: int, live: dict[int, Any] = _live, guard: Any = _Guard, free: Any = _libc.free) -> None:
     # Everything it uses is bound here, not looked up in module globals, which exit sets to None.
-    with lock:
+    with guard.lock:
         owner = live.pop(addr, None)
     free(addr)
     del owner  # may unmap now
@@ -97,13 +113,13 @@ def uint8_tensor(ptr: int, nbytes: int, device_type: int, device_id: int, owner:
     managed.dl_tensor.byte_offset = 0
     managed.manager_ctx = None
     managed.deleter = _delete
-    with _lock:
+    with _Guard.lock:
         _live[addr] = owner
     try:
         capsule = _capsule_new(addr, _CAPSULE_NAME, None)
         tensor = torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
-        with _lock:
+        with _Guard.lock:
             _live.pop(addr, None)
         _libc.free(addr)  # torch did not take it, so its deleter will not run
         raise
@@ -114,7 +130,7 @@ def uint8_tensor(ptr: int, nbytes: int, device_type: int, device_id: int, owner:
 
 def live_capsules() -> int:
     """Tensors torch has not freed yet (tests check that views release their owner)."""
-    with _lock:
+    with _Guard.lock:
         return len(_live)
 
 

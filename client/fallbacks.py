@@ -19,6 +19,7 @@ from mmfeat.protos.errors import FdLimitError, MmfeatError
 from mmfeat.protos.messages import FallbackReason
 
 from .channel import ControlChannel
+from .fork_locks import renew_in_child
 
 log = logging.getLogger("mmfeat.client")
 
@@ -38,6 +39,7 @@ class FallbackTracker:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
+        renew_in_child(self)  # a forked child's puts count their fallbacks here
 
     @property
     def daemon_down(self) -> bool:

@@ -28,6 +28,7 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 from . import dlpack
 from .client import Client
+from .fork_locks import renew_in_child
 
 FORMAT = 1
 
@@ -35,6 +36,16 @@ _default: Optional[Client] = None
 _default_pid = 0
 _default_lock = threading.Lock()
 _warned_unacked = False
+
+
+def _new_lock_in_child() -> None:
+    # A thread of the parent making the default Client at the fork holds the lock in the child for good,
+    # and the child's first dumps or loads without client= would wait for it.
+    global _default_lock
+    _default_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def forget_warned() -> None:
@@ -140,6 +151,8 @@ class _Lease:
         self._desc = desc
         self._sources = sources  # the views get returned: their storage keeps the pool mapped
         self._lock = threading.Lock()
+        # A forked child may ack a Parcel it inherited, and exits through ack_at_exit, both under the lock.
+        renew_in_child(self)
         self.acked = desc is None
         # A fork copies the Parcel and its tensors, not the duty to ack: the process that loaded it acks
         # when its own copies go, and a child's automatic ack would free memory that process still reads.

@@ -11,6 +11,7 @@ mapping. The feature's ack then waits for the copy's event (``ack(after=event)``
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from mmfeat import cuda_driver as drv
 from mmfeat.protos.descriptor import Descriptor
 
 from . import dlpack
+from .fork_locks import renew_in_child
 from .mapping import HostMapping
 
 log = logging.getLogger("mmfeat.client")
@@ -32,6 +34,15 @@ log = logging.getLogger("mmfeat.client")
 PORTABLE, READ_ONLY = 0x01, 0x08
 
 _lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A thread of the parent registering a pool at the fork holds the lock in the child for good.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 class _Registration:
@@ -125,6 +136,7 @@ class PendingCopies:
         self._events: OrderedDict[Key, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._limit = limit
+        renew_in_child(self)  # a forked child's acks look here
 
     def add(self, key: Key, event: Any) -> None:
         with self._lock:

@@ -29,6 +29,7 @@ from mmfeat.protos.messages import MAX_CONSUMERS, MAX_NBYTES, PoolInfo
 from . import dlpack
 from . import tensors as tz
 from .arenas import Placement
+from .fork_locks import renew_in_child
 from .producer import _FALLBACK_ERRORS, Producer
 from .put_in_flight import PutInFlight
 from .session import Session
@@ -84,6 +85,7 @@ class Reservations:
         self._lock = threading.Lock()
         self._open: dict[int, Reservation] = {}
         self._closed = False
+        renew_in_child(self)  # a forked child reserves, and closes, through the Client it inherited
 
     # --- reserve -------------------------------------------------------------------------------
 

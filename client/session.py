@@ -170,7 +170,9 @@ class Session:
         return self.mappings[key]
 
     def close(self) -> None:
-        if self.arenas is not None:
+        if self.arenas is not None and self.pid == os.getpid():
+            # Only here: a forked child's copy has no reaper thread to stop, and the parent's may have held
+            # the stop event's lock at the fork.
             self.arenas.close()
         self.fd.close()
         # The callback is the only reference back to this session: without it a closed session is freed

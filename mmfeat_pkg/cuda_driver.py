@@ -59,6 +59,16 @@ _init_error: Optional[str] = None
 _initialized = False
 
 
+def _new_lock_in_child() -> None:
+    # A thread of the parent inside cuInit at the fork holds the lock in the child for good, and every
+    # GPU call of the child asks driver_unavailable_reason first.
+    global _init_lock
+    _init_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def driver_unavailable_reason() -> Optional[str]:
     """None when cuInit succeeds; otherwise what is missing, in words an operator can act on."""
     global _initialized, _init_error
