@@ -104,14 +104,12 @@ class Consumer:
             "remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout, **into))
         fabric = reply.fabric
         if fabric is not None:
-            from .cuda_import import map_cuda_pool
-
             # The owner's GPU is on another node: a UUID no local GPU has keeps the import from granting
             # a local GPU of the same ordinal access as if it were the owner's.
             info = PoolInfo(fabric.pool, fabric.epoch, "cuda", fabric.device, fabric.size, fabric.handle, fabric.fabric,
                             f"remote:{desc.node}")
             try:
-                pool = map_cuda_pool(f"mesh:{fabric.node}", info, None, session.readonly).tensor
+                pool = session.fabric_mapping(fabric.node, info).tensor
             except RuntimeError as exc:  # CudaError, PoolMapError: the handle does not import in this process
                 # Same domain by NVML, yet no IMEX channel in this container (or no GPU here): the bytes
                 # can still come as a pull, which the daemon counts per peer (fabric_fallbacks).

@@ -3,6 +3,11 @@
 POSIX fd or FABRIC bytes -> import -> reserve VA -> map -> set access for this process's device ->
 release the imported handle (the mapping keeps the memory) -> close the fd. Per tensor there is no
 driver call at all: get() slices the cached tensor.
+
+The cache holds the mapped ranges weakly, as client/mapping.py holds host pools: the sessions using a
+pool hold its CudaMapping, and every tensor over the pool holds its range. Once the last of them is gone
+the range is unmapped, so a consumer that outlives its daemon does not keep that daemon's HBM allocated
+(memory the restarted daemon needs).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,7 +27,19 @@ from mmfeat.protos.messages import PoolInfo
 from . import dlpack
 
 _lock = threading.Lock()
-_cache: dict[tuple[int, str, int, int, int, bool], "CudaMapping"] = {}
+# (pid, endpoint, pool, epoch, device, readonly) -> the mapped range, alive while anything uses it.
+_cache: "weakref.WeakValueDictionary[tuple[int, str, int, int, int, bool], _DeviceRange]" = (
+    weakref.WeakValueDictionary())
+
+
+def _new_lock_in_child() -> None:
+    # A thread of the parent importing a pool at the fork holds the lock in the child for good: the
+    # child's first get of a GPU feature would wait for it.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 # A pool that failed to map fails the same way on the next put (no IMEX channel, no peer access), and
 # each attempt costs an import and its teardown, plus the producer's reserve and release around it. The
@@ -51,9 +69,18 @@ class _DeviceRange:
         self.size = size
         self.devices = devices  # local ordinals with access; devices[0] is the one it was mapped for
         self.ctx = ctx
+        self.pid = os.getpid()
+        # The CudaMapping over it while some session holds one: a session that asks again gets it back,
+        # and one that asks after it is gone (a view outlived it) a new one over this same range.
+        self.mapping: Optional["weakref.ref[CudaMapping]"] = None
 
     def close(self) -> None:
         if self.va is None:
+            return
+        if self.pid != os.getpid():
+            # A forked child's copy: the range and the context reference are its parent's, and CUDA does
+            # not work in a forked child anyway.
+            self.va = None
             return
         va, self.va = self.va, None  # first, so that no path can release the context twice
         try:
@@ -84,7 +111,19 @@ class CudaMapping:
     epoch: int
     size: int
     device: int
-    tensor: torch.Tensor  # uint8 over the whole pool, on ``device``
+    tensor: torch.Tensor  # uint8 over the whole pool, on ``device``; it keeps ``range`` mapped
+    range: _DeviceRange
+
+
+def _mapping_over(holder: _DeviceRange, info: PoolInfo) -> CudaMapping:
+    """The CudaMapping over an already mapped range: the one a session holds, else a new tensor over the
+    same memory (no driver call). Called with the lock held."""
+    mapping = holder.mapping() if holder.mapping is not None else None
+    if mapping is None:
+        tensor = dlpack.uint8_tensor(int(holder.va), holder.size, dlpack.KDL_CUDA, holder.devices[0], holder)
+        mapping = CudaMapping(info.pool, info.epoch, holder.size, holder.devices[0], tensor, holder)
+        holder.mapping = weakref.ref(mapping)
+    return mapping
 
 
 def map_cuda_pool(endpoint: str, info: PoolInfo, fd: Optional[int], readonly: bool = False) -> CudaMapping:
@@ -106,7 +145,7 @@ def map_cuda_pool(endpoint: str, info: PoolInfo, fd: Optional[int], readonly: bo
         with _lock:
             hit = _cache.get(key)
             if hit is not None:
-                return hit
+                return _mapping_over(hit, info)
             failed = _failed.get(key)
             if failed is not None and time.monotonic() - failed[0] < MAP_RETRY_S:
                 left = MAP_RETRY_S - (time.monotonic() - failed[0])
@@ -119,11 +158,9 @@ def map_cuda_pool(endpoint: str, info: PoolInfo, fd: Optional[int], readonly: bo
                 _failed[key] = (time.monotonic(), exc)
                 raise
             _failed.pop(key, None)
-            for old in [k for k in _cache if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info.epoch)]:
-                del _cache[old]  # a daemon restart: the old pool goes once its last view is gone
             for old in [k for k in _failed if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info.epoch)]:
                 del _failed[old]
-            _cache[key] = mapping
+            _cache[key] = mapping.range
             return mapping
     finally:
         if owned is not None:
@@ -148,7 +185,9 @@ def _map_uncached(info: PoolInfo, fd: Optional[int], device: int, readonly: bool
         else:
             holder.close()  # it owns the context reference now: it alone releases it
         raise
-    return CudaMapping(info.pool, info.epoch, holder.size, device, tensor)
+    mapping = CudaMapping(info.pool, info.epoch, holder.size, device, tensor, holder)
+    holder.mapping = weakref.ref(mapping)
+    return mapping
 
 
 def _import_handle(info: PoolInfo, fd: Optional[int]) -> Any:

@@ -45,6 +45,9 @@ class Session:
         self.endpoint = endpoint
         self.pools: dict[int, PoolInfo] = {p.pool: p for p in hello.pools}
         self.mappings: dict[tuple[int, int], Any] = {}  # (pool id, device) -> HostMapping or CudaMapping
+        # (owner node, pool id, device) -> CudaMapping of another node's pool mapped through its FABRIC
+        # handle, held here because the GPU pool cache holds none: each get would import the pool again.
+        self.fabric_mappings: dict[tuple[str, int, int], Any] = {}
         # (pool id, endpoint) -> the fields every descriptor of that pool starts with (PutInFlight.descriptor)
         self.descriptor_heads: dict[tuple[int, str], dict[str, Any]] = {}
         self.host_target: Optional[tuple[PoolInfo, Any]] = None  # a CPU feature's pool and its mapping (Producer)
@@ -169,6 +172,23 @@ class Session:
                                                self.readonly)
         return self.mappings[key]
 
+    def fabric_mapping(self, node: str, info: PoolInfo) -> Any:
+        """Another node's GPU pool, mapped through the FABRIC handle its daemon relayed, once per (node,
+        pool, device) for as long as this session lives; a new epoch of that node's daemon (it restarted)
+        replaces the mapping, and the old pool is unmapped once no tensor views it."""
+        import torch
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+        key = (node, info.pool, device)
+        held = self.fabric_mappings.get(key)
+        if held is not None and held.epoch == info.epoch:
+            return held
+        from .cuda_import import map_cuda_pool
+
+        mapping = map_cuda_pool(f"mesh:{node}", info, None, self.readonly)
+        self.fabric_mappings[key] = mapping
+        return mapping
+
     def close(self) -> None:
         if self.arenas is not None and self.pid == os.getpid():
             # Only here: a forked child's copy has no reaper thread to stop, and the parent's may have held
@@ -178,6 +198,7 @@ class Session:
         # The callback is the only reference back to this session: without it a closed session is freed
         # by its last user, not by a garbage collection, and its pool mappings go with it.
         self.fd.on_unclaimed = None
+        self.fabric_mappings.clear()  # other nodes' pools go once no tensor views them
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()

@@ -106,3 +106,23 @@ def test_in_one_nvlink_domain_the_consumer_maps_the_owners_handle(fake_libcuda, 
     finally:
         cluster.stop("a")
         cluster.stop("b")
+
+
+def test_a_consumer_imports_another_nodes_fabric_pool_once_and_unmaps_it_at_close(fake_libcuda, tmp_path) -> None:
+    """Gets of another node's features, each view dropped before the next, import the owner's pool once:
+    the consumer's session holds the mapping between gets. Closing the client unmaps it."""
+    cluster = Cluster(tmp_path)
+    a, b = _nodes(cluster, fake_libcuda, tmp_path, {"a": f"{HERE}:1", "b": f"{HERE}:1"}).values()
+    try:
+        log = fake_cuda.run(fake_libcuda, tmp_path / "consumer.log", "fabric_gets",
+                            {"MMFEAT_RUNTIME_DIR": str(b.runtime_dir),
+                             "FAKE_CUDA_SCENARIO_DESC": _feature(a).to_bytes().hex()})
+        assert [f"=== get {i}: (4096,)" in log for i in range(3)] == [True] * 3, log
+        assert len(re.findall(r"^cuMemImportFromShareableHandle\(type=8\)", log, re.M)) == 1, log
+        gets = fake_cuda.section(log, "get 0: (4096,)", "close the client")
+        assert "cuMemUnmap(" not in gets, f"unmapped between two gets:\n{gets}"
+        closing = fake_cuda.section(log, "close the client", "client closed")
+        assert closing.count("cuMemUnmap(") == 1 and closing.count("cuMemAddressFree(") == 1, log
+    finally:
+        cluster.stop("a")
+        cluster.stop("b")

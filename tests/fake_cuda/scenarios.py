@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +211,115 @@ def pin_host_pool() -> None:
     mark("end")
 
 
+def pool_lifetime() -> None:
+    """A consumer gets a feature of its daemon's GPU pool ($FAKE_CUDA_SCENARIO_DESC, hex) twice, closes
+    its client while one view lives, gets it once more through another client, then drops the view; with
+    garbage collection off but for one collection while the view lives."""
+    from mmfeat.client import Client
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    runtime_context(0)  # the consumer's own use of its GPU
+    gc.disable()  # what is unmapped must be unmapped by reference counting alone
+    desc = bytes.fromhex(os.environ["FAKE_CUDA_SCENARIO_DESC"])
+    c = Client(timeout=20)
+    view = c.get(desc)
+    again = c.get(desc)
+    mark(f"two gets, one pool: {view.data_ptr() == again.data_ptr()}")
+    del again
+    c.ack(desc)
+    c.close()
+    mark("client closed; a view lives")
+    with Client(timeout=20) as other:  # the range the view keeps is found again, not imported again
+        mark(f"a new client's get, same pool: {other.get(desc, verify=False).data_ptr() == view.data_ptr()}")
+    gc.enable()
+    gc.collect()  # a collection does not take it from the view either
+    gc.disable()
+    mark("drop the view")
+    del view
+    mark("end")
+
+
+def fabric_gets() -> None:
+    """Three gets, each view dropped before the next, of another node's feature ($FAKE_CUDA_SCENARIO_DESC)
+    whose owner's FABRIC handle this node's daemon ($MMFEAT_RUNTIME_DIR) relays; then the client closes."""
+    from mmfeat.client import Client
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    runtime_context(0)
+    gc.disable()
+    desc = bytes.fromhex(os.environ["FAKE_CUDA_SCENARIO_DESC"])
+    c = Client(timeout=20)
+    for i in range(3):
+        view = c.get(desc)
+        mark(f"get {i}: {tuple(view.shape)}")
+        del view
+    mark("close the client")
+    c.close()
+    mark("client closed")
+    mark("end")
+
+
+def fork_while_importing() -> None:
+    """A thread holds the GPU pool cache's lock across a fork; the forked child maps a pool of its own."""
+    import threading
+
+    from mmfeat.client import cuda_import
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with cuda_import._lock:
+            held.set()
+            release.wait(60)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(60)
+    pid = os.fork()
+    if pid == 0:
+        cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool"))
+        os._exit(0)
+    release.set()
+    t.join(60)
+    for _ in range(300):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            mark(f"child exited {status}")
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    mark("child hung")
+
+
+def child_drops_parents_pool() -> None:
+    """A forked child drops its copy of the parent's mapping; then the parent drops its own."""
+    from mmfeat.client import cuda_import
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    runtime_context(0)
+    m = cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool"))
+    pid = os.fork()
+    if pid == 0:
+        mark("the child drops its copy")
+        del m
+        gc.collect()
+        mark("the child dropped it")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    mark("the parent drops the pool")
+    del m
+    mark("end")
+
+
 SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools,
-                                      map_failure_remembered, fabric_get, pin_host_pool)}
+                                      map_failure_remembered, fabric_get, pin_host_pool, pool_lifetime, fabric_gets,
+                                      fork_while_importing, child_drops_parents_pool)}
 
 if __name__ == "__main__":
     drv.driver_unavailable_reason()
