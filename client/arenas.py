@@ -68,6 +68,13 @@ class Placement:
     done_word: int = 0
 
 
+def _drop(p: "Placement") -> None:
+    """Give back a placement the put will not write (it falls back): a range left placed but never
+    published would stop its arena's ring there, and keep the reaper from returning the arena, for good."""
+    p.abandoned = True
+    p.arena.reclaim()
+
+
 class ProducerArena:
     """One arena, used as a ring. Not thread-safe: ArenaSet holds the lock."""
 
@@ -226,8 +233,7 @@ class ArenaSet:
             try:
                 self._ask_ahead(pool, device, nbytes, arenas)
             except BaseException:  # the daemon is gone: the caller falls back, and this space comes back
-                p.abandoned = True
-                first.reclaim()
+                _drop(p)
                 raise
         return p
 
@@ -255,7 +261,11 @@ class ArenaSet:
                     arenas.remove(arena)
                     arenas.insert(0, arena)
                 if arena.low() and len(fitting) == 1:  # the next one, before this one fills
-                    self._request(pool, device, large, wait=False)
+                    try:
+                        self._request(pool, device, large, wait=False)
+                    except BaseException:  # as in _place_first: the put falls back, its space comes back
+                        _drop(p)
+                        raise
                 return p
         self._request(pool, device, large, wait=False)
         return None

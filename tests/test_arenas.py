@@ -495,3 +495,34 @@ def test_a_put_whose_request_for_the_next_arena_times_out_hands_its_space_back(d
         (arena,) = session.arenas._arenas[0]
         arena.reclaim()
         assert arena.used == 0 and not arena.writing(), "the inline put's range still holds the arena"
+
+
+def test_a_put_placed_past_the_first_arena_whose_ask_ahead_times_out_hands_its_space_back(daemon) -> None:
+    """As above, for a feature that the first arena cannot take: a feature of a larger size class placed
+    in its own class's arena, which that feature fills past half. Its request for the next arena of the
+    class times out; the put goes inline, and its range in the class's arena comes back."""
+    mib = 1 << 18  # float32 elements in 1 MiB
+    with daemon.client(inline_threshold=0, timeout=1.0) as producer, daemon.client(timeout=5.0) as consumer:
+        consumer.ack(producer.put(torch.zeros(1000)))  # the usual 8 MiB arena
+        first = producer.put(torch.zeros(5 * mib))  # over half of it: an arena of its own, 16 MiB, first
+        held = [producer.put(torch.full((3 * mib,), float(k))) for k in range(3)]  # 14 MiB of the 16
+        held.append(producer.put(torch.full((3 * mib,), 3.0)))  # no room left there: the usual arena, now first
+        assert not any(d.is_inline for d in [first, *held]) and held[-1].pool == first.pool
+        consumer.ack(first)  # 5 MiB free again at the start of the 16 MiB arena
+        session = producer.session
+        large = next(a for a in session.arenas._arenas[0] if a.size == 16 << 20)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            while session.fd.try_send("ping"):  # the daemon's socket buffer fills: the next send waits
+                pass
+            # Too large for the usual arena: placed in the 16 MiB one past its first, then 14 MiB full, it
+            # asks for another of its class, in vain.
+            desc = producer.put(torch.ones(5 * mib))
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert desc.is_inline and producer.fallbacks["unreachable"] == 1
+        for d in held:
+            consumer.ack(d)
+        daemon.wait_for(_no_features, what="the held features to end")
+        large.reclaim()
+        assert large.used == 0 and not large.writing(), "the inline put's range still holds the arena"
