@@ -35,6 +35,13 @@ _FALLBACK_ERRORS = {
 _FD_SHORT_S = 1.0
 
 
+def check_consumers(consumers: object) -> None:
+    """Refuse a count of consumers that is not an int from 1 to MAX_CONSUMERS before anything is placed:
+    the lease table stores an int, and a float would reach it only after its feature took arena space."""
+    if not isinstance(consumers, int) or isinstance(consumers, bool) or not 1 <= consumers <= MAX_CONSUMERS:
+        raise ValueError(f"consumers must be an int between 1 and {MAX_CONSUMERS}, not {consumers!r}")
+
+
 class Producer:
     def __init__(self, connect: Callable[[], Session], reconnect: Callable[[Session], Session], channel: ControlChannel,
                  fallbacks: FallbackTracker, inline_threshold: int, inline_max: int, fallback: str,
@@ -63,8 +70,8 @@ class Producer:
         host tensor, in the arena that took the last feature, in a session whose pool, mapping and
         descriptor head the general path has set up. None for anything else, before anything is placed
         or sent: put then does it all, fallbacks and errors included."""
-        if (not 1 <= consumers <= MAX_CONSUMERS or self._fallbacks.daemon_down or self._fd_short is not None
-                or not tz.dense_host(t)):
+        if (type(consumers) is not int or not 1 <= consumers <= MAX_CONSUMERS or self._fallbacks.daemon_down
+                or self._fd_short is not None or not tz.dense_host(t)):
             return None
         specs, nbytes = layout
         session = self._session_now()
@@ -100,8 +107,7 @@ class Producer:
     def put(self, tensors: list[torch.Tensor], consumers: int, many: bool,
             layout: Optional[tz.Layout] = None) -> Descriptor:
         """``tensors`` placed in the pool, or inline; ``layout``: tz.layout(tensors) where the caller has it."""
-        if not 1 <= consumers <= MAX_CONSUMERS:
-            raise ValueError(f"consumers must be between 1 and {MAX_CONSUMERS}")
+        check_consumers(consumers)
         specs, nbytes = layout if layout is not None else tz.layout(tensors)
         if len(tensors) == 1:  # no generator for the common single tensor
             device = tensors[0].device.index if tensors[0].is_cuda else None

@@ -24,13 +24,13 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
-from mmfeat.protos.messages import MAX_CONSUMERS, MAX_NBYTES, PoolInfo
+from mmfeat.protos.messages import MAX_NBYTES, PoolInfo
 
 from . import dlpack
 from . import tensors as tz
 from .arenas import Placement
 from .fork_locks import renew_in_child
-from .producer import _FALLBACK_ERRORS, Producer
+from .producer import _FALLBACK_ERRORS, Producer, check_consumers
 from .put_in_flight import PutInFlight
 from .session import Session
 from .stream_wait import wait_for_current_stream
@@ -93,8 +93,7 @@ class Reservations:
                 many: bool) -> list[torch.Tensor]:
         if self._closed:
             raise MmfeatError(ErrorCode.BAD_STATE, "reserve on a closed Client: open a new Client")
-        if not isinstance(consumers, int) or isinstance(consumers, bool) or not 1 <= consumers <= MAX_CONSUMERS:
-            raise ValueError(f"consumers must be an int between 1 and {MAX_CONSUMERS}")
+        check_consumers(consumers)
         target = _device(device)
         checked = [(_shape(shape), _dtype(dtype)) for shape, dtype in layout]
         _check_size(checked)

@@ -198,3 +198,25 @@ def test_every_one_byte_change_of_real_descriptors_parses_as_the_full_parse_does
                     assert vars(fast) == vars(full), (at, value, bad.hex())
                 checked += 1
     assert checked > 50_000 and agreed_refusals > checked // 2, (checked, agreed_refusals)
+
+
+@pytest.mark.parametrize("consumers", [1.5, 2.0, True, "1", None])
+def test_a_put_with_consumers_that_are_not_an_int_is_refused_on_every_path(daemon, consumers) -> None:
+    """put and put_many refuse a count of consumers that is not an int (a bool neither) with the error
+    reserve gives, whichever path the feature would take: the one-frame path, the general arena path,
+    inline, or a lease of its own. The lease table stores an int: a float reached it after the
+    feature was placed, raised struct.error, and left the range placed and never published, which
+    stopped its arena's ring, and kept the reaper from returning it, for the session's life."""
+    with daemon.client(inline_threshold=1024, fallback="error") as c, daemon.client(readonly=True) as consumer:
+        consumer.ack(c.put(torch.zeros(100_000)))  # the session's arena, pool mapping and descriptor head
+        puts = {"one frame": lambda: c.put(torch.ones(1000), consumers),
+                "put_many": lambda: c.put_many([torch.ones(1000)], consumers),
+                "inline": lambda: c.put(torch.ones(10), consumers),
+                "own lease": lambda: c.put(torch.ones(3 << 20), consumers)}
+        for path, put in puts.items():
+            with pytest.raises(ValueError, match="consumers must be an int between 1 and"):
+                put()
+        arenas = [a for pool in c.session.arenas._arenas.values() for a in pool]
+        assert arenas and not any(a.writing() for a in arenas), "a refused put left a range placed"
+        consumer.ack(c.put(torch.ones(1000), 2), count=2)
+        daemon.wait_for(lambda s: s["leases"] == {"RESERVED": 0, "PUBLISHED": 0}, what="the features to end")
