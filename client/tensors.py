@@ -9,6 +9,7 @@ import torch
 
 from mmfeat.protos.descriptor import TensorSpec
 from mmfeat.protos.dtypes import DTYPE_SIZES
+from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 # Every packed tensor starts on this boundary, as leases do, so any dtype view is aligned.
 PACK_ALIGNMENT = 256
@@ -149,7 +150,7 @@ def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[tor
         if not t.numel():
             continue
         if not pool.is_cuda and dense_host(t):  # host memory that holds exactly the packed bytes
-            copy_to_host_pool(pool, lease_offset + spec.offset, t, t.numel() * t.element_size())
+            copy_to_host_pool(pool, lease_offset + spec.offset, t, spec.extent)
         else:
             pool_view(pool, lease_offset, spec).copy_(t)
 
@@ -157,7 +158,13 @@ def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[tor
 def copy_to_host_pool(pool: torch.Tensor, start: int, t: torch.Tensor, n: int) -> None:
     """Copy the ``n`` bytes of ``t`` (``dense_host``) to ``start`` in a host pool: one memmove, a tenth of
     the instructions of a view and copy_ (torch's dispatch), per feature, and the same bytes. memmove
-    checks nothing, so the bounds that as_strided would check are checked here."""
+    checks nothing, so the bounds that as_strided would check are checked here, and ``n``, the size of
+    the lease made for ``t``, against ``t``'s size now: another thread may have resized ``t`` since.
+    The lease is written only as far as it goes, and the tensor read only as far as it goes."""
+    if t.nbytes != n:
+        raise MmfeatError(ErrorCode.BAD_REQUEST, f"the tensor changed size while put copied it ({n} B when its "
+                          f"space was made, {t.nbytes} B now): another thread resized it; put it again, or do "
+                          "not resize a tensor until its put returns")
     if start < 0 or start + n > pool.numel():
         raise RuntimeError(f"{n} bytes at {start} do not fit the {pool.numel()}-byte pool")
     ctypes.memmove(pool.data_ptr() + start, t.data_ptr(), n)

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from mmfeat.protos import descriptor
+from mmfeat.protos import ErrorCode, MmfeatError, descriptor
 from mmfeat.protos.descriptor import Descriptor, DescriptorError
 
 
@@ -20,6 +20,16 @@ class _FailingCopy(torch.Tensor):
 
     def data_ptr(self) -> int:  # type: ignore[override]
         raise KeyboardInterrupt
+
+
+class _GrowsWhileCopied(torch.Tensor):
+    """A tensor that another thread resizes while put copies it, made certain: it grows to 64 times its
+    size the first time put asks whether it is contiguous, after its layout (and its lease) was made."""
+
+    def is_contiguous(self, *args, **kwargs) -> bool:  # type: ignore[override]
+        if self.numel() == 1024:
+            self.resize_(1 << 16)
+        return super().is_contiguous(*args, **kwargs)
 
 
 def test_a_put_interrupted_during_its_copy_gives_its_slot_and_range_back(daemon_factory) -> None:
@@ -219,4 +229,26 @@ def test_a_put_with_consumers_that_are_not_an_int_is_refused_on_every_path(daemo
         arenas = [a for pool in c.session.arenas._arenas.values() for a in pool]
         assert arenas and not any(a.writing() for a in arenas), "a refused put left a range placed"
         consumer.ack(c.put(torch.ones(1000), 2), count=2)
+        daemon.wait_for(lambda s: s["leases"] == {"RESERVED": 0, "PUBLISHED": 0}, what="the features to end")
+
+
+@pytest.mark.parametrize("put", ["put", "put_many"])
+def test_a_tensor_resized_during_its_put_never_writes_past_its_lease(daemon, put) -> None:
+    """A put copies exactly the bytes its lease was made for, and refuses (BAD_REQUEST) a tensor whose
+    size changed meanwhile, on the one-frame path and the general one alike: the general path copied the
+    tensor's size at copy time, so one that grew overwrote the next feature in the arena, another
+    consumer's, and one that shrank left the end of its lease as the pool's last contents."""
+    with daemon.client(inline_threshold=0, fallback="error") as c, daemon.client(readonly=True) as consumer:
+        consumer.ack(c.put(torch.zeros(100_000)))  # the session's arena, pool mapping and descriptor head
+        first = c.put(torch.ones(1024))
+        victim = c.put(torch.full((1 << 16,), 7.0))  # right after it in the arena
+        consumer.ack(first)  # the next 4 KiB feature takes its place, just before the victim
+        hostile = torch.ones(1024).as_subclass(_GrowsWhileCopied)
+        with pytest.raises(MmfeatError) as caught:
+            c.put(hostile) if put == "put" else c.put_many([hostile])
+        assert caught.value.code is ErrorCode.BAD_REQUEST and "changed size" in str(caught.value)
+        assert torch.equal(consumer.get(victim), torch.full((1 << 16,), 7.0)), "the put wrote into the next feature"
+        consumer.ack(victim)
+        arenas = [a for pool in c.session.arenas._arenas.values() for a in pool]
+        assert not any(a.writing() for a in arenas), "the refused put left its range placed"
         daemon.wait_for(lambda s: s["leases"] == {"RESERVED": 0, "PUBLISHED": 0}, what="the features to end")
