@@ -314,7 +314,11 @@ class ArenaSet:
             else:
                 self._pending[key] = self._fd.call_later("arena", **fields)
         except DaemonUnavailableError:
-            raise  # the producer falls back at once instead of waiting again for a reserve
+            # The producer falls back at once instead of waiting again for a reserve. The puts queued for
+            # this lock behind this one do not ask again, each waiting out a timeout of its own: they place
+            # their features without the next arena.
+            self._retry_at[key] = time.monotonic() + _RETRY_S
+            raise
         except MmfeatError as exc:  # pool full, limit reached, too large, draining: reserve meanwhile
             self._refused(key, exc)
         return True

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -526,3 +527,42 @@ def test_a_put_placed_past_the_first_arena_whose_ask_ahead_times_out_hands_its_s
         daemon.wait_for(_no_features, what="the held features to end")
         large.reclaim()
         assert large.used == 0 and not large.writing(), "the inline put's range still holds the arena"
+
+
+def test_puts_queued_behind_a_timed_out_ask_ahead_do_not_each_wait_out_a_timeout(daemon) -> None:
+    """Threads sharing a Client wait for the arenas' lock while one put's request for the next arena
+    times out (a frozen daemon with a full fd channel). That put falls back; the others do not ask
+    again, each waiting out a timeout of its own behind the last (four puts took four timeouts), but
+    place their features in the arena, which needs no daemon."""
+    with daemon.client(inline_threshold=0, timeout=1.0) as producer, daemon.client(timeout=5.0) as consumer:
+        consumer.ack(producer.put(torch.zeros(1000)))
+        held = [producer.put(torch.full((1 << 18,), float(k))) for k in range(4)]  # 4 MiB: half the 8 MiB arena
+        session = producer.session
+        descs: dict[int, object] = {}
+
+        def put(k: int) -> None:
+            descs[k] = producer.put(torch.full((1 << 16,), float(k)))
+
+        threads = [threading.Thread(target=put, args=(k,)) for k in range(4)]
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            while session.fd.try_send("ping"):  # the daemon's socket buffer fills: the next send waits
+                pass
+            with session.arenas._lock:  # all four queue for the lock before the first asks ahead
+                for t in threads:
+                    t.start()
+                deadline = time.monotonic() + 30
+                while not all(sys._current_frames()[t.ident].f_code.co_name == "place_now" for t in threads):
+                    assert time.monotonic() < deadline, "the puts never reached the arenas' lock"
+                    time.sleep(0.01)
+            for t in threads:
+                t.join(60)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert sorted(descs) == [0, 1, 2, 3] and producer.fallbacks["unreachable"] == 1, producer.fallbacks
+        for k, desc in descs.items():
+            assert torch.equal(consumer.get(desc), torch.full((1 << 16,), float(k)))
+            consumer.ack(desc)
+        for d in held:
+            consumer.ack(d)
+        daemon.wait_for(_no_features, what="the features to end")
