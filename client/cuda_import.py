@@ -69,40 +69,50 @@ class _DeviceRange:
         self.size = size
         self.devices = devices  # local ordinals with access; devices[0] is the one it was mapped for
         self.ctx = ctx
-        self.pid = os.getpid()
         # The CudaMapping over it while some session holds one: a session that asks again gets it back,
         # and one that asks after it is gone (a view outlived it) a new one over this same range.
         self.mapping: Optional["weakref.ref[CudaMapping]"] = None
+        # A finalizer, not __del__: it runs once the cache's weak reference is dead, so no map_cuda_pool in
+        # another thread can find a range that is being unmapped (__del__ runs while the reference lives,
+        # and the unmap lets other threads run). It holds what the unmap needs, never the range itself.
+        self._unmap = weakref.finalize(self, _unmap_quietly, va, size, devices, ctx, os.getpid())
+        self._unmap.atexit = False  # at exit the process's teardown unmaps everything
 
     def close(self) -> None:
-        if self.va is None:
-            return
-        if self.pid != os.getpid():
-            # A forked child's copy: the range and the context reference are its parent's, and CUDA does
-            # not work in a forked child anyway.
-            self.va = None
-            return
-        va, self.va = self.va, None  # first, so that no path can release the context twice
-        try:
-            with drv.context_current(self.ctx):
-                for ordinal in self.devices:
-                    # As PyTorch does before it unmaps VMM memory; a GPU this process never used (the
-                    # pool's owner, granted access) has no work, and a synchronise would create a context.
-                    drv.synchronize_if_used(ordinal)
-                drv.cu.cuMemUnmap(va, self.size)
-                drv.cu.cuMemAddressFree(va, self.size)
-        finally:
-            drv.release_primary_context(self.devices[0], self.ctx)
+        """Unmap now, raising what the driver says (a range that could not be wrapped)."""
+        self.va = None
+        args = self._unmap.detach()
+        if args is not None:
+            _unmap(*args[2])
 
-    def __del__(self, finalizing: Any = sys.is_finalizing) -> None:
-        # At exit the process's teardown unmaps everything, and torch and the driver bindings may be
-        # half gone: calling them then is what can crash.
-        if self.va is None or finalizing() or drv.cu is None:
-            return
-        try:
-            self.close()
-        except Exception:
-            pass  # a garbage collection cannot report it; the process exit frees the range
+
+def _unmap(va: Any, size: int, devices: list[int], ctx: Any, pid: int) -> None:
+    if pid != os.getpid():
+        # A forked child's copy: the range and the context reference are its parent's, and CUDA does not
+        # work in a forked child anyway.
+        return
+    try:
+        with drv.context_current(ctx):
+            for ordinal in devices:
+                # As PyTorch does before it unmaps VMM memory; a GPU this process never used (the pool's
+                # owner, granted access) has no work, and a synchronise would create a context.
+                drv.synchronize_if_used(ordinal)
+            drv.cu.cuMemUnmap(va, size)
+            drv.cu.cuMemAddressFree(va, size)
+    finally:
+        drv.release_primary_context(devices[0], ctx)
+
+
+def _unmap_quietly(va: Any, size: int, devices: list[int], ctx: Any, pid: int,
+                   finalizing: Any = sys.is_finalizing) -> None:
+    # Torch and the driver bindings may be half gone while the interpreter shuts down: calling them then
+    # is what can crash.
+    if finalizing() or drv.cu is None:
+        return
+    try:
+        _unmap(va, size, devices, ctx, pid)
+    except Exception:
+        pass  # a garbage collection cannot report it; the process exit frees the range
 
 
 @dataclass

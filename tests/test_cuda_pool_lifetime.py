@@ -53,3 +53,15 @@ def test_a_forked_child_dropping_its_parents_gpu_pool_leaves_the_mapping_to_the_
     assert "cuMemUnmap(" not in child and "cuDevicePrimaryCtxRelease(" not in child, child
     parent = fake_cuda.section(log, "the parent drops the pool", "end")
     assert parent.count("cuMemUnmap(") == 1 and parent.count("cuMemAddressFree(") == 1, log
+
+
+def test_a_gpu_pool_mapped_again_while_another_thread_unmaps_it_is_imported_anew(fake_libcuda, tmp_path) -> None:
+    """The cache must not hand out a range that is being unmapped: while a thread drops the last reference
+    to a pool's range and the driver unmaps it, a map of the same pool in another thread imports it again
+    and gets a live range. The range's weak reference in the cache outlived the range's own __del__,
+    which ran the unmap: the second map found the dying range and raised TypeError (its address already
+    None), or, a few bytecodes earlier, would have taken a view of memory about to be unmapped."""
+    log = fake_cuda.run(fake_libcuda, tmp_path / "remap.log", "remap_while_unmapping", {"STUB_UNMAP_SLEEP_MS": "1000"})
+    assert "=== mapped again while unmapping: mapped: True" in log, log
+    assert len(re.findall(r"^cuMemImportFromShareableHandle\(", log, re.M)) == 2, log
+    assert log.count("cuMemUnmap(") == 2 and log.count("cuMemAddressFree(") == 2, log

@@ -5,7 +5,7 @@
 // - Each VMM call logs the context current on the calling thread.
 // - Injected failures: STUB_{CREATE,EXPORT,IMPORT}_FAIL_TYPE=1|8 (POSIX FD | FABRIC), STUB_EXPORT_FAIL_NTH=n,
 //   STUB_SETACCESS_FAIL_DEV=d, STUB_HOSTREGISTER_FAIL=1; STUB_NO_RDMA_DEV=d: device d reports no GPUDirect RDMA
-//   with VMM.
+//   with VMM. STUB_UNMAP_SLEEP_MS=n: cuMemUnmap takes n ms (after logging), as a driver waiting for the GPU would.
 // - STUB_LOG=FILE: where the log goes (stderr otherwise).
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -187,7 +187,12 @@ CUresult cuMemSetAccess(u64 ptr, size_t size, const int* desc, size_t count) {
     CUR();
     return envi("STUB_SETACCESS_FAIL_DEV") == desc[1] ? 217 : 0;
 }
-CUresult cuMemUnmap(u64 ptr, size_t size) { fprintf(L(), "cuMemUnmap(%#llx, %zu)\n", ptr, size); CUR(); return 0; }
+CUresult cuMemUnmap(u64 ptr, size_t size) {
+    fprintf(L(), "cuMemUnmap(%#llx, %zu)\n", ptr, size);
+    CUR();
+    if (envi("STUB_UNMAP_SLEEP_MS") > 0) usleep(1000 * envi("STUB_UNMAP_SLEEP_MS"));
+    return 0;
+}
 CUresult cuMemAddressFree(u64 ptr, size_t size) { fprintf(L(), "cuMemAddressFree(%#llx, %zu)\n", ptr, size); return 0; }
 
 CUresult cuMemHostRegister_v2(void* p, size_t size, unsigned flags) {

@@ -317,9 +317,40 @@ def child_drops_parents_pool() -> None:
     mark("end")
 
 
+def remap_while_unmapping() -> None:
+    """A thread drops the last reference to a GPU pool's range, and the driver takes its time to unmap it
+    (STUB_UNMAP_SLEEP_MS); meanwhile the main thread maps the same pool again."""
+    import threading
+
+    from mmfeat.client import cuda_import
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+    runtime_context(0)
+    gc.disable()  # the range goes by reference counting, in the thread that drops it
+    held = [cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool"))]
+    dropper = threading.Thread(target=held.clear)
+    dropper.start()
+    deadline = time.monotonic() + 60
+    while "cuMemUnmap(" not in Path(LOG).read_text():
+        assert time.monotonic() < deadline, "the range was never unmapped"
+        time.sleep(0.01)
+    mark("unmapping")
+    again = None
+    try:
+        again = cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool"))
+        outcome = f"mapped: {again.range.va is not None}"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    dropper.join(60)
+    mark(f"mapped again while unmapping: {outcome}")
+    del again
+    mark("end")
+
+
 SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools,
                                       map_failure_remembered, fabric_get, pin_host_pool, pool_lifetime, fabric_gets,
-                                      fork_while_importing, child_drops_parents_pool)}
+                                      fork_while_importing, child_drops_parents_pool, remap_while_unmapping)}
 
 if __name__ == "__main__":
     drv.driver_unavailable_reason()
