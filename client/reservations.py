@@ -290,6 +290,10 @@ class Reservations:
             self._release(r, wait=False)
 
     def _give_back(self, r: Reservation) -> None:
+        if r.session is not None and r.session.pid != os.getpid():
+            # A forked child's copy of its parent's reservation: the space is the parent's, to publish or
+            # give back, and the arena lock may be held for good by a parent thread that was placing.
+            return
         if r.kind == "arena" and r.placed is not None and r.session is not None and r.session.arenas is not None:
             r.session.arenas.abandon(r.placed)
         elif r.kind == "lease":

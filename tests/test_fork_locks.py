@@ -129,3 +129,39 @@ c.close()
     _run(daemon, code)
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
                     what="every feature and session to end")
+
+
+def test_a_forked_child_leaves_its_parents_open_reservations_to_the_parent(daemon) -> None:
+    """An arena reservation the parent holds open belongs to the parent's session, whose arenas only the
+    parent's threads use: the child's close(), discard and publish of it must not take that session's
+    arena lock (a parent thread placing a feature holds it), and the parent still publishes it after the
+    child is gone."""
+    code = """
+c = Client(rt)
+pooled(c, 1)
+for end in ("close", "discard", "publish"):
+    t = c.reserve((50_000,), torch.float32)
+    t.fill_(7.0)
+
+    def child_ends_it():
+        if end == "close":
+            c.close()
+            return
+        if end == "discard":
+            c.discard(t)
+        else:  # the child's own copy of the bytes, as after a daemon restart
+            d = c.publish(t)
+            assert float(c.get(d)[-1]) == 7.0
+            c.ack(d)
+        c.close()
+
+    check("the parent's reservation: child " + end, c.session.arenas._lock, child_ends_it)
+    d = c.publish(t)
+    assert not d.is_inline and float(c.get(d)[-1]) == 7.0
+    c.ack(d)
+    del t
+c.close()
+"""
+    _run(daemon, code)
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, timeout=15,
+                    what="every feature and session to end")
