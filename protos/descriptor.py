@@ -234,6 +234,10 @@ class Descriptor:
         if desc is not None:
             _counts["cache_hits"] += 1
             return desc
+        hit = _inline_parsed.get(id(data))  # a tiny inline one is kept by identity only, as a long one is
+        if hit is not None and hit[0] is data:
+            _counts["cache_hits"] += 1
+            return hit[1]
         _counts["parses"] += 1
         split = _known.split(data)
         if split is not None:  # a pool this process has parsed a descriptor of before
@@ -434,6 +438,9 @@ def _remember_inline(source: Any, desc: Descriptor, nbytes: int) -> None:
             nbytes = max(nbytes, memoryview(view.obj).nbytes)
     if nbytes > INLINE_CACHE_MAX_BYTES:
         return  # its second parse reads the header alone: the payload is viewed, not copied
+    again = _inline_parsed.pop(id(source), None)  # the same source parsed again: its bytes count once
+    if again is not None:
+        _inline_cached_bytes -= again[2]
     while _inline_parsed and (len(_inline_parsed) >= INLINE_CACHE_ENTRIES
                               or _inline_cached_bytes + nbytes > INLINE_CACHE_MAX_BYTES):
         _inline_cached_bytes -= _inline_parsed.popitem(last=False)[1][2]

@@ -129,6 +129,25 @@ def test_get_then_ack_of_the_same_bytes_parses_once(daemon) -> None:
         assert pool.flush(10)
 
 
+def test_get_then_ack_of_a_tiny_inline_features_bytes_parses_once(daemon) -> None:
+    """An inline descriptor short enough for the value-keyed cache (a few small tensors, such as an image's
+    grid sizes) is found again by the identity of its bytes, like a long one; and each parse of the same
+    bytes is counted once in the cache's byte total, which would otherwise grow until it evicted every
+    entry at each new one."""
+    with daemon.client(inline_threshold=BIG) as c:
+        blob = bytes(bytearray(c.put(torch.arange(4, dtype=torch.int64)).to_bytes()))
+        assert len(blob) <= descriptor.PARSE_CACHE_MAX_BYTES
+        before = descriptor.parse_stats()
+        assert c.get(blob).tolist() == [0, 1, 2, 3]
+        c.ack(blob)
+        after = descriptor.parse_stats()
+        assert (after["parses"] - before["parses"], after["cache_hits"] - before["cache_hits"]) == (1, 1), after
+        for _ in range(10):
+            Descriptor.from_bytes(blob)
+        held = sum(n for _, _, n in descriptor._inline_parsed.values())
+        assert descriptor._inline_cached_bytes == held, (descriptor._inline_cached_bytes, held)
+
+
 def test_the_inline_cache_is_bounded_by_entries_and_bytes(daemon) -> None:
     with daemon.client(inline_threshold=BIG) as c:
         blobs = [bytes(bytearray(c.put(torch.full((1 << 18,), k, dtype=torch.uint8)).to_bytes()))
