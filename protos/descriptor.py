@@ -8,6 +8,8 @@ DescriptorError and nothing else, whatever the bytes. SPEC.md, "Descriptor", giv
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -47,6 +49,18 @@ INLINE_CACHE_ENTRIES = 32
 INLINE_CACHE_MAX_BYTES = 16 << 20
 _inline_parsed: "OrderedDict[int, tuple[Any, Descriptor, int]]" = OrderedDict()
 _inline_cached_bytes = 0
+# Over the entries and their byte total together: consumer threads parse at once, and a switch inside
+# ``+=`` would lose an update, leaving the total wrong for good. Lookups need no lock.
+_inline_lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A thread of the parent remembering a parse at the fork holds the lock in the child for good.
+    global _inline_lock
+    _inline_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 _counts = {"parses": 0, "cache_hits": 0}
 # Inline descriptors' bytes before their payload (the fourteen fields and the bin header), once checked:
 # a server sends a few feature shapes, and each new feature then differs from one of these only after them.
@@ -438,14 +452,15 @@ def _remember_inline(source: Any, desc: Descriptor, nbytes: int) -> None:
             nbytes = max(nbytes, memoryview(view.obj).nbytes)
     if nbytes > INLINE_CACHE_MAX_BYTES:
         return  # its second parse reads the header alone: the payload is viewed, not copied
-    again = _inline_parsed.pop(id(source), None)  # the same source parsed again: its bytes count once
-    if again is not None:
-        _inline_cached_bytes -= again[2]
-    while _inline_parsed and (len(_inline_parsed) >= INLINE_CACHE_ENTRIES
-                              or _inline_cached_bytes + nbytes > INLINE_CACHE_MAX_BYTES):
-        _inline_cached_bytes -= _inline_parsed.popitem(last=False)[1][2]
-    _inline_parsed[id(source)] = (source, desc, nbytes)
-    _inline_cached_bytes += nbytes
+    with _inline_lock:
+        again = _inline_parsed.pop(id(source), None)  # the same source parsed again: its bytes count once
+        if again is not None:
+            _inline_cached_bytes -= again[2]
+        while _inline_parsed and (len(_inline_parsed) >= INLINE_CACHE_ENTRIES
+                                  or _inline_cached_bytes + nbytes > INLINE_CACHE_MAX_BYTES):
+            _inline_cached_bytes -= _inline_parsed.popitem(last=False)[1][2]
+        _inline_parsed[id(source)] = (source, desc, nbytes)
+        _inline_cached_bytes += nbytes
 
 
 def _unchanging(source: Any) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import random
+import sys
+import threading
 
 import msgpack
 import pytest
@@ -146,6 +148,37 @@ def test_get_then_ack_of_a_tiny_inline_features_bytes_parses_once(daemon) -> Non
             Descriptor.from_bytes(blob)
         held = sum(n for _, _, n in descriptor._inline_parsed.values())
         assert descriptor._inline_cached_bytes == held, (descriptor._inline_cached_bytes, held)
+
+
+def test_the_inline_caches_byte_total_holds_when_threads_parse_at_once(daemon) -> None:
+    """Consumer threads sharing a process parse inline descriptors at once: the cache's byte total, which
+    bounds what the entries hold alive, must stay the sum of its entries. Unlocked, a thread switch inside
+    ``+=`` or ``-=`` loses an update, and the total drifts for good (up, and each new entry evicts the
+    rest; down, and the entries hold more than INLINE_CACHE_MAX_BYTES)."""
+    with daemon.client(inline_threshold=BIG) as c:
+        blobs = [c.put(torch.full((1 << 16,), k, dtype=torch.uint8)).to_bytes() for k in range(64)]
+    errors: list[BaseException] = []
+
+    def parse(i: int) -> None:
+        try:
+            for r in range(300):
+                Descriptor.from_bytes(bytes(bytearray(blobs[(i * 7 + r) % 64])))  # a new object each time
+        except BaseException as exc:
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=parse, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    held = sum(n for _, _, n in descriptor._inline_parsed.values())
+    assert descriptor._inline_cached_bytes == held, (descriptor._inline_cached_bytes, held)
 
 
 def test_the_inline_cache_is_bounded_by_entries_and_bytes(daemon) -> None:
