@@ -222,6 +222,13 @@ class FdTransport:
 
     def close(self) -> None:
         self._closed = True
+        if self.pid == os.getpid():
+            # A child forked since holds a copy of this socket: closing ours alone, the daemon would see the
+            # session end only once every such child exits. A child's close must not shut its parent's.
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # the daemon closed it first
         self._sock.close()
 
 

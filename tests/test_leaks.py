@@ -6,6 +6,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -104,6 +105,61 @@ def test_forked_child_uses_its_own_session_and_acker(daemon) -> None:
         s = daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, timeout=20, what="the child's acks")
         assert s["counters"]["frees"] == 4
         c.ack(c.put(torch.ones(1000)))  # the parent's own session still works
+
+
+def test_a_closed_session_ends_while_a_child_forked_from_it_lives(daemon) -> None:
+    """A child forked from a producer (a worker pool made with fork) holds a copy of the session's fd
+    channel whether or not it uses the Client. The parent's close() must still end the session at the
+    daemon at once, not when the last such child exits; and the child's own use and close of the
+    inherited Client, meanwhile, leaves the parent's session working."""
+    two = torch.full((50_000,), 2.0)  # made here: torch's thread pool does not survive a fork
+    c = Client(daemon.runtime_dir, inline_threshold=0, fallback="error")
+    c.ack(c.put(torch.ones(50_000)))
+    assert c.flush(5.0)
+    pids: list[int] = []
+    go = os.pipe()
+
+    def fork(use: bool) -> int:
+        pid = os.fork()
+        if pid == 0:  # waits for the parent's word; then uses and closes the Client it inherited, or not
+            code = 1
+            try:
+                os.read(go[0], 1)
+                if use:
+                    d = c.put(two)
+                    ok = float(c.get(d)[-1]) == 2.0 and c.ack(d, wait=True)["freed"]
+                    c.close()
+                    code = 0 if ok else 1
+                else:
+                    code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+        return pid
+
+    try:
+        user = fork(use=True)
+        c.ack(c.put(torch.ones(50_000)))  # the parent's session goes on while the child holds its copy
+        assert c.flush(5.0)
+        os.write(go[1], b"u")
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(user, os.WNOHANG)) == (0, 0):
+            assert time.monotonic() < deadline, "the child's put, get, ack and close did not finish"
+            time.sleep(0.05)
+        pids.remove(user)
+        assert done[1] == 0, "the child's put, get or ack of its own feature failed"
+        c.ack(c.put(torch.ones(50_000)))
+        assert c.flush(5.0)
+        fork(use=False)  # never uses the Client: its copy of the session lives until the parent lets it go
+        c.close()
+        daemon.wait_for(lambda s: s["sessions"] == 0 and s["pools"][0]["used"] == 0, timeout=10,
+                        what="the closed session to end while a child forked from it lives")
+    finally:
+        for pid in pids:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        os.close(go[0])
+        os.close(go[1])
 
 
 def test_a_process_with_more_than_1024_fds_open(daemon) -> None:
