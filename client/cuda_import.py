@@ -165,7 +165,9 @@ def map_cuda_pool(endpoint: str, info: PoolInfo, fd: Optional[int], readonly: bo
                 mapping = _map_uncached(info, owned, device, readonly)
             except (RuntimeError, OSError) as exc:  # CudaError too
                 _import_failures += 1
-                _failed[key] = (time.monotonic(), exc)
+                # Its words only: the exception's traceback holds every frame it went through, the put's
+                # tensor, Client and session among them, for as long as the failure is remembered.
+                _failed[key] = (time.monotonic(), PoolMapError(f"{type(exc).__name__}: {exc}"))
                 raise
             _failed.pop(key, None)
             for old in [k for k in _failed if k[0] != os.getpid() or (k[1] == endpoint and k[3] != info.epoch)]:

@@ -97,6 +97,13 @@ def test_a_pool_that_failed_to_map_is_not_imported_again_until_the_retry(fake_li
     assert retains == releases
 
 
+def test_a_remembered_map_failure_keeps_nothing_of_the_put_that_met_it(fake_libcuda, tmp_path) -> None:
+    """A failure is remembered for MAP_RETRY_S, and it must not hold the frames it went through: they hold
+    the put's tensor (GPU memory of the user's), its Client and session, for as long as the pool fails."""
+    log = _run(fake_libcuda, tmp_path, "failed_map_holds_nothing", STUB_IMPORT_FAIL_TYPE="1")
+    assert "=== put 0: the feature is freed: True" in log and "=== put 1: the feature is freed: True" in log, log
+
+
 def test_a_host_pool_is_pinned_once_per_mapping_and_unpinned_once_after_its_last_view(fake_libcuda, tmp_path) -> None:
     log = _run(fake_libcuda, tmp_path, "pin_host_pool")
     addr = re.search(r"=== mapped at (0x[0-9a-f]+)", log).group(1)

@@ -163,6 +163,34 @@ def map_failure_remembered() -> None:
     mark(f"import failures: {cuda_import.import_failures()}")
 
 
+def failed_map_holds_nothing() -> None:
+    """A put whose pool fails to map (STUB_IMPORT_FAIL_TYPE=1) falls back; what it was putting must go
+    once the put is over, though the failure itself is remembered."""
+    import weakref
+
+    from mmfeat.client import cuda_import
+
+    fake_torch_cuda(0)
+    cpu_dlpack()
+
+    class Feature:
+        pass
+
+    def put(feature: Feature) -> None:
+        try:
+            cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool"))
+        except RuntimeError:
+            pass  # as the producer does: the feature goes inline
+
+    for i in range(2):  # the failure, then the failure remembered
+        feature = Feature()
+        freed = weakref.ref(feature)
+        put(feature)
+        del feature
+        gc.collect()
+        mark(f"put {i}: the feature is freed: {freed() is None}")
+
+
 def fabric_get() -> None:
     """A consumer on one node gets another node's feature ($FAKE_CUDA_SCENARIO_DESC, hex) through its own daemon
     ($MMFEAT_RUNTIME_DIR), which may relay the owner's FABRIC handle."""
@@ -349,8 +377,9 @@ def remap_while_unmapping() -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools,
-                                      map_failure_remembered, fabric_get, pin_host_pool, pool_lifetime, fabric_gets,
-                                      fork_while_importing, child_drops_parents_pool, remap_while_unmapping)}
+                                      map_failure_remembered, failed_map_holds_nothing, fabric_get, pin_host_pool,
+                                      pool_lifetime, fabric_gets, fork_while_importing, child_drops_parents_pool,
+                                      remap_while_unmapping)}
 
 if __name__ == "__main__":
     drv.driver_unavailable_reason()
