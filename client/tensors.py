@@ -107,7 +107,10 @@ def packed_parts(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], n
         if dense_host(t):
             # A ctypes array over the tensor's memory: far cheaper to make than torch's views or numpy's,
             # and made per feature on the inline path; it holds no reference, hence "while tensors live".
-            parts.append((ctypes.c_char * n).from_address(t.data_ptr()))
+            address = t.data_ptr()
+            if not address:
+                raise _no_memory(t)
+            parts.append((ctypes.c_char * n).from_address(address))
         else:
             host = t.detach().cpu().resolve_conj().resolve_neg()
             # numpy has no bfloat16 or float8: every tensor goes out as its bytes, a uint8 view.
@@ -167,7 +170,17 @@ def copy_to_host_pool(pool: torch.Tensor, start: int, t: torch.Tensor, n: int) -
                           "not resize a tensor until its put returns")
     if start < 0 or start + n > pool.numel():
         raise RuntimeError(f"{n} bytes at {start} do not fit the {pool.numel()}-byte pool")
-    ctypes.memmove(pool.data_ptr() + start, t.data_ptr(), n)
+    address = t.data_ptr()
+    if not address:
+        raise _no_memory(t)
+    ctypes.memmove(pool.data_ptr() + start, address, n)
+
+
+def _no_memory(t: torch.Tensor) -> MmfeatError:
+    # A tensor subclass that claims host memory yet has none (a FakeTensor, under torch.compile's tracing)
+    # passes dense_host; the raw read of its address, 0, would kill the process.
+    return MmfeatError(ErrorCode.BAD_REQUEST, f"a {type(t).__name__} of {t.nbytes} B on {t.device} has no memory "
+                       "(its data_ptr is 0): put a tensor with real data, not a fake or traced one")
 
 
 def dense_host(t: torch.Tensor) -> bool:

@@ -118,6 +118,27 @@ def test_a_meta_tensor_is_refused_not_read_from_address_zero(daemon) -> None:
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the pool to empty")
 
 
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # torch warns once per process
+def test_a_fake_tensor_is_refused_not_read_from_address_zero(daemon) -> None:
+    """A FakeTensor (torch.compile's tracing) says it is a dense CPU tensor, yet has no memory: its data_ptr
+    is 0. put, through the pool's memmove or the inline path's buffer, raises BAD_REQUEST instead of reading
+    address 0, which killed the process, and holds no pool space."""
+    fake_tensor = pytest.importorskip("torch._subclasses.fake_tensor")
+    with fake_tensor.FakeTensorMode():
+        fake = torch.ones(1 << 16)
+    assert fake.is_cpu and fake.is_contiguous()
+    for threshold in (0, 1 << 30):
+        with daemon.client(inline_threshold=threshold) as c:
+            c.ack(c.put(torch.ones(1 << 16)))  # a session, an arena and a descriptor head: the one-frame put
+            with pytest.raises(MmfeatError, match="no memory") as e:
+                c.put(fake)
+            assert e.value.code == ErrorCode.BAD_REQUEST
+            desc = c.put(torch.ones(4))  # the client goes on working
+            assert torch.equal(c.get(desc), torch.ones(4))
+            c.ack(desc)
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the pool to empty")
+
+
 def test_a_write_past_the_pool_is_refused_not_made() -> None:
     """The memmove path checks the bounds torch's views would: a range from a confused or hostile daemon
     must raise, never write past the mapping."""
