@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
@@ -42,7 +43,9 @@ class Acks:
         self._timeout = timeout
         self._acker: Optional[Any] = None
         self._acked = AckedLeases()
-        self._unconfirmed: dict[tuple[int, int, int], bytes] = {}
+        # Ordered for O(1) eviction of the oldest: a plain dict that loses its first key again and again
+        # keeps dummies at its front, which every look at its oldest walks.
+        self._unconfirmed: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()
 
     def ack(self, desc: Descriptor, count: int, after: Any, wait: bool) -> Optional[dict[str, Any]]:
         if not 1 <= count <= MAX_CONSUMERS:
@@ -123,7 +126,7 @@ class Acks:
         except DaemonUnavailableError:
             self._unconfirmed[key] = ack_id
             while len(self._unconfirmed) > _MAX_UNCONFIRMED_ACKS:
-                del self._unconfirmed[next(iter(self._unconfirmed))]
+                self._unconfirmed.popitem(last=False)
             raise
         if reply.over_acked:
             log.warning("lease %d was acked %d time(s) more than its consumer count", desc.lease, reply.over_acked)

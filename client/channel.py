@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -68,7 +69,8 @@ class ControlChannel:
         # Where the daemon's lock is, for an ipc endpoint; None when there is nothing to ask.
         self._runtime_dir = Path(endpoint[6:]).parent if endpoint.startswith("ipc://") else None
         # Calls that timed out, by id, so their late replies can be undone (bounded: the oldest go first).
-        self._abandoned: dict[int, tuple[str, dict[str, Any]]] = {}
+        # Ordered for O(1) eviction of the oldest (see AckRoutes._unconfirmed).
+        self._abandoned: OrderedDict[int, tuple[str, dict[str, Any]]] = OrderedDict()
         # Failed requests nobody waits for, here and on the session's fd channel.
         self.failures = AsyncFailures()
         # Set once hello showed that the daemon's CLOCK_MONOTONIC is this process's.
@@ -159,7 +161,7 @@ class ControlChannel:
     def _abandon(self, req_id: int, op: str, fields: dict[str, Any]) -> None:
         self._abandoned[req_id] = (op, fields)
         while len(self._abandoned) > _MAX_ABANDONED:
-            del self._abandoned[next(iter(self._abandoned))]
+            self._abandoned.popitem(last=False)
 
     def _stray(self, reply: dict[str, Any]) -> None:
         # A late reply to a call that already timed out, or the error reply to a quiet release sent from
