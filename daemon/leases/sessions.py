@@ -7,6 +7,7 @@ that connection is attached, and its RESERVED leases are reclaimed when it close
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,9 +49,11 @@ class SessionTable:
     """Sessions waiting for their fd channel (oldest first) and attached ones, each O(1) to count."""
 
     def __init__(self) -> None:
-        self._pending: dict[bytes, Session] = {}  # insertion order is creation order
+        # Ordered dicts where the oldest leaves again and again (a hello flood, a stream of cuts): a plain
+        # dict that loses its first key keeps dummies at its front, which every look at its oldest walks.
+        self._pending: OrderedDict[bytes, Session] = OrderedDict()  # creation order
         self._attached: dict[bytes, Session] = {}
-        self._cut: dict[bytes, None] = {}  # tokens of the sessions cut lately, oldest first
+        self._cut: OrderedDict[bytes, None] = OrderedDict()  # tokens of the sessions cut lately, oldest first
 
     def __len__(self) -> int:
         return len(self._pending) + len(self._attached)
@@ -59,7 +62,7 @@ class SessionTable:
         """A new session, and the waiting ones dropped to make room for it."""
         dropped = []
         while len(self._pending) >= MAX_PENDING_SESSIONS:
-            dropped.append(self._pending.pop(next(iter(self._pending))))
+            dropped.append(self._pending.popitem(last=False)[1])
         session = Session(secrets.token_bytes(TOKEN_BYTES), name, pid, now)
         self._pending[session.token] = session
         return session, dropped
@@ -79,7 +82,7 @@ class SessionTable:
         """Close the session and remember, for a while, that it was cut."""
         self._cut[token] = None
         while len(self._cut) > MAX_CUT_REMEMBERED:
-            del self._cut[next(iter(self._cut))]
+            self._cut.popitem(last=False)
         return self.close(token)
 
     def was_cut(self, token: bytes) -> bool:

@@ -18,6 +18,7 @@ import select
 import socket
 import struct
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -94,7 +95,9 @@ class FdChannel:
         self._on_close = on_close
         self._on_request = on_request
         self.max_clients = max_clients
-        self._pending: dict[int, _Conn] = {}  # no handshake yet, oldest first
+        # No handshake yet, oldest first; ordered because a flood of silent connections drops its oldest
+        # again and again, and a plain dict's oldest lies behind every key deleted from its front.
+        self._pending: OrderedDict[int, _Conn] = OrderedDict()
         self._attached: dict[int, _Conn] = {}
         self.refused = 0
         self.handshakes_refused = 0
@@ -206,8 +209,8 @@ class FdChannel:
             return False
 
     def _drop_oldest_pending(self, n: int) -> None:
-        for fileno in list(self._pending)[:n]:
-            self._drop(fileno, notify=False)
+        for _ in range(min(n, len(self._pending))):
+            self._drop(next(iter(self._pending)), notify=False)
 
     def close_stale_handshakes(self) -> None:
         cutoff = time.monotonic() - _HANDSHAKE_TIMEOUT_S
