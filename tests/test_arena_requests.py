@@ -3,14 +3,30 @@ in the arena comes back (tests/test_arenas.py has the arenas' other guarantees).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
 import time
 
+from typing import Iterator
+
 import torch
 
 from .test_arenas import _no_features
+
+
+@contextlib.contextmanager
+def _frozen_with_a_full_fd_channel(daemon, session) -> Iterator[None]:
+    """The daemon stopped and the session's fd channel full (its socket buffer): the next request sent on
+    it waits out the client's timeout."""
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        while session.fd.try_send("ping"):
+            pass
+        yield
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
 
 
 def test_a_put_whose_request_for_the_next_arena_times_out_hands_its_space_back(daemon) -> None:
@@ -23,13 +39,8 @@ def test_a_put_whose_request_for_the_next_arena_times_out_hands_its_space_back(d
         held = [producer.put(torch.full((1 << 18,), float(k))) for k in range(4)]  # 4 MiB: half the 8 MiB arena
         assert not any(d.is_inline for d in held)
         session = producer.session
-        daemon.proc.send_signal(signal.SIGSTOP)
-        try:
-            while session.fd.try_send("ping"):  # the daemon's socket buffer fills: the next send waits
-                pass
+        with _frozen_with_a_full_fd_channel(daemon, session):
             desc = producer.put(torch.ones(1 << 18))  # past half: asks for the next arena, in vain
-        finally:
-            daemon.proc.send_signal(signal.SIGCONT)
         assert desc.is_inline and producer.fallbacks["unreachable"] == 1
         for d in held:
             consumer.ack(d)
@@ -53,15 +64,10 @@ def test_a_put_placed_past_the_first_arena_whose_ask_ahead_times_out_hands_its_s
         consumer.ack(first)  # 5 MiB free again at the start of the 16 MiB arena
         session = producer.session
         large = next(a for a in session.arenas._arenas[0] if a.size == 16 << 20)
-        daemon.proc.send_signal(signal.SIGSTOP)
-        try:
-            while session.fd.try_send("ping"):  # the daemon's socket buffer fills: the next send waits
-                pass
+        with _frozen_with_a_full_fd_channel(daemon, session):
             # Too large for the usual arena: placed in the 16 MiB one past its first, then 14 MiB full, it
             # asks for another of its class, in vain.
             desc = producer.put(torch.ones(5 * mib))
-        finally:
-            daemon.proc.send_signal(signal.SIGCONT)
         assert desc.is_inline and producer.fallbacks["unreachable"] == 1
         for d in held:
             consumer.ack(d)
@@ -85,10 +91,7 @@ def test_puts_queued_behind_a_timed_out_ask_ahead_do_not_each_wait_out_a_timeout
             descs[k] = producer.put(torch.full((1 << 16,), float(k)))
 
         threads = [threading.Thread(target=put, args=(k,)) for k in range(4)]
-        daemon.proc.send_signal(signal.SIGSTOP)
-        try:
-            while session.fd.try_send("ping"):  # the daemon's socket buffer fills: the next send waits
-                pass
+        with _frozen_with_a_full_fd_channel(daemon, session):
             with session.arenas._lock:  # all four queue for the lock before the first asks ahead
                 for t in threads:
                     t.start()
@@ -98,8 +101,6 @@ def test_puts_queued_behind_a_timed_out_ask_ahead_do_not_each_wait_out_a_timeout
                     time.sleep(0.01)
             for t in threads:
                 t.join(60)
-        finally:
-            daemon.proc.send_signal(signal.SIGCONT)
         assert sorted(descs) == [0, 1, 2, 3] and producer.fallbacks["unreachable"] == 1, producer.fallbacks
         for k, desc in descs.items():
             assert torch.equal(consumer.get(desc), torch.full((1 << 16,), float(k)))

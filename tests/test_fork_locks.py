@@ -13,31 +13,10 @@ from .test_mapping_lifetime import run_child
 # across a fork; the forked child runs ``call``. ``hung`` and ``failed`` collect the names of checks
 # whose child did not finish, or raised; the script prints both at the end.
 CHECKS = """
-torch.set_num_threads(1)  # torch's own thread pool does not survive a fork
 hung, failed = [], []
 
 def check(name, lock, call):
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with lock:
-            held.set()
-            release.wait(60)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    assert held.wait(60)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            call()
-            code = 0
-        except BaseException as exc:
-            print(f"{name}: {exc!r}", file=sys.stderr, flush=True)
-            code = 1
-        os._exit(code)
-    release.set()
-    t.join(60)
+    pid = fork_holding([lock], call, name)
     try:
         status = reap(pid, name)
     except AssertionError:

@@ -8,6 +8,7 @@ import gc
 import random
 import sys
 import threading
+from typing import Any, Iterator
 
 import msgpack
 import pytest
@@ -230,70 +231,68 @@ def test_mutated_inline_bytes_are_refused_as_the_full_parse_refuses_them() -> No
     assert len(descriptor._inline_heads) <= descriptor.INLINE_HEADS
 
 
-def test_a_small_zmq_frame_is_parsed_as_its_bytes_are(daemon, tmp_path) -> None:
+@pytest.fixture
+def push_pull(tmp_path) -> Iterator[tuple[Any, Any]]:
+    """A ZeroMQ PUSH socket connected to a PULL socket over ipc, as a server hands descriptors on."""
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        pull.bind(f"ipc://{tmp_path}/feat.sock")
+        push.connect(f"ipc://{tmp_path}/feat.sock")
+        yield push, pull
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+
+
+def test_a_small_zmq_frame_is_parsed_as_its_bytes_are(daemon, push_pull) -> None:
     """Frames of up to PARSE_CACHE_MAX_BYTES (every pool descriptor, and inline ones of tiny features) are
     parsed from the Frame's bytes: the same descriptor and tensor as the bytes give, once per Frame
     (get(frame) then ack(frame) parse once), and a mutated one is refused as the bytes are."""
-    zmq = pytest.importorskip("zmq")
-    ctx = zmq.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    try:
-        pull.bind(f"ipc://{tmp_path}/feat.sock")
-        push.connect(f"ipc://{tmp_path}/feat.sock")
-        with daemon.client(inline_threshold=0) as pool_producer, \
-                daemon.client(inline_threshold=BIG) as inline_producer, daemon.client() as consumer:
-            for producer, t in ((pool_producer, _tensor(torch.float32, (64, 64), 3)),
-                                (inline_producer, _tensor(torch.int16, (5, 3), 4))):
-                blob = producer.put(t).to_bytes()
-                assert len(blob) <= descriptor.PARSE_CACHE_MAX_BYTES
-                push.send(blob, copy=False)
-                frame = pull.recv(copy=False)
-                assert Descriptor.from_bytes(frame) == Descriptor.from_bytes(blob)
-                before = descriptor.parse_stats()
-                assert _same(consumer.get(frame), t)
-                consumer.ack(frame)
-                assert descriptor.parse_stats()["parses"] - before["parses"] <= 1
-                bad = bytearray(blob)
-                bad[1] ^= 0xFF
-                push.send(bytes(bad), copy=False)
-                with pytest.raises(DescriptorError):
-                    Descriptor.from_bytes(pull.recv(copy=False))
-    finally:
-        push.close(0)
-        pull.close(0)
-        ctx.term()
+    push, pull = push_pull
+    with daemon.client(inline_threshold=0) as pool_producer, \
+            daemon.client(inline_threshold=BIG) as inline_producer, daemon.client() as consumer:
+        for producer, t in ((pool_producer, _tensor(torch.float32, (64, 64), 3)),
+                            (inline_producer, _tensor(torch.int16, (5, 3), 4))):
+            blob = producer.put(t).to_bytes()
+            assert len(blob) <= descriptor.PARSE_CACHE_MAX_BYTES
+            push.send(blob, copy=False)
+            frame = pull.recv(copy=False)
+            assert Descriptor.from_bytes(frame) == Descriptor.from_bytes(blob)
+            before = descriptor.parse_stats()
+            assert _same(consumer.get(frame), t)
+            consumer.ack(frame)
+            assert descriptor.parse_stats()["parses"] - before["parses"] <= 1
+            bad = bytearray(blob)
+            bad[1] ^= 0xFF
+            push.send(bytes(bad), copy=False)
+            with pytest.raises(DescriptorError):
+                Descriptor.from_bytes(pull.recv(copy=False))
 
 
-def test_a_zmq_frame_received_without_copying_is_read_in_place(daemon, tmp_path) -> None:
+def test_a_zmq_frame_received_without_copying_is_read_in_place(daemon, push_pull) -> None:
     """A consumer that receives with copy=False hands get() the Frame: the tensor views the payload
     inside the message ZeroMQ received (no copy), keeps it alive, and ack(frame) parses nothing more."""
-    zmq = pytest.importorskip("zmq")
-    ctx = zmq.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    try:
-        pull.bind(f"ipc://{tmp_path}/feat.sock")
-        push.connect(f"ipc://{tmp_path}/feat.sock")
-        with daemon.client(inline_threshold=BIG) as producer, daemon.client() as consumer:
-            t = _tensor(torch.float32, (128, 128), 11)
-            push.send(producer.put(t).to_bytes(), copy=False)
-            frame = pull.recv(copy=False)
-            start = torch.frombuffer(frame.buffer, dtype=torch.uint8).data_ptr()
-            before = descriptor.parse_stats()
-            got = consumer.get(frame)
-            consumer.ack(frame)
-            after = descriptor.parse_stats()
-            assert _same(got, t)
-            assert start <= got.data_ptr() and got.data_ptr() + t.nbytes <= start + len(frame.buffer)
-            assert after["parses"] - before["parses"] == 1 and after["cache_hits"] - before["cache_hits"] == 1
-            del frame
-            descriptor._inline_parsed.clear()  # the cache's reference too: only the tensor holds the message
-            gc.collect()
-            churn = [bytes(1 << 16) for _ in range(64)]  # would reuse the message's memory if it were freed
-            assert _same(got, t) and len(churn) == 64
-    finally:
-        push.close(0)
-        pull.close(0)
-        ctx.term()
+    push, pull = push_pull
+    with daemon.client(inline_threshold=BIG) as producer, daemon.client() as consumer:
+        t = _tensor(torch.float32, (128, 128), 11)
+        push.send(producer.put(t).to_bytes(), copy=False)
+        frame = pull.recv(copy=False)
+        start = torch.frombuffer(frame.buffer, dtype=torch.uint8).data_ptr()
+        before = descriptor.parse_stats()
+        got = consumer.get(frame)
+        consumer.ack(frame)
+        after = descriptor.parse_stats()
+        assert _same(got, t)
+        assert start <= got.data_ptr() and got.data_ptr() + t.nbytes <= start + len(frame.buffer)
+        assert after["parses"] - before["parses"] == 1 and after["cache_hits"] - before["cache_hits"] == 1
+        del frame
+        descriptor._inline_parsed.clear()  # the cache's reference too: only the tensor holds the message
+        gc.collect()
+        churn = [bytes(1 << 16) for _ in range(64)]  # would reuse the message's memory if it were freed
+        assert _same(got, t) and len(churn) == 64
 
 
 def test_a_bytearray_is_copied_and_a_strided_buffer_refused(daemon) -> None:

@@ -7,33 +7,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 # Every child starts with these: its runtime dir in ``rt`` and ``mapped(name)``, how many mappings of
 # that name the process has now (without a garbage collection unless ``collect``).
-PROLOGUE = """
+ROOT = Path(__file__).resolve().parent.parent
+PROLOGUE = f"""
 import gc, os, signal, sys, threading, time
+sys.path.insert(0, {str(ROOT)!r})  # the tests package: its fork helpers
 import torch
 from mmfeat.client import Client
+from tests.forking import fork_holding, reap
 rt = sys.argv[1]
-
+""" + """
 def mapped(name="mmfeat-pool0", collect=False):
     if collect:
         gc.collect()
     return open("/proc/self/maps").read().count(name)
-
-def reap(pid, hung):
-    # The forked child's exit status within 30 s; killed, and ``hung`` raised, if it is still running.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError(hung)
 """
 
 
@@ -436,30 +428,14 @@ def test_a_child_forked_while_its_parent_maps_a_pool_and_table_maps_its_own(daem
     child's own session maps them all the same, instead of waiting forever."""
     code = """
 from mmfeat.client import lease_table, mapping
-torch.set_num_threads(1)  # torch's own thread pool does not survive a fork
-held, release = threading.Event(), threading.Event()
 
-def mapping_now():
-    with mapping._lock, lease_table._lock:
-        held.set()
-        release.wait(60)
+def put_get_ack():
+    with Client(rt, inline_threshold=0) as c:
+        d = c.put(torch.full((50_000,), 3.0))
+        assert not d.is_inline and float(c.get(d).sum()) == 150_000.0
+        c.ack(d)
 
-t = threading.Thread(target=mapping_now)
-t.start()
-assert held.wait(60)
-pid = os.fork()
-if pid == 0:
-    try:
-        with Client(rt, inline_threshold=0) as c:
-            d = c.put(torch.full((50_000,), 3.0))
-            ok = not d.is_inline and float(c.get(d).sum()) == 150_000.0
-            c.ack(d)
-    except BaseException as exc:
-        print("child:", repr(exc), file=sys.stderr, flush=True)
-        ok = False
-    os._exit(0 if ok else 1)
-release.set()
-t.join(60)
+pid = fork_holding([mapping._lock, lease_table._lock], put_get_ack)
 status = reap(pid, "the forked child hung on a mapping lock its parent's thread held at the fork")
 assert status == 0, f"child status {status}"
 print("ok")

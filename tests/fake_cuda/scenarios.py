@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -291,37 +290,17 @@ def fabric_gets() -> None:
 
 def fork_while_importing() -> None:
     """A thread holds the GPU pool cache's lock across a fork; the forked child maps a pool of its own."""
-    import threading
-
     from mmfeat.client import cuda_import
+    from tests.forking import fork_holding, reap
 
     fake_torch_cuda(0)
     cpu_dlpack()
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with cuda_import._lock:
-            held.set()
-            release.wait(60)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    assert held.wait(60)
-    pid = os.fork()
-    if pid == 0:
-        cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool"))
-        os._exit(0)
-    release.set()
-    t.join(60)
-    for _ in range(300):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            mark(f"child exited {status}")
-            return
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    mark("child hung")
+    pid = fork_holding([cuda_import._lock],
+                       lambda: cuda_import.map_cuda_pool("ep", pool_info(), os.memfd_create("pool")))
+    try:
+        mark(f"child exited {reap(pid, 'child hung')}")
+    except AssertionError:
+        mark("child hung")
 
 
 def child_drops_parents_pool() -> None:
