@@ -1,4 +1,4 @@
-"""A mesh set up wrong says so: the README's example starts as written, and a peer that refuses our key,
+"""A mesh set up wrong says so: docs/operations.md's example starts as written, and a peer that refuses our key,
 a peer with our own node id and a daemon whose NIXL cannot start each show as a state in stats, a
 metric and one log line, not as a peer forever ``connecting`` or a healthy daemon that cannot pull."""
 
@@ -19,7 +19,7 @@ from mmfeat.daemon.metrics import _mesh_metrics
 from .cluster import _free_port, _gen_keys
 from .conftest import Daemon, start_daemon
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+OPERATIONS = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
 
 
 def _samples(mesh: dict) -> dict:
@@ -35,15 +35,15 @@ def _stop(d: Daemon) -> str:
     return err
 
 
-def test_the_readmes_mesh_example_starts_a_daemon_as_written(tmp_path) -> None:
-    etc = tmp_path / "etc-mmfeat"  # /etc/mmfeat in the README
-    command = re.search(r"^(?:sudo )?\S*mmfeatd --gen-keys /etc/mmfeat\b", README, re.M)
-    assert command is not None, "the README's key command changed; update this test with it"
+def test_the_operations_pages_mesh_example_starts_a_daemon_as_written(tmp_path) -> None:
+    etc = tmp_path / "etc-mmfeat"  # /etc/mmfeat in docs/operations.md
+    command = re.search(r"^(?:sudo )?\S*mmfeatd --gen-keys /etc/mmfeat\b", OPERATIONS, re.M)
+    assert command is not None, "docs/operations.md's key command changed; update this test with it"
     r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(etc)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    example = re.search(r"```toml\n# /etc/mmfeat/mmfeatd.toml on node A\n(.*?)```", README, re.S)
-    assert example is not None, "the README's mesh example changed; update this test with it"
+    example = re.search(r"```toml\n# /etc/mmfeat/mmfeatd.toml on node A\n(.*?)```", OPERATIONS, re.S)
+    assert example is not None, "docs/operations.md's mesh example changed; update this test with it"
     other_key = _gen_keys(tmp_path / "node-b")
     port, other_port = _free_port(), _free_port()
     # Only what cannot be the same here changes: the addresses, and the placeholder for B's key.

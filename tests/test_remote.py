@@ -89,8 +89,9 @@ def test_concurrent_gets_on_one_node_pull_once_and_waiting_acks_come_from_the_ow
         assert ([(s.labels, s.value) for s in families["mmfeat_mesh_pulled_bytes"].samples]
                 == [({"peer": "a"}, 64 << 20)])
         exported = {n + ("_total" if f.type == "counter" else "") for n, f in families.items()}
-        for metric in re.findall(r"`(mmfeat_mesh_[a-z_]+)", (Path(__file__).parents[1] / "README.md").read_text()):
-            assert metric in exported, f"README names {metric}, which a meshed daemon does not export"
+        operations = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
+        for metric in re.findall(r"`(mmfeat_mesh_[a-z_]+)", operations):
+            assert metric in exported, f"docs/operations.md names {metric}, which a meshed daemon does not export"
         table = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(b.runtime_dir), "stats"],
                                capture_output=True, text=True, timeout=60).stdout
         assert "pulls with nixl" in table and "pulled MiB" in table and " 64 " in table, table

@@ -394,12 +394,14 @@ def test_the_kubernetes_files_apply_as_shipped() -> None:
 
 
 def test_the_readme_installs_mmfeatd_where_the_unit_runs_it() -> None:
-    """The unit works as shipped only if the README's steps put mmfeatd at its ExecStart."""
+    """The unit works as shipped only if the steps in README.md and docs/operations.md put mmfeatd at its ExecStart."""
     execstart = re.search(r"^ExecStart=(\S+)", (DEPLOY / "mmfeatd.service").read_text(), re.M).group(1)
-    readme = (DEPLOY.parent / "README.md").read_text()
     prefix = Path(execstart).parent.parent
-    assert execstart.endswith("/bin/mmfeatd") and re.search(rf"python3 -m venv {re.escape(str(prefix))}\s", readme)
-    assert f"sudo {prefix}/bin/pip install" in readme
+    assert execstart.endswith("/bin/mmfeatd")
+    for doc in (DEPLOY.parent / "README.md", DEPLOY.parent / "docs" / "operations.md"):
+        text = doc.read_text()
+        assert re.search(rf"python3 -m venv {re.escape(str(prefix))}\s", text), doc.name
+        assert f"sudo {prefix}/bin/pip install" in text, doc.name
 
 
 def test_the_systemd_unit_verifies(tmp_path) -> None:
