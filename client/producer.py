@@ -147,6 +147,7 @@ class Producer:
             desc = self._put_in_arena(session, pool, put, pool_tensor)
             if desc is not None:
                 return desc
+            asked_at = time.monotonic()
             session, reply = self._reserve(session, pool, put, writing)
         except FdLimitError as exc:  # the daemon may be fine: no probing, only a pause
             self._fd_short = (time.monotonic() + _FD_SHORT_S, exc)
@@ -169,6 +170,11 @@ class Producer:
                 self._release_quietly(session, desc)
                 return self._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
             _write(pool_tensor, desc.offset, put)
+            life = reply.expires_in if reply.expires_in is not None else session.reserve_ttl
+            if time.monotonic() - asked_at >= life / 2:
+                # The write took half the lease's life (a reserve_ttl reloaded very short): the lease may
+                # end before a pipelined publish lands, and its range go to another feature.
+                return self._publish_late(session, desc)
             # On the fd channel: in the daemon's socket buffer when this returns, so it is handled even
             # if this process dies now. Nothing waits for it (a consumer's table check and lookup accept
             # a RESERVED lease, and its ack counts early); a failure is logged when its reply is read.
@@ -262,6 +268,18 @@ class Producer:
             session = self._writing_in(session, writing)
         fields["session"] = session.token
         return session, LeaseReply.from_wire(self._channel.call("reserve", **fields))
+
+    def _publish_late(self, session: Session, desc: Descriptor) -> Descriptor:
+        """Publish and wait for the daemon's word: a lease that ended meanwhile is a typed refusal."""
+        try:
+            session.fd.call("publish", lease=desc.lease_ref())
+        except MmfeatError as exc:
+            if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.STALE):
+                raise
+            raise MmfeatError(ErrorCode.STALE, f"the feature's reserved lease ended before its publish "
+                              f"({exc.message}): the daemon's reserve_ttl is shorter than this put's copy; raise "
+                              "reserve_ttl and put again") from None
+        return desc
 
     def _release_quietly(self, session: Session, desc: Descriptor) -> None:
         try:

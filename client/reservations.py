@@ -60,6 +60,9 @@ class Reservation:
         self.desc: Optional[Descriptor] = None
         self.placed: Optional[Placement] = None
         self.reserved_at = time.monotonic()
+        # When a reserved lease ends at the daemon (monotonic, as seen here): from its reserve reply,
+        # never from hello, whose reserve_ttl a reload may have changed since.
+        self.deadline = math.inf
         # Weak: a reservation must not keep its tensors, or a dropped one would never be noticed.
         self.refs: list[weakref.ref] = []
 
@@ -126,6 +129,7 @@ class Reservations:
             r = self._in_arena(session, pool, put)
             if r is not None:
                 return r
+            asked_at = time.monotonic()  # before the request: the deadline here is never later than the daemon's
             session, reply = p._reserve(session, pool, put)
         except DaemonUnavailableError:
             p._fallbacks.mark_down()
@@ -145,6 +149,8 @@ class Reservations:
         lease = reply.lease
         r = Reservation(self, "lease", put)
         r.session = session
+        r.reserved_at = asked_at
+        r.deadline = asked_at + lease_life(reply.expires_in, session)
         r.desc = put.descriptor(session, p._channel.endpoint, lease.pool, lease.lease, lease.gen, lease.token,
                                 lease.offset)
         return r
@@ -217,18 +223,26 @@ class Reservations:
             assert r.placed is not None and session.arenas is not None
             session.arenas.publish(r.placed, r.put.nbytes, r.put.consumers, desc.token)
             return desc
-        if time.monotonic() - r.reserved_at < session.reserve_ttl / 2:
+        now = time.monotonic()
+        if now >= r.deadline:
+            try:  # waited for: an ended lease's refusal is the expected answer, not an async failure
+                session.fd.call("release", lease=desc.lease_ref())
+            except MmfeatError:
+                pass
+            raise _expired(r)
+        if now - r.reserved_at < (r.deadline - r.reserved_at) / 2:
             session.publish(desc.lease_ref())  # as put does: in the daemon's socket buffer on return
             return desc
-        # Near or past reserve_ttl the lease may have expired, and another feature may own the bytes
-        # now: wait for the daemon's word rather than hand out a descriptor of something else.
+        # Near its deadline the lease may end before the publish arrives, and another feature may own
+        # the bytes then: wait for the daemon's word rather than hand out a descriptor of something else.
         try:
             session.fd.call("publish", lease=desc.lease_ref())
         except MmfeatError as exc:
             if isinstance(exc, DaemonUnavailableError):
                 raise
-            raise MmfeatError(exc.code, f"the reservation was not published: {exc.message}. Fill and publish a "
-                              f"reservation within reserve_ttl ({session.reserve_ttl:g} s)") from None
+            if exc.code in (ErrorCode.NOT_FOUND, ErrorCode.STALE):
+                raise _expired(r, exc.message) from None
+            raise MmfeatError(exc.code, f"the reservation was not published: {exc.message}") from None
         return desc
 
     def discard(self, tensors: TensorOrList) -> None:
@@ -312,6 +326,20 @@ class Reservations:
             pass  # the session is gone: the daemon freed its reserved leases with it
         except OSError:
             pass  # closed under us
+
+
+def lease_life(expires_in: Optional[float], session: Session) -> float:
+    """Seconds a reserved lease lives from its reserve: its reply's own, else (a daemon that does not
+    send it) hello's reserve_ttl."""
+    return float(expires_in) if expires_in is not None else session.reserve_ttl
+
+
+def _expired(r: Reservation, why: str = "") -> MmfeatError:
+    life = r.deadline - r.reserved_at
+    said = f" (the daemon: {why})" if why else ""
+    return MmfeatError(ErrorCode.STALE, f"the reservation's lease ended unpublished, {life:.3g} s after it was "
+                       f"reserved (the daemon's reserve_ttl when it was granted){said}; its memory may hold another "
+                       "feature now. Reserve again and fill and publish within reserve_ttl")
 
 
 def _ready_for_consumers(r: Reservation) -> None:

@@ -40,9 +40,11 @@ def _remote(core: DaemonCore) -> Remote:
     return core.remote
 
 
-def _lease_reply(core: DaemonCore, lease: Any) -> m.LeaseReply:
+def _lease_reply(core: DaemonCore, lease: Any, now: float) -> m.LeaseReply:
     ref = m.LeaseRefReply(lease.pool_id, core.epoch, lease.lease_id, lease.gen, lease.token, lease.offset, lease.nbytes)
-    return m.LeaseReply(ref, lease.state.value, lease.consumers, lease.remaining)
+    # The lease's own deadline, not the TTL hello reported: a reload changes the TTL of leases granted
+    # after it, and the producer must know when this one ends.
+    return m.LeaseReply(ref, lease.state.value, lease.consumers, lease.remaining, max(0.0, lease.deadline - now))
 
 
 def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> m.HelloReply:
@@ -93,7 +95,7 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> m.LeaseReply
     lease = core.ledger.reserve(req.session, pool_id, req.nbytes, req.consumers, now)
     if core.observe_reserve is not None:
         core.observe_reserve(time.perf_counter() - t0)
-    return _lease_reply(core, lease)
+    return _lease_reply(core, lease, now)
 
 
 def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
@@ -129,7 +131,7 @@ def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> m.E
 def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> m.LeaseReply:
     """The producer finished writing: the lease becomes readable and its ack deadline starts."""
     core.sweep(now)  # so a feature published in an arena is known (and refused here as already published)
-    return _lease_reply(core, core.ledger.publish(req.lease, req.session, now))
+    return _lease_reply(core, core.ledger.publish(req.lease, req.session, now), now)
 
 
 def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Union[m.AckReply, Deferred]:
@@ -153,7 +155,7 @@ def release(core: DaemonCore, req: m.ReleaseRequest, now: float) -> m.ReleaseRep
 def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> m.LeaseReply:
     """Is this lease live, with this generation and token? Consumers verify before reading."""
     core.sweep(now)
-    return _lease_reply(core, core.ledger.lookup(req.lease))
+    return _lease_reply(core, core.ledger.lookup(req.lease), now)
 
 
 def remote_get(core: DaemonCore, req: m.RemoteGetRequest, now: float) -> Deferred:

@@ -261,28 +261,37 @@ class LeaseRefReply(_Reply):
 
 @dataclass(slots=True)
 class LeaseReply(_Reply):
-    """reserve, publish and lookup."""
+    """reserve, publish and lookup. ``expires_in``: seconds from the reply until the lease's own deadline
+    (a RESERVED lease's reserve_ttl, a PUBLISHED one's ack_ttl, as they were when it entered that
+    state); absent from a daemon that predates it."""
 
     lease: LeaseRefReply
     state: str
     consumers: int
     remaining: int
-    _WIRE = {"lease": dict, "state": str, "consumers": int, "remaining": int}
+    expires_in: Optional[float] = None
+    _WIRE = {"lease": dict, "state": str, "consumers": int, "remaining": int, "expires_in": _NUM}
     _NESTED = {"lease": LeaseRefReply}
+    _OPTIONAL = frozenset({"expires_in"})
 
     @classmethod
     def from_wire(cls, body: Any) -> "LeaseReply":
         try:
             lease, state, consumers, remaining = body["lease"], body["state"], body["consumers"], body["remaining"]
-        except (KeyError, TypeError, IndexError):
+            expires_in = body.get("expires_in")
+        except (KeyError, TypeError, IndexError, AttributeError):
             return cls(**_read(cls, body))
-        if type(state) is str and type(consumers) is int and type(remaining) is int:
-            return cls(LeaseRefReply.from_wire(lease), state, consumers, remaining)
+        if (type(state) is str and type(consumers) is int and type(remaining) is int
+                and (expires_in is None or type(expires_in) is float)):
+            return cls(LeaseRefReply.from_wire(lease), state, consumers, remaining, expires_in)
         return cls(**_read(cls, body))
 
     def to_wire(self) -> dict[str, Any]:  # by hand: on every reserve's path
-        return {"lease": self.lease.to_wire(), "state": self.state, "consumers": self.consumers,
-                "remaining": self.remaining}
+        body: dict[str, Any] = {"lease": self.lease.to_wire(), "state": self.state, "consumers": self.consumers,
+                                "remaining": self.remaining}
+        if self.expires_in is not None:
+            body["expires_in"] = self.expires_in
+        return body
 
 
 @dataclass(slots=True)

@@ -180,7 +180,7 @@ def test_publish_after_reserve_ttl_raises_instead_of_naming_reused_memory(daemon
         d.wait_for(lambda s: s["counters"]["expired"] == 1, what="the reservation to expire")
         with pytest.raises(MmfeatError) as info:
             c.publish(t)
-        assert info.value.code is ErrorCode.NOT_FOUND and "reserve_ttl" in info.value.message
+        assert info.value.code is ErrorCode.STALE and "reserve_ttl" in info.value.message
     assert d.pool()["used"] == 0
 
 
