@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -142,14 +143,26 @@ class Acks:
         if self._acker is None or self._acker.pid != os.getpid():
             from .ack_thread import Acker
 
+            # The thread holds these acks (and through them the Client) weakly: a Client dropped without
+            # close() must still end, its session at the daemon too; collecting them stops the thread.
+            owner = weakref.ref(self)
+
             def send(fields: dict[str, Any], count: int, ack_id: bytes) -> None:
-                session = self._connect()
+                acks = owner()
+                if acks is None:
+                    return  # dropped without close(): the session is gone, and the lease ends by ack_ttl
+                session = acks._connect()
                 if fields.get("node") == session.node:  # a finaliser's ack, routed before a session was known
                     fields = {k: v for k, v in fields.items() if k != "node"}
                 if not _table_ack(session, fields, count):
                     session.fd.send("ack", count=count, ack_id=ack_id, **fields)
 
-            self._acker = Acker(send, lambda timeout: self._connect().fd.sync(timeout), self._channel.failures)
+            def sync(timeout: float) -> bool:
+                acks = owner()
+                return acks is None or acks._connect().fd.sync(timeout)
+
+            self._acker = Acker(send, sync, self._channel.failures)
+            weakref.finalize(self, self._acker.stop)
         return self._acker
 
     def close(self) -> None:

@@ -75,6 +75,10 @@ class Acker:
                 self._cond.wait(left)
         return self._sync(max(0.0, deadline - time.monotonic()))
 
+    def stop(self) -> None:
+        """End the thread once it has sent what was submitted before."""
+        self._queue.put(None)
+
     def close(self, timeout: float) -> None:
         if not self.flush(timeout):
             log.warning("closing with %d acknowledgement(s) unsent; those leases will expire after ack_ttl",

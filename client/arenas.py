@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -369,23 +370,28 @@ class ArenaSet:
             self._usual[pool] = grant.size
         self._arenas.setdefault(pool, []).append(ProducerArena(grant, self._table))
         if self._reaper is None:
-            self._reaper = threading.Thread(target=self._reap_idle, name="mmfeat-arenas", daemon=True)
+            # The thread holds the set weakly: a Client dropped without close() must still end, and with
+            # it this set, its fd channel and its session at the daemon. Collecting the set wakes it.
+            self._reaper = threading.Thread(target=_reap_idle, args=(weakref.ref(self), self._stop),
+                                            name="mmfeat-arenas", daemon=True)
+            weakref.finalize(self, self._stop.set)
             self._reaper.start()
 
-    def _reap_idle(self) -> None:
-        """Give back arenas unused for IDLE_S, so an idle producer does not hold pool space."""
-        while not self._stop.wait(IDLE_S / 4):
-            cutoff = time.monotonic() - IDLE_S
-            with self._lock:
-                idle = [(pool, a) for pool, arenas in self._arenas.items() for a in arenas
-                        if a.last_used < cutoff and not a.writing()]  # a long write keeps its arena
-                for pool, arena in idle:
-                    self._arenas[pool].remove(arena)
-            for _, arena in idle:
-                try:
-                    self._fd.send("arena_return", arena=arena.arena_id)
-                except DaemonUnavailableError:
-                    return  # the session is over: the daemon returned every arena of it
+    def reap_idle(self) -> bool:
+        """Give back arenas unused for IDLE_S, so an idle producer does not hold pool space; False once
+        the session is over."""
+        cutoff = time.monotonic() - IDLE_S
+        with self._lock:
+            idle = [(pool, a) for pool, arenas in self._arenas.items() for a in arenas
+                    if a.last_used < cutoff and not a.writing()]  # a long write keeps its arena
+            for pool, arena in idle:
+                self._arenas[pool].remove(arena)
+        for _, arena in idle:
+            try:
+                self._fd.send("arena_return", arena=arena.arena_id)
+            except DaemonUnavailableError:
+                return False  # the session is over: the daemon returned every arena of it
+        return True
 
     def give_back_all(self, timeout: float) -> None:
         """Return every arena, those still being granted too, and wait (up to ``timeout``) until the
@@ -417,3 +423,11 @@ class ArenaSet:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _reap_idle(owner: "weakref.ref[ArenaSet]", stop: threading.Event) -> None:
+    while not stop.wait(IDLE_S / 4):
+        arenas = owner()
+        if arenas is None or not arenas.reap_idle():
+            return
+        del arenas  # not held while waiting
