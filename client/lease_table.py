@@ -16,9 +16,10 @@ import weakref
 from typing import Callable, Optional
 
 from mmfeat.atomics import FENCE_NEEDED, Words, fence_acquire
+from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
-    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, ENTRY_BYTES, FLAG_DRAINING, FREE, GEN_MASK, HEADER, HEADER_FLAGS_WORD,
-    LIVE_STATES, MAGIC, POOL, PUBLISHED, STATE, ack_word, state_word, table_bytes, word_offset,
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, ENTRY_BYTES, FLAG_DRAINING, FREE, GEN_MASK, HEADER_FLAGS_WORD,
+    LIVE_STATES, POOL, PUBLISHED, STATE, ack_word, state_word, table_bytes, word_offset,
 )
 
 STATE_FREE = FREE
@@ -177,14 +178,14 @@ def map_lease_table(endpoint: str, epoch: int, fd: int, slots: int, writable: bo
             if hit is not None and (hit.writable or not writable):
                 return hit
             size = table_bytes(slots)
+            # Only the size is checked, and it is what matters: the daemon sealed it. The shape comes from
+            # hello, never from the header, which every member of the group maps read-write and may have
+            # rewritten (the daemon puts it back on its next sweep; SPEC.md, section 9).
             if os.fstat(fd).st_size < size:
-                raise ValueError(f"lease table fd is {os.fstat(fd).st_size} B, daemon said {size} B")
+                raise MmfeatError(ErrorCode.INTERNAL, f"the lease table mmfeatd sent is {os.fstat(fd).st_size} B, "
+                                  f"not the {size} B of its hello: report it")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
-            magic, table_epoch, table_slots, entry_bytes, _flags = HEADER.unpack_from(mm, 0)
-            if magic != MAGIC or table_epoch != epoch or table_slots != slots or entry_bytes != ENTRY_BYTES:
-                mm.close()
-                raise ValueError("the lease table's header does not match the daemon's hello")
             for key in [k for k in _tables if k[0] == endpoint]:
                 _tables.pop(key, None)  # an older epoch's table: unmapped once nothing uses it
             view = LeaseTableView(mm, slots, writable)

@@ -103,6 +103,8 @@ class DaemonCore:
         """Apply what clients wrote into the lease table; the number of words applied. Sweeper.sweep
         says what ``defer_unacked`` leaves for the next sweep."""
         applied = self.sweeper.sweep(now, defer_unacked)
+        if self.table.keep_header(self.draining):
+            self.counters.bad_table_words += 1
         for token in self.sweeper.take_over():
             self.cut_session(token, now)
         return applied

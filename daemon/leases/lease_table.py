@@ -34,7 +34,8 @@ class LeaseTable:
         self._fd: Optional[int] = os.memfd_create("mmfeat-leases", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, self.size)
         self._mm: Optional[mmap.mmap] = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED)
-        self._mm[:HEADER_BYTES] = HEADER.pack(MAGIC, epoch, slots, ENTRY_BYTES, 0).ljust(HEADER_BYTES, b"\0")
+        self._epoch = epoch
+        self._mm[:HEADER_BYTES] = self._header(False)
         # Clients map it writable (they publish and ack in it), so only its size is sealed: a client
         # cannot shrink it under the daemon's mapping (SIGBUS) or grow it.
         fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
@@ -130,6 +131,21 @@ class LeaseTable:
 
     def set_draining(self, draining: bool) -> None:
         self.words.store(HEADER_FLAGS_WORD, 1 if draining else 0)
+
+    def _header(self, draining: bool) -> bytes:
+        return HEADER.pack(MAGIC, self._epoch, self.slots, ENTRY_BYTES, 1 if draining else 0).ljust(HEADER_BYTES, b"\0")
+
+    def keep_header(self, draining: bool) -> bool:
+        """Put back a header a client rewrote (every member maps the table read-write); whether it had
+        to. Clients take the table's shape from hello, not from here, so a rewritten header misleads
+        nobody but a reader of the DRAINING flag, until this runs."""
+        assert self._mm is not None
+        want = self._header(draining)
+        if self._mm[:HEADER_BYTES] == want:
+            return False
+        for i in range(HEADER_BYTES // 8):
+            self.words.store(i, int.from_bytes(want[8 * i: 8 * i + 8], "little"))
+        return True
 
     def close(self) -> None:
         if self._mm is not None:
