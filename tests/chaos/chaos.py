@@ -27,6 +27,13 @@ from pathlib import Path
 from tests.conftest import anon_bytes, fd_count, start_daemon
 
 RESERVE_TTL, ACK_TTL = 3.0, 6.0
+# Mid-run the one-node daemon is reloaded (SIGHUP) with these TTLs, and later with the usual ones again:
+# leases granted under either keep their deadlines, and producers time their publishes by them.
+LOW_RESERVE_TTL, LOW_ACK_TTL = 0.5, 2.0
+
+
+def _write_config(path: Path, reserve_ttl: float, ack_ttl: float) -> None:
+    path.write_text(f"[mmfeatd]\npool_mb = 256\nreserve_ttl = {reserve_ttl}\nack_ttl = {ack_ttl}\n")
 
 
 def _spawn(args: list[str], device: str) -> subprocess.Popen:
@@ -127,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     runtime, run = root / "rt", root / "run"
     runtime.mkdir(mode=0o700)
     run.mkdir()
-    daemon_args = ("--pool-mb", "256", "--reserve-ttl", str(RESERVE_TTL), "--ack-ttl", str(ACK_TTL))
+    config = root / "mmfeatd.toml"
+    _write_config(config, RESERVE_TTL, ACK_TTL)
+    # One node: the TTLs come from a file that a reload reads again (flags would override it). The mesh's
+    # daemons take their files from tests/cluster.py, and their TTLs from flags.
+    daemon_args = (("--config", str(config)) if args.nodes == 1 else
+                   ("--pool-mb", "256", "--reserve-ttl", str(RESERVE_TTL), "--ack-ttl", str(ACK_TTL)))
     nodes = _Nodes(root, runtime, daemon_args, args.nodes, args.backend)
     daemon = nodes.daemons[0]
     endpoints = [f"ipc://{root}/consumer{i}.sock" for i in range(args.consumers)]
@@ -143,13 +155,24 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [f"p{i}" for i in range(args.producers)] + [f"c{i}" for i in range(args.consumers)]
     kills = {"producer": 0, "consumer": 0, "daemon": 0}
+    reloads: list[str] = []
+
+    def reload(reserve_ttl: float, ack_ttl: float) -> None:
+        _write_config(config, reserve_ttl, ack_ttl)
+        nodes.daemons[0].proc.send_signal(signal.SIGHUP)
+        reloads.append(f"reserve_ttl {reserve_ttl:g} s, ack_ttl {ack_ttl:g} s")
     try:
         for n in names:
             start(n)
         time.sleep(3)  # workers import torch and connect
         end = time.monotonic() + args.seconds
         next_daemon_kill = time.monotonic() + args.daemon_kill_every
+        # (when, reserve_ttl, ack_ttl): lower at a third of the run, back at two thirds.
+        pending_reloads = ([(end - args.seconds * 2 / 3, LOW_RESERVE_TTL, LOW_ACK_TTL),
+                            (end - args.seconds / 3, RESERVE_TTL, ACK_TTL)] if args.nodes == 1 else [])
         while time.monotonic() < end:
+            if pending_reloads and time.monotonic() >= pending_reloads[0][0]:
+                reload(*pending_reloads.pop(0)[1:])
             time.sleep(rng.uniform(0.5, 1.5) * args.kill_every)
             victim = rng.choice(names)
             if _kill_worker(run, victim):
@@ -183,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": args.seconds,
             "backend": args.backend,
             "kills": kills,
+            "reloads": reloads,
             "features_put": totals.get("put", 0),
             "features_inline": totals.get("inline", 0),
             "reads_checked": totals.get("checked", 0),

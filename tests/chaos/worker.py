@@ -81,6 +81,15 @@ def produce(runtime_dir: str, run: Path, endpoints: list[str], seconds: float) -
                     tensors = [feature(seed + j, nbytes // 3 + 1, dtype) for j in range(3)]
                     desc = c.put_many(tensors, consumers=k)
                     spec = [[seed + j, t.numel(), str(dtype)] for j, t in enumerate(tensors)]
+                elif rng.random() < 0.15:
+                    # Filled in place, and now and then published later than a reload's short reserve_ttl
+                    # allows: that publish must raise STALE, never name a range another feature owns.
+                    src = feature(seed, nbytes, dtype)
+                    t = c.reserve(src.shape, dtype, consumers=k, device=src.device)
+                    t.copy_(src)
+                    time.sleep(rng.choice([0.0, 0.0, 0.0, 0.8]))
+                    desc = c.publish(t)
+                    spec = [[seed, t.numel(), str(dtype)]]
                 else:
                     t = feature(seed, nbytes, dtype)
                     desc = c.put(t, consumers=k)
