@@ -4,6 +4,10 @@ A request the client stopped waiting for must not take effect behind its back. C
 deadline (once the daemon's clock is known to be ours), and the daemon drops a request that arrives
 after it. A reply that still comes late (the daemon acted just before the deadline) is read later:
 a late successful reserve is released at once, so the lease it made holds no memory.
+
+A connection has at most MAX_IN_FLIGHT requests in flight (SPEC.md, section 2), within which the daemon
+drops no reply: calls wait for each other, a hint that would pass it is not sent, a quiet request waits
+for a ping's reply first, and calls that timed out and fill it are given up with their connection.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, Optional
 
 import zmq
 
-from mmfeat.protos.codec import decode
+from mmfeat.protos.codec import MAX_IN_FLIGHT, decode
 from mmfeat.protos.envelope import checked_reply, reply_error, request_frame
 from mmfeat.protos.errors import DaemonUnavailableError, MmfeatError
 from mmfeat.protos.messages import REQUEST_MODELS, LeaseReply
@@ -28,6 +32,7 @@ from mmfeat.protos.messages import REQUEST_MODELS, LeaseReply
 from . import fd_budget
 from .async_failures import AsyncFailures
 from .daemon_lock import gone_daemon
+from .in_flight import InFlight, deferred_until
 
 log = logging.getLogger("mmfeat.client")
 
@@ -75,6 +80,7 @@ class ControlChannel:
         self.failures = AsyncFailures()
         # Set once hello showed that the daemon's CLOCK_MONOTONIC is this process's.
         self.send_deadlines = False
+        self._in_flight = InFlight(MAX_IN_FLIGHT)
         _channels.add(self)
 
     def _socket(self) -> zmq.Socket:
@@ -91,6 +97,7 @@ class ControlChannel:
                 if gone is not None:
                     raise DaemonUnavailableError(gone)
             self._sock, self._pid = _open_dealer(self.endpoint, self.timeout), os.getpid()
+            self._in_flight.clear()  # a fresh connection: nothing is in flight on it
         return self._sock
 
     def call(self, op: str, timeout: Optional[float] = None, **fields: Any) -> dict[str, Any]:
@@ -98,33 +105,46 @@ class ControlChannel:
         DaemonUnavailableError when no reply comes within ``timeout`` seconds."""
         timeout = self.timeout if timeout is None else timeout
         with self._lock:
-            sock = self._socket()
-            req_id = next(self._ids)
-            deadline = time.monotonic() + timeout
-            frame = request_frame(op, req_id, fields, deadline=deadline if self.send_deadlines else None)
-            try:
-                sock.send(frame)
-            except zmq.Again:
-                raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} is not accepting requests ({op})") from None
-            asked_lock = self._runtime_dir is None
-            while True:
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0:
-                    # Keep the socket: its late reply is read (and undone, for a reserve) later.
-                    self._abandon(req_id, op, fields)
-                    raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} did not answer {op} within {timeout:g} s")
-                if not sock.poll(left_ms if asked_lock else min(left_ms, _GONE_CHECK_MS)):
-                    if not asked_lock:
-                        asked_lock = True
-                        gone = gone_daemon(self._runtime_dir)  # type: ignore[arg-type]
-                        if gone is not None:
-                            self._abandon(req_id, op, fields)
-                            raise DaemonUnavailableError(gone)
-                    continue
-                reply = decode(sock.recv())
-                if reply.get("id") == req_id:
-                    break
-                self._stray(reply)
+            return self._call(op, timeout, fields)
+
+    def _call(self, op: str, timeout: float, fields: dict[str, Any]) -> dict[str, Any]:
+        # Called with the lock held.
+        if self._sock is not None and not self._in_flight.room():
+            # Only calls that timed out can fill it (the rest leave room for a call): their replies are
+            # not coming, or not soon. A fresh connection drops them; a late reserve expires by reserve_ttl.
+            log.info("%d requests to mmfeatd unanswered; opening a fresh connection", self._in_flight.count())
+            self._reset()
+        sock = self._socket()
+        req_id = next(self._ids)
+        deadline = time.monotonic() + timeout
+        frame = request_frame(op, req_id, fields, deadline=deadline if self.send_deadlines else None)
+        try:
+            sock.send(frame)
+        except zmq.Again:
+            raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} is not accepting requests ({op})") from None
+        self._in_flight.sent(req_id, deferred_until(op, fields, deadline, timeout))
+        asked_lock = self._runtime_dir is None
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                # Keep the socket: its late reply is read (and undone, for a reserve) later.
+                self._abandon(req_id, op, fields)
+                raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} did not answer {op} within {timeout:g} s")
+            if not sock.poll(left_ms if asked_lock else min(left_ms, _GONE_CHECK_MS)):
+                if not asked_lock:
+                    asked_lock = True
+                    gone = gone_daemon(self._runtime_dir)  # type: ignore[arg-type]
+                    if gone is not None:
+                        self._abandon(req_id, op, fields)
+                        raise DaemonUnavailableError(gone)
+                continue
+            reply = decode(sock.recv())
+            rid = reply.get("id")
+            if isinstance(rid, int):
+                self._in_flight.answered(rid)
+            if rid == req_id:
+                break
+            self._stray(reply)
         return checked_reply(reply)
 
     def send(self, op: str, **fields: Any) -> None:
@@ -132,20 +152,26 @@ class ControlChannel:
         ``failures`` under ``op`` once a later call reads it."""
         frame = request_frame(op, op, fields, quiet=True)
         with self._lock:
+            if not self._in_flight.room(2):  # leave room for a call
+                self._call("ping", self.timeout, {})  # its reply settles every quiet request before it
             try:
                 self._socket().send(frame)
             except zmq.Again:
                 raise DaemonUnavailableError(f"mmfeatd at {self.endpoint} is not accepting requests ({op})") from None
+            self._in_flight.sent()
 
     def hint(self, op: str, **fields: Any) -> None:
         """``op`` as a quiet request nobody waits for: its error reply, if any, carries the id "hint" and
         is dropped unread. Never blocks: a hint the socket cannot take now is dropped too."""
         frame = request_frame(op, "hint", fields, quiet=True)
         with self._lock:
+            if not self._in_flight.room(2):  # leave room for a call; a hint is never worth a wait
+                return
             try:
                 self._socket().send(frame, zmq.NOBLOCK)
             except (zmq.ZMQError, MmfeatError):
-                pass
+                return
+            self._in_flight.sent()
 
     def send_frame(self, frame: bytes) -> None:
         """One raw request frame on this channel's socket, without waiting (tools, protocol tests)."""
@@ -178,17 +204,21 @@ class ControlChannel:
                 self.failures.record("reserve", exc.code.value, exc.message)
                 return  # names no lease to release: reserve_ttl frees it
             log.info("releasing lease %s, reserved after its request had timed out", lease.lease)
+            if not self._in_flight.room():
+                return  # reserve_ttl frees it
             try:
                 fields = {"session": abandoned[1].get("session"), "lease": lease.to_wire()}
                 self._socket().send(request_frame("release", "release", fields, quiet=True), zmq.NOBLOCK)
             except (zmq.ZMQError, DaemonUnavailableError):
-                pass  # reserve_ttl frees it
+                return  # reserve_ttl frees it
+            self._in_flight.sent()
 
     def _reset(self) -> None:
         # After a timeout the socket may hold a half-finished exchange; a fresh one is cheaper to reason about.
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        self._in_flight.clear()
 
     def close(self) -> None:
         with self._lock:

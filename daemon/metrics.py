@@ -33,6 +33,7 @@ _COUNTERS = {
     "over_quota": "Reserves refused because the session's leases hold max_session_mb",
     "duplicate_acks": "Retried acks recognised by their ack id and not applied again",
     "late_requests": "Requests that reached the daemon after their client's deadline and were not applied",
+    "replies_dropped": "Control-socket replies dropped for a peer with far more requests in flight than allowed",
     "arenas_granted": "Arenas granted to producers",
     "arenas_refused": "Arena requests refused (pool full, slots used up, a session's limit); those producers reserve",
     "arenas_returned": "Arenas given back by their producer or at its exit",

@@ -448,21 +448,22 @@ class Server:
                 reply = dispatch(self.core, body[0], send_later=functools.partial(self._send_later, identity))
                 if reply is None:
                     continue  # a quiet request that succeeded, or one answered later
-            try:
-                router.send(identity, _MORE_NOBLOCK)
-                router.send(reply, _NOBLOCK)
-            except zmq.ZMQError:
-                pass  # the peer is gone or not reading; its request died with it
+            self._reply(router, identity, reply)
 
     def _send_later(self, identity: bytes, reply: bytes) -> None:
         router = self._control.router if self._control is not None else None
-        if router is None:
-            return
+        if router is not None:
+            self._reply(router, identity, reply)
+
+    def _reply(self, router: zmq.Socket, identity: bytes, reply: bytes) -> None:
         try:
             router.send(identity, _MORE_NOBLOCK)
             router.send(reply, _NOBLOCK)
+        except zmq.Again:
+            # Past the peer's mark: it has far more than MAX_IN_FLIGHT requests unanswered, or reads none.
+            self.core.counters.replies_dropped += 1
         except zmq.ZMQError:
-            pass  # the client gave up and left
+            pass  # the peer is gone (EHOSTUNREACH); its request died with it
 
     def _hold(self, name: str, thing: T, close: Callable[[T], object]) -> T:
         """Keep ``thing`` as attribute ``name`` until close(), which closes it and clears the attribute

@@ -3,7 +3,7 @@
 SPEC.md in this folder is the written protocol.
 """
 
-from .codec import MAX_REQUEST_BYTES, DecodeError, decode, encode
+from .codec import MAX_IN_FLIGHT, MAX_REQUEST_BYTES, DecodeError, decode, encode
 from .descriptor import HANDLE_KINDS, POOL_KINDS, Descriptor, DescriptorError, TensorSpec
 from .dtypes import DTYPE_SIZES
 from .errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError, PeerUnavailableError
@@ -14,6 +14,7 @@ from .version import PROTOCOL_VERSION
 __all__ = [
     "DTYPE_SIZES",
     "HANDLE_KINDS",
+    "MAX_IN_FLIGHT",
     "MAX_REQUEST_BYTES",
     "POOL_KINDS",
     "PROTOCOL_VERSION",

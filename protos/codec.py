@@ -8,6 +8,9 @@ import msgpack
 
 # A request is a few hundred bytes; a stats reply a few KiB. Anything bigger is a mistake or an attack.
 MAX_REQUEST_BYTES = 64 * 1024
+# Requests one control-socket connection may have unanswered at once (SPEC.md, section 2): the daemon
+# never drops a reply within it; past it, replies to a peer that falls behind may be dropped.
+MAX_IN_FLIGHT = 128
 _MAX_ITEMS = 4096
 
 

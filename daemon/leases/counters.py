@@ -26,6 +26,7 @@ class Counters:
     over_quota: int = 0
     duplicate_acks: int = 0
     late_requests: int = 0
+    replies_dropped: int = 0  # control-socket replies past a peer's send mark (far past MAX_IN_FLIGHT)
     # The shared-memory path (arenas and the lease table's ack words).
     arenas_granted: int = 0
     arenas_refused: int = 0  # pool full, slots used up, or the session's limit: its producer reserves instead

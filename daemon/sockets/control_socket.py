@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import zmq
 
+from mmfeat.protos.codec import MAX_IN_FLIGHT
+
 from .connection_cap import ConnectionCap, IsOurs
 from .runtime_dir import SocketFile
 
@@ -24,9 +26,12 @@ log = logging.getLogger("mmfeatd")
 
 # Frames between the request limit and this get a TOO_LARGE reply; beyond it ZMQ drops the peer.
 HARD_FRAME_LIMIT = 256 << 10
-# Per peer: a client waits for each call and pipelines only quiet requests, so a few hundred is
-# plenty; a peer that never reads its replies loses them instead of growing the daemon.
-SEND_HWM = 128
+# Per peer, in replies. No reply to a peer within MAX_IN_FLIGHT may be dropped, and libzmq's count of
+# what a peer's pipe holds trails what its I/O thread took out by up to half the mark (the reader
+# reports in batches of the low-water mark, hwm/2), so N replies in flight can look like N + hwm/2 - 1:
+# four times the limit keeps that under the mark with a limit's worth to spare for reports not yet
+# processed. A peer past the limit that never reads loses replies instead of growing the daemon.
+SEND_HWM = 4 * MAX_IN_FLIGHT
 RECV_HWM = 1024
 # Replies queued in ZMQ's I/O thread when the loop ends (the ack that finished a drain) still go out.
 REPLY_LINGER_MS = 500
@@ -64,6 +69,8 @@ class ControlSocket:
         router.linger = 0
         router.maxmsgsize = HARD_FRAME_LIMIT
         router.sndhwm, router.rcvhwm = SEND_HWM, RECV_HWM
+        # A reply past the mark raises zmq.Again instead of vanishing, so that the loop counts it.
+        router.router_mandatory = 1
         # Our own listening socket, handed to ZeroMQ: made with the right mode, and libzmq will not
         # unlink the file at close (we do, only if it is still ours).
         self._file = file
