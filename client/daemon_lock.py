@@ -1,11 +1,14 @@
 """Whether any process serves a runtime dir, known without a round trip.
 
 A daemon killed by SIGKILL leaves its socket files behind: a ZeroMQ connect to them succeeds and a
-request then waits out its whole timeout. The daemon's flock on the lock file ends with its process, so
-a shared lock that this process gets (and drops at once) proves that no daemon serves the dir, and the
-file names the pid that did. The lock file is the daemon user's alone (a process that can open it could
-flock it and keep every later daemon out), so a client of another user asks the control socket instead:
-a socket file with nobody listening refuses a connection at once.
+request then waits out its whole timeout. The daemon's OFD lock on the lock file ends with its process,
+so a query that finds no such lock (protos/lock_file.py; it takes nothing, and so never keeps a
+starting daemon out) proves that no daemon serves the dir, and the file names the pid that did. A file
+an earlier release's daemon wrote (no ``ofd`` line: it locked with flock alone, which the query does not
+see) is probed as that release's clients did, with a shared flock dropped at once. The lock file is the
+daemon user's alone (a process that can open it could lock it and keep every later daemon out), so a
+client of another user asks the control socket instead: a socket file with nobody listening refuses a
+connection at once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import stat
 from pathlib import Path
 from typing import Optional
 
+from mmfeat.protos import lock_file
 from mmfeat.protos.paths import CONTROL_SOCKET, lock_path
 
 _TAIL = "its socket files are left over: start mmfeatd there (it replaces them) or set MMFEAT_RUNTIME_DIR"
@@ -49,18 +53,30 @@ def _lock_free(runtime_dir: Path) -> "Optional[str | bool]":
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            # Held: a daemon serves it, perhaps stopped (the request's timeout tells).
-            return False if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
-        try:
-            return os.pread(fd, 32, 0).decode(errors="replace").strip()
+            if lock_file.held(fd):
+                return False  # a daemon serves it, perhaps stopped (the request's timeout tells)
+            words = os.pread(fd, 32, 0).decode(errors="replace").split()
+            # Read between two queries: a daemon that locked and wrote the file meanwhile is seen by the second.
+            if lock_file.held(fd):
+                return False
         except OSError:
             return None
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        pid = words[0] if words else ""
+        if lock_file.OFD_MARK in words[1:]:
+            return pid
+        return _flock_free(fd, pid)
     finally:
         os.close(fd)
+
+
+def _flock_free(fd: int, pid: str) -> "Optional[str | bool]":
+    """For a file no daemon of this release wrote: what a shared flock says (False: held)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return False if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return pid
 
 
 def _refused(path: Path) -> bool:

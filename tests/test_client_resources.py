@@ -169,6 +169,74 @@ def test_a_daemon_starts_through_a_clients_momentary_probe_of_its_lock(daemon_fa
         os.close(fd)
 
 
+_PROBES = """
+import sys
+from pathlib import Path
+from mmfeat.client.daemon_lock import gone_daemon
+rd = Path(sys.argv[1])
+print("probing", flush=True)
+while True:
+    gone_daemon(rd, ask_socket=False)
+"""
+
+
+def test_a_daemon_starts_at_its_first_try_while_clients_probe_its_lock(daemon_factory, monkeypatch) -> None:
+    """The probe takes nothing: a daemon starting while two processes probe the dir without pause gets its
+    lock at once, every time, with no grace to retry in."""
+    from mmfeat.daemon.sockets import runtime_dir as rdm
+
+    runtime_dir, _ = _killed(daemon_factory)
+    monkeypatch.setattr(rdm, "_PROBE_GRACE_S", 0.0)
+    probes = [subprocess.Popen([sys.executable, "-c", _PROBES, str(runtime_dir)], stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    try:
+        assert all(p.stdout.readline().strip() == "probing" for p in probes)
+        for attempt in range(300):
+            rd = rdm.RuntimeDir(runtime_dir)
+            try:
+                rd.acquire()
+            except rdm.RuntimeDirError as exc:
+                pytest.fail(f"start {attempt} met a probe's lock: {exc}")
+            finally:
+                rd.release()
+        assert all(p.poll() is None for p in probes), "a probe failed"
+    finally:
+        for p in probes:
+            p.kill()
+            p.wait()
+
+
+def test_a_lock_file_of_an_earlier_release_is_probed_with_its_flock(tmp_path) -> None:
+    """A daemon of an earlier release holds a flock alone, which the OFD query does not see, and writes
+    its pid alone: the probe then asks the flock, as that release's clients did."""
+    from mmfeat.client.daemon_lock import gone_daemon
+
+    lock = tmp_path / "mmfeatd.lock"
+    lock.write_text("4242\n")
+    os.chmod(lock, 0o600)
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert gone_daemon(tmp_path, ask_socket=False) is None  # held: a daemon serves the dir
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert "pid 4242 is gone" in gone_daemon(tmp_path, ask_socket=False)
+    finally:
+        os.close(fd)
+
+
+def test_a_daemon_holds_a_lock_of_each_kind(daemon) -> None:
+    """The OFD lock for this release's probes, and a flock for an earlier release's clients and daemons."""
+    from mmfeat.protos import lock_file
+
+    fd = os.open(daemon.runtime_dir / "mmfeatd.lock", os.O_RDONLY)
+    try:
+        assert lock_file.held(fd)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
 def test_a_feature_over_inline_max_raises_instead_of_going_inline(daemon_factory, tmp_path) -> None:
     assert Client(tmp_path).inline_max == 256 << 20
     big, small = torch.ones(1 << 19), torch.ones(1 << 17)  # 2 MiB and 512 KiB

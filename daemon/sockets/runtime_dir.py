@@ -20,11 +20,14 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from mmfeat.protos import lock_file
 from mmfeat.protos.paths import LOCK_FILE
 
-# Clients of the daemon's own user take a shared lock on the lock file for an instant to learn whether a
-# daemon holds it; a daemon starting in that instant waits this long before it concludes that one does.
-# The file stays 0600: any process that can open it can flock it, and so keep every later daemon out.
+# The daemon's lock is an OFD record lock, which clients query without taking anything, and a flock,
+# which clients of earlier releases (and, where the file was left by an earlier daemon, of this one)
+# take shared for an instant to learn whether a daemon holds it: a daemon whose flock meets such a
+# probe waits this long before it concludes that another daemon holds it.
+# The file stays 0600: any process that can open it can lock it, and so keep every later daemon out.
 _PROBE_GRACE_S = 0.5
 _PROBE_RETRY_S = 0.005
 
@@ -84,7 +87,7 @@ class RuntimeDir:
         try:
             _lock_exclusive(fd)
         except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            holder = (os.pread(fd, 32, 0).decode(errors="replace").split() or ["?"])[0]
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 who = f"pid {holder}"
@@ -103,7 +106,7 @@ class RuntimeDir:
             self._old_lock_fd = fd
             fd = _fresh_lock(lock_path)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, lock_file.contents(os.getpid()), 0)
         self._lock_fd = fd
 
     def release(self) -> None:
@@ -116,7 +119,9 @@ class RuntimeDir:
 
 
 def _lock_exclusive(fd: int) -> None:
-    """flock(LOCK_EX) without blocking on a live daemon, but through clients' momentary shared probes."""
+    """The OFD lock, and flock(LOCK_EX) without blocking on a live daemon but through the momentary
+    shared probes of clients that probe with flock. OSError (EAGAIN) if another daemon holds either."""
+    lock_file.lock(fd)  # first: clients of this release then see a daemon at once, and take nothing
     deadline = time.monotonic() + _PROBE_GRACE_S
     while True:
         try:
@@ -139,6 +144,7 @@ def _fresh_lock(lock_path: Path) -> int:
         raise RuntimeDirError(f"cannot create a lock file beside {lock_path}: {exc.strerror}") from None
     try:
         os.fchmod(fd, 0o600)  # O_CREAT's mode is only what the umask leaves of it
+        lock_file.lock(fd)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.rename(tmp, lock_path)
     except OSError as exc:
