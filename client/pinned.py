@@ -130,7 +130,8 @@ def pending_key(desc: Descriptor) -> Key:
 class PendingCopies:
     """Staged copies still in flight, by feature: the consumer's ``ack`` of such a feature waits for its
     copy's event instead of freeing bytes a DMA is reading. Bounded: past ``limit`` features never
-    acked, the oldest whose copies completed are forgotten first."""
+    acked, the oldest is forgotten, once its copy has completed (the get that passes the limit waits for
+    it, with the lock held, so that no ack of it can find nothing to wait for while it is copying)."""
 
     def __init__(self, limit: int = 4096) -> None:
         self._events: OrderedDict[Key, Any] = OrderedDict()
@@ -141,9 +142,13 @@ class PendingCopies:
     def add(self, key: Key, event: Any) -> None:
         with self._lock:
             self._events[key] = event
-            if len(self._events) > self._limit:
-                for k in [k for k, e in self._events.items() if e.query()][: len(self._events) - self._limit]:
-                    del self._events[k]
+            self._events.move_to_end(key)
+            while len(self._events) > self._limit:
+                # Only completed copies may be forgotten; the oldest is the likeliest to be, and waiting
+                # for it is what bounds a consumer that stages copies faster than it acks them.
+                _, oldest = self._events.popitem(last=False)
+                if not oldest.query():
+                    oldest.synchronize()
 
     def rekey(self, old: Key, new: Key) -> None:
         with self._lock:
