@@ -82,8 +82,9 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> m.LeaseReply
     if core.draining:
         raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; send this feature inline")
     # Acks clients wrote since the last sweep may have freed the range this needs. First: a sweep may
-    # cut this very session (SPEC.md, section 9).
-    core.sweep(now)
+    # cut this very session (SPEC.md, section 9). What it leaves unadopted (as the arena op's does)
+    # holds no range this could take: an arena's space is its arena's.
+    core.sweep(now, defer_unacked=True)
     session = core.sessions.get(req.session)
     if session is None:
         core.check_not_cut(req.session)
@@ -105,7 +106,10 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
     if not core.arenas_enabled:
         raise MmfeatError(ErrorCode.BAD_STATE,
                           "this daemon grants no arenas (arena_mb = 0, or no libatomic); reserve instead")
-    core.sweep(now)  # first: it may cut this session
+    # First: it may cut this session. Unacked publishes stay left as timer sweeps leave them: a producer
+    # ahead of its consumers asks for arenas as it goes, and adopting its burst here one by one would
+    # cost more than the burst's whole batch.
+    core.sweep(now, defer_unacked=True)
     session = core.sessions.get(req.session)
     if session is None:
         core.check_not_cut(req.session)

@@ -39,6 +39,7 @@ _COUNTERS = {
     "arenas_returned": "Arenas given back by their producer or at its exit",
     "arenas_freed": "Arenas whose space went back to the pool (nothing in them was live any more)",
     "arena_publishes": "Features adopted from producer arenas by the sweep",
+    "arena_adoptions": "Features from arenas that became live leases one by one (not acked within the sweeps' wait)",
     "table_acks": "Acknowledgements read from the lease table by the sweep",
     "stray_table_acks": "Acknowledgements found in the lease table for features already ended",
     "bad_table_words": "Words written by clients into the lease table that the daemon refused",

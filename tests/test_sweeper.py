@@ -75,11 +75,15 @@ def books():
     b.close()
 
 
-def test_a_timer_sweep_leaves_an_unacked_publish_to_the_next_one_with_its_ttl_from_the_first(books) -> None:
+def test_timer_sweeps_leave_an_unacked_publish_up_to_their_limit_with_its_ttl_from_the_first(books) -> None:
     slot = books.publish(0)
+    limit = books.sweeper.defer_limit()
+    assert 0 < limit <= ACK_TTL / 4
     books.sweeper.sweep(10.0, defer_unacked=True)
-    assert books.ledger.live == 0 and books.ledger.live_lease(slot) is None  # left for the next sweep
-    books.sweeper.sweep(10.05, defer_unacked=True)
+    assert books.ledger.live == 0 and books.ledger.live_lease(slot) is None  # left for a later sweep
+    books.sweeper.sweep(10.0 + limit / 2, defer_unacked=True)
+    assert books.ledger.live == 0  # left again, still within the limit
+    books.sweeper.sweep(10.0 + limit, defer_unacked=True)
     lease = books.ledger.live_lease(slot)
     assert lease is not None and lease.deadline == 10.0 + ACK_TTL  # counted from the first sweep that saw it
     assert books.ledger.expire(10.0 + ACK_TTL + 0.01) == 1 and books.ledger.live == 0
@@ -102,8 +106,25 @@ def test_sweeps_before_a_reply_adopt_at_once(books) -> None:
     other = books.publish(3)
     books.sweeper.sweep(31.0, defer_unacked=True)
     assert books.ledger.live_lease(other) is None
-    books.sweeper.sweep(31.5)
+    books.sweeper.sweep(31.1)
     assert books.ledger.live == 2 and books.ledger.live_lease(other).deadline == 31.0 + ACK_TTL
+
+
+def test_a_burst_put_ahead_of_its_consumer_ends_in_one_batch_never_adopted_one_by_one(books) -> None:
+    """A producer puts every slot of its arena before its consumer reads any (a tokenizer's burst);
+    timer sweeps come and go meanwhile, then the consumer acks them all. Each feature then costs the
+    daemon its share of array operations: none becomes a live lease (a Python pass to adopt, another
+    to end), and the sweeps that only look again at features still waiting count no new words, so
+    they do not pull the sweep interval in while the burst waits."""
+    slots = [books.publish(k) for k in range(16)]
+    applied = [books.sweeper.sweep(50.0 + 0.01 * i, defer_unacked=True) for i in range(10)]
+    assert books.ledger.live == 0 and books.counters.publishes == 0
+    assert applied[0] == 16 and applied[1:] == [0] * 9
+    for slot in slots:
+        books.ack(slot)
+    books.sweeper.sweep(50.2, defer_unacked=True)
+    assert books.quick == [16] and books.ledger.live == 0 and books.counters.frees == 16
+    assert books.counters.arena_publishes == 16 and books.counters.bad_table_words == 0
 
 
 def test_a_refused_word_put_back_never_erases_a_publish_made_meanwhile(books) -> None:

@@ -33,6 +33,9 @@ class Counters:
     arenas_returned: int = 0
     arenas_freed: int = 0
     arena_publishes: int = 0
+    # Of those, the ones adopted one by one as live leases (the rest ended in a sweep's batch): a count
+    # that follows arena_publishes says consumers lag their producers past what sweeps wait for.
+    arena_adoptions: int = 0
     table_acks: int = 0
     stray_table_acks: int = 0  # acks found in the table for a feature already ended (a late over-ack)
     bad_table_words: int = 0  # words a client wrote that the daemon refused (SPEC.md, section 9)

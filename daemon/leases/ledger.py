@@ -180,6 +180,7 @@ class Ledger:
         self._deadlines.push(lease)
         self.counters.publishes += 1
         self.counters.arena_publishes += 1
+        self.counters.arena_adoptions += 1
         return lease
 
     def publish(self, ref: LeaseRef, session: bytes, now: float) -> Lease:

@@ -41,6 +41,9 @@ from .ledger import LIVE_GATE, Ledger
 log = logging.getLogger("mmfeatd.sweep")
 
 _WARN_EVERY_S = 10.0
+# The longest a timer sweep leaves a feature published in an arena and not yet acked (see sweep): a
+# consumer reading a burst that its producer put ahead of it acks within seconds, a busy machine's too.
+DEFER_MAX_S = 60.0
 _CAS_TRIES = 8
 
 
@@ -54,23 +57,28 @@ class Sweeper:
         self._last_unheld_warning = float("-inf")
         self._last_warning = float("-inf")
         self._settled: set[int] = set()  # slots this sweep ended out of order (DONE), not to apply again
-        # Fresh publishes a timer sweep left for the next sweep: slot -> (STATE word, when first seen).
-        self._deferred: dict[int, tuple[int, float]] = {}
+        # Fresh publishes timer sweeps left for later ones, per slot: the STATE word (0: none) and when a
+        # sweep first saw it. Arrays, so that a burst of features waiting for their consumers costs each
+        # later sweep array operations, not a Python step per feature.
+        self._defer_word = np.zeros(table.slots, dtype=np.uint64)
+        self._defer_at = np.zeros(table.slots, dtype=np.float64)
 
     def sweep(self, now: float, defer_unacked: bool = False) -> int:
         """Apply every publish and ack clients wrote since the last sweep; the number of words applied.
 
-        With ``defer_unacked`` (the loop's timer sweeps), a feature published since the last sweep and
-        not yet acked by all is left for the next sweep, which usually finds it acked and ends it in its
-        batch: adopting it as a live lease and ending it later cost a cache-cold Python pass each (about
-        100 µs together at 16 MiB), for a feature that is being read. The next sweep adopts it if it is
-        still unacked, as of when this one saw it, so its ``ack_ttl`` runs from then all the same.
-        Sweeps before a reply (stats, lookup, ...) adopt everything: what they answer stays exact."""
+        With ``defer_unacked`` (the loop's timer sweeps), a feature published in an arena and not yet
+        acked by all is left for later sweeps, for up to ``defer_limit()`` seconds from the first that
+        saw it: one of them usually finds it acked and ends it in its batch, where adopting it as a live
+        lease and ending it later cost a cache-cold Python pass each, for a feature that is being read.
+        A producer ahead of its consumers (a burst of hundreds) is the case this pays most in. A feature
+        still unacked at the limit is adopted as of when it was first seen, so its ``ack_ttl`` runs from
+        then all the same. Sweeps before a reply (stats, lookup, ...) adopt everything: what they answer
+        stays exact."""
         self.ledger.counters.sweeps += 1
         table = self.table
         changed = 0
         settled = self._settled = set()
-        seen_before, deferred = self._deferred, {}
+        defer_word, defer_at, limit = self._defer_word, self._defer_at, self.defer_limit()
         for lo, hi in self.ledger.space.ranges():
             # ACKS before STATE: an ack seen here was written after its feature's publish (the consumer
             # had the descriptor), so the STATE read after it sees that publish too.
@@ -84,18 +92,24 @@ class Sweeper:
                     and acks.tobytes() == table.seen_acks[lo:hi].tobytes()):
                 continue
             published = np.flatnonzero(states != table.seen_state[lo:hi])
-            for i in self._end_acked(lo, self._refuse_unheld(lo, published, states), states).tolist():
+            rest = self._end_acked(lo, self._refuse_unheld(lo, published, states), states)
+            slots, words = rest + lo, states[rest]
+            # When a sweep first saw each word: an earlier one that left it, or this one.
+            again = defer_word[slots] == words
+            first_seen = np.where(again, defer_at[slots], now)
+            defer_word[published + lo] = 0  # each is ended in the batch, refused, handled below, or left again
+            if defer_unacked and len(rest):
+                # Left again: a fresh publish (no live lease in its slot) within the limit. seen_state
+                # keeps its old word, so the next sweep looks again; its words are not new ones.
+                keep = ((words & 3 == PUBLISHED) & (self.ledger.gate[slots] != LIVE_GATE)
+                        & (now - first_seen < limit))
+                defer_word[slots[keep]], defer_at[slots[keep]] = words[keep], first_seen[keep]
+                changed -= int((keep & again).sum())
+                rest, slots, first_seen = rest[~keep], slots[~keep], first_seen[~keep]
+            for i, published_at in zip(rest.tolist(), first_seen.tolist()):
                 slot, word = lo + i, int(states[i])
                 if slot in settled or (self._over and self._owner(slot) in self._over):
                     continue  # an over-limit session's word waits for the cut, which frees its slot
-                first = seen_before.get(slot)
-                if first is not None and first[0] == word:
-                    published_at = first[1]
-                elif defer_unacked and word & 3 == PUBLISHED and self.ledger.live_lease(slot) is None:
-                    deferred[slot] = (word, now)  # seen_state keeps its old word: the next sweep looks again
-                    continue
-                else:
-                    published_at = now
                 self._on_state(slot, word, now, published_at)
             # After the publishes, whose handling read their ACKS words afresh: this sweep's older copy
             # of those is skipped (the next sweep compares them again), and of those settled early too.
@@ -111,8 +125,12 @@ class Sweeper:
                 if not (self._over and self._owner(lo + i) in self._over):
                     self._on_acks(lo + i, int(acks[i]), now)
             changed += len(published) + int(stale.sum())
-        self._deferred = deferred
         return changed
+
+    def defer_limit(self) -> float:
+        """How long timer sweeps leave an unacked publish: DEFER_MAX_S, and well inside ``ack_ttl`` (which
+        a reload may shorten), so that adopting it late never makes its expiry late."""
+        return min(DEFER_MAX_S, self.ledger.ack_ttl / 4)
 
     def take_over(self) -> set[bytes]:
         """The sessions that went past their limit of refused words; forgotten here."""
