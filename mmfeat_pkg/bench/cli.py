@@ -17,7 +17,7 @@ from mmfeat.testing import worker_context
 
 from .control import run_control
 from .report import (MiB, add_ratios, combine_rounds, human_size, make_row, parse_size, plot, plot_unavailable, render,
-                     targets, write_json)
+                     render_burst, targets, write_json)
 from .ray_mode import INSTALL_HINT as RAY_HINT
 from .ray_mode import MODE as RAY
 from .ray_mode import RaySession, ray_missing
@@ -57,6 +57,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", action="store_true",
                    help="after the results, compare them with the project's reference goals, which were set for "
                         "its reference machine (docs/performance.md): a smaller machine may miss them")
+    p.add_argument("--burst", type=int, default=0, metavar="N",
+                   help="also put N features of each size through the pool as fast as the producer can, ahead of "
+                        "its consumer (a tokenizer's burst), and N paced by --window, and report mmfeatd's CPU per "
+                        "feature of the burst over the paced one; the private daemon's pool and arenas are sized to "
+                        "hold the burst (default: no burst rows)")
     p.add_argument("--use-running", action="store_true",
                    help="measure the daemon at --runtime-dir instead of a private one")
     p.add_argument("--steps", action="store_true",
@@ -94,12 +99,12 @@ def _progress(text: str) -> None:
     sys.stderr.flush()
 
 
-def _start_daemon(runtime_dir: Path, pool_mb: int) -> subprocess.Popen:
+def _start_daemon(runtime_dir: Path, pool_mb: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     from mmfeat.testing import DaemonStartError, spawn_daemon
 
     try:
-        return spawn_daemon(runtime_dir, ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING"],
-                            timeout=30)
+        return spawn_daemon(runtime_dir, ["--backend", "host", "--pool-mb", str(pool_mb), "--log-level", "WARNING",
+                                          *extra], timeout=30)
     except DaemonStartError as exc:
         raise SystemExit(f"mmfeat bench: could not start a private mmfeatd: {exc}") from None
 
@@ -126,6 +131,21 @@ def _memcpy_row(size: int, count: int, threads: int, device: str) -> dict[str, A
         sync()
         lat.append(time.monotonic() - t0)
     return make_row("memcpy", size, 1, lat, time.monotonic() - t_start)
+
+
+BURST_MODES = ("burst_paced", "burst")
+_ARENA_MB = 64  # mmfeatd's default arena_mb
+
+
+def _burst_daemon(pool_mb: int, size: int, burst: int) -> tuple[int, tuple[str, ...]]:
+    """A pool and arenas that hold a burst of ``burst`` features of ``size`` in one session's arenas,
+    as a server sizes them for its bursts: past its arenas a producer reserves each feature (two
+    requests), and the row would measure that path instead."""
+    pool_mb = max(pool_mb, 4 * burst * size // MiB)
+    arena = min(_ARENA_MB, pool_mb // 16) * MiB
+    per_arena = max(1, arena // max(size, 1) - 1)  # a ring never fills its last feature's room
+    arenas = -(-(burst + 16) // per_arena) + 1
+    return pool_mb, ("--arenas-per-session", str(max(4, arenas)))
 
 
 def _daemon_facts(runtime_dir: Path) -> tuple[str, int]:
@@ -186,7 +206,9 @@ def _run_data_plane(
         if not pipes[0][0].poll(60):
             raise SystemExit("mmfeat bench: the producer process did not start")
         pipes[0][0].recv()
-        for rnd, size, mode in ((rnd, size, mode) for rnd in range(args.rounds) for size in sizes for mode in modes):
+        burst_modes = BURST_MODES if args.burst and n == min(int(c) for c in args.consumers.split(",") if c) else ()
+        for rnd, size, mode in ((rnd, size, mode) for rnd in range(args.rounds) for size in sizes
+                                for mode in (*modes, *burst_modes)):
             _progress(f"bench: {n} consumer(s), {human_size(size)}, {mode} on {device}"
                       f"{f', round {rnd + 1}/{args.rounds}' if args.rounds > 1 else ''} ...")
             count = _count_for(size, args.count)
@@ -198,6 +220,11 @@ def _run_data_plane(
             # (its pages faulted in) before the clock starts.
             job = Job(mode, size, count, warmup=max(2, args.window, count // 20), window=args.window, device=device,
                       ack=args.ack)
+            if mode in BURST_MODES:
+                # The burst: no window, so the producer runs as far ahead of its consumer as it can.
+                job = Job("pool_view", size, args.burst, warmup=args.window, device=device, ack=args.ack,
+                          window=args.burst + args.window if mode == "burst" else args.window,
+                          burst=mode == "burst")
             for parent, _ in pipes:
                 parent.send(job)
             # mmfeatd's CPU is sampled once the warm-up is read: every worker has connected (and closed
@@ -212,6 +239,8 @@ def _run_data_plane(
             consumer_cpu = [parent.recv()["cpu_s"] for parent, _ in pipes[1:]]
             daemon_cpu1 = _cpu_seconds(daemon_pid)
             row = make_row(mode, size, n, res["latencies"], res["elapsed"], res["first_held"])
+            if mode in BURST_MODES:
+                row["fallbacks"] = res["fallbacks"]
             # CPU per feature after the warm-up: steadier than time on a shared machine.
             row["producer_cpu_us"] = res["cpu_s"] / job.count * 1e6
             row["consumer_cpu_us"] = sum(consumer_cpu) / n / job.count * 1e6
@@ -267,7 +296,10 @@ def run_bench(args: argparse.Namespace) -> int:
             # arenas (a sixteenth of the pool each) that take two of the largest feature, as a server
             # sizes its pool for its features.
             pool_mb = max(256, (max(sizes) * (2 * args.window + 2)) // MiB + 64, 32 * max(sizes) // MiB)
-            daemon = _start_daemon(runtime_dir, pool_mb)
+            extra: tuple[str, ...] = ()
+            if args.burst:
+                pool_mb, extra = _burst_daemon(pool_mb, max(sizes), args.burst)
+            daemon = _start_daemon(runtime_dir, pool_mb, extra)
         device, daemon_pid = _daemon_facts(runtime_dir)
         if args.steps:
             from .steps import render_steps, run_steps
@@ -300,6 +332,8 @@ def run_bench(args: argparse.Namespace) -> int:
               f"consumers ack {'with wait=False' if args.ack == 'background' else 'and wait'}"
               f"{rounds_note}\n")
         print(render(rows, control, verdicts))
+        if args.burst:
+            print(render_burst(rows, args.burst))
         if args.json:
             write_json(args.json, rows, control)
         if args.plot:

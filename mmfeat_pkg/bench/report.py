@@ -170,7 +170,7 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
         f"  {'producer':>8} {'consumer':>8} {'mmfeatd':>7}",
     ]
     order = {m: i for i, m in enumerate(("memcpy", "floor", "shm_ring", "pool_view", "pool_copy", "client_default",
-                                         "inline", "zmq_bytes", "torch_mp", "ray"))}
+                                         "inline", "zmq_bytes", "torch_mp", "ray", "burst_paced", "burst"))}
     for r in sorted(rows, key=lambda r: (r["consumers"], r["size"], order.get(r["mode"], 99))):
         xl = f"{r['x_limit']:.2f}" if r.get("x_limit") is not None else "-"
         xz = f"{r['x_zmq']:.2f}" if r.get("x_zmq") is not None else "-"
@@ -200,6 +200,22 @@ def render(rows: list[dict[str, Any]], control: list[dict[str, Any]], verdicts: 
         lines += ["", "the project's reference goals (set for its reference machine, docs/performance.md; "
                       "a smaller or busier machine may miss them):"]
         lines += [f"  {'met   ' if ok else 'MISSED'} {name}: {got}" for name, ok, got in verdicts]
+    return "\n".join(lines)
+
+
+def render_burst(rows: list[dict[str, Any]], burst: int) -> str:
+    """mmfeatd's CPU per feature for a burst put ahead of its consumer over the same features paced by
+    the window, per size and consumer count: the cost of a producer that runs ahead."""
+    lines = ["", f"burst: {burst} features put as fast as the producer can, against {burst} paced by the window "
+             "(pool_view); mmfeatd CPU us per feature",
+             f"{'consumers':>9} {'size':>6} {'paced':>8} {'burst':>8} {'ratio':>7}"]
+    paced = {(r["size"], r["consumers"]): r.get("daemon_cpu_us") for r in rows if r["mode"] == "burst_paced"}
+    for r in sorted((r for r in rows if r["mode"] == "burst"), key=lambda r: (r["consumers"], r["size"])):
+        p, b = paced.get((r["size"], r["consumers"])), r.get("daemon_cpu_us")
+        ratio = f"{b / p:.2f}" if p and b is not None else "-"
+        lines.append(f"{r['consumers']:>9} {human_size(r['size']):>6} {_us(p):>8} {_us(b):>8} {ratio:>7}")
+        if r.get("fallbacks"):
+            lines.append(f"{'':>9} {'':>6} the burst fell back inline: {r['fallbacks']}")
     return "\n".join(lines)
 
 

@@ -45,6 +45,8 @@ class Job:
     device: str = "cpu"
     # "background": ack(wait=False), as a server acks once it has used a feature; "sync": wait for it.
     ack: str = "background"
+    # The consumer takes every descriptor after the warm-up before it reads any: its producer ran ahead.
+    burst: bool = False
 
 
 def read_every_byte(t: Any) -> int:
@@ -116,6 +118,7 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
         client = _client_for(clients, runtime_dir, job.mode)
         local = torch.randint(0, 255, (job.size,), dtype=torch.uint8).to(job.device) if job.mode == "floor" else None
         ring = None  # shm_ring: mapped at the first feature, once the producer has made it
+        ahead: list = []
         cpu0 = time.process_time()
         for k in range(total):
             if k == job.warmup:
@@ -146,7 +149,9 @@ def consumer_main(rank: int, runtime_dir: str, sock_dir: str, threads: int, cmd:
                 desc = Descriptor.from_bytes(blob)  # once, as a server unpacks its own message once
                 got = client.get(desc).to(job.device)
             else:
-                header, blob = pull.recv_multipart()
+                if job.burst and k == job.warmup:
+                    ahead = [pull.recv_multipart() for _ in range(job.count)]  # a burst: all put before any read
+                header, blob = ahead.pop(0) if job.burst and k >= job.warmup else pull.recv_multipart()
                 idx = msgpack.unpackb(header)
                 desc = Descriptor.from_bytes(blob)
                 got = client.get(desc, copy=(job.mode == "pool_copy")).to(job.device)  # inline on a GPU run: a copy
