@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .neutral import outside_inference
+
 KDL_CPU, KDL_CUDA = 1, 2
 _KDL_UINT = 1
 
@@ -117,7 +119,8 @@ def uint8_tensor(ptr: int, nbytes: int, device_type: int, device_id: int, owner:
         _live[addr] = owner
     try:
         capsule = _capsule_new(addr, _CAPSULE_NAME, None)
-        tensor = torch.utils.dlpack.from_dlpack(capsule)
+        with outside_inference():  # it outlives this call, shared by later puts and gets: client/neutral.py
+            tensor = torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
         with _Guard.lock:
             _live.pop(addr, None)
@@ -151,4 +154,5 @@ def keep_alive(t: torch.Tensor, owner: Any) -> torch.Tensor:
     else:
         raise ValueError(f"keep_alive works on CPU and CUDA tensors, not {t.device.type}")
     base = uint8_tensor(t.data_ptr(), nbytes, kind, ordinal, owner)
-    return base.view(t.dtype).as_strided(t.shape, t.stride())
+    with outside_inference():
+        return base.view(t.dtype).as_strided(t.shape, t.stride())

@@ -15,6 +15,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .neutral import outside_inference
+
 
 @dataclass
 class HostMapping:
@@ -66,7 +68,8 @@ def map_host_pool(endpoint: str, pool_id: int, epoch: int, fd: int, size: int, r
                 mm = _map_read_only(fd, size, flags)
             else:
                 mm = mmap.mmap(fd, size, flags=flags)
-            tensor = torch.frombuffer(mm, dtype=torch.uint8)
+            with outside_inference():  # shared by every later put and get: client/neutral.py
+                tensor = torch.frombuffer(mm, dtype=torch.uint8)
             mapping = HostMapping(pool_id, epoch, size, tensor, readonly)
             _cache[(endpoint, pool_id, epoch, readonly)] = mapping
             return mapping

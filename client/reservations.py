@@ -30,6 +30,7 @@ from . import dlpack
 from . import tensors as tz
 from .arenas import Placement
 from .fork_locks import renew_in_child
+from .neutral import outside_inference
 from .producer import _FALLBACK_ERRORS, Producer, check_consumers
 from .put_in_flight import PutInFlight
 from .session import Session
@@ -188,7 +189,8 @@ class Reservations:
         except BaseException:
             self._give_back(r)
             raise
-        out = [_view(base, spec) for spec in r.put.specs]
+        with outside_inference():  # the caller may fill it, and publish it, in any mode: client/neutral.py
+            out = [_view(base, spec) for spec in r.put.specs]
         for t in out:
             setattr(t, _ATTR, r)
         r.refs = [weakref.ref(t) for t in out]

@@ -11,6 +11,8 @@ from mmfeat.protos.descriptor import TensorSpec
 from mmfeat.protos.dtypes import DTYPE_SIZES
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
+from .neutral import outside_inference, ungraphed
+
 # Every packed tensor starts on this boundary, as leases do, so any dtype view is aligned.
 PACK_ALIGNMENT = 256
 
@@ -84,14 +86,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def write_packed(dst: torch.Tensor, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]) -> None:
-    """Copy each tensor's bytes into ``dst`` (a uint8 tensor over the lease) at its spec's offset."""
-    for t, spec in zip(tensors, specs):
-        n = t.numel() * t.element_size()
-        if n:
-            dst[spec.offset : spec.offset + n].copy_(as_bytes(t))
-
-
 def packed_parts(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], nbytes: int) -> list[Any]:
     """The ``nbytes`` packed bytes of ``tensors`` as buffers to join at once, while ``tensors`` live:
     each tensor's own memory where it is dense host memory (no copy here), and zero padding up to each
@@ -137,8 +131,11 @@ def pool_view(pool: torch.Tensor, lease_offset: int, spec: TensorSpec) -> torch.
     dtype. torch checks the result against the pool's storage, whatever the spec says."""
     views = _typed_views(pool)
     hit = views.get(spec.dtype)
-    if hit is None:
-        hit = views[spec.dtype] = (pool.view(torch_dtype(spec.dtype)), DTYPE_SIZES[spec.dtype])
+    if hit is None or hit[0].requires_grad:
+        # Not yet made, or given a graph by an in-place op with a requires-grad operand on a view of it
+        # (a consumer writing into a view, against the contract): every later view would inherit that
+        # graph, so a clean one replaces it.
+        hit = views[spec.dtype] = (_typed_view(pool, spec.dtype), DTYPE_SIZES[spec.dtype])
     typed, itemsize = hit
     if 0 in spec.shape:
         return torch.empty(spec.shape, dtype=typed.dtype, device=pool.device)
@@ -155,7 +152,8 @@ def write_into_pool(pool: torch.Tensor, lease_offset: int, tensors: Sequence[tor
         if not pool.is_cuda and dense_host(t):  # host memory that holds exactly the packed bytes
             copy_to_host_pool(pool, lease_offset + spec.offset, t, spec.extent)
         else:
-            pool_view(pool, lease_offset, spec).copy_(t)
+            with torch.no_grad():  # recorded, the copy would give the shared typed view a graph
+                pool_view(pool, lease_offset, spec).copy_(ungraphed(t))
 
 
 def copy_to_host_pool(pool: torch.Tensor, start: int, t: torch.Tensor, n: int) -> None:
@@ -188,6 +186,14 @@ def dense_host(t: torch.Tensor) -> bool:
     a meta tensor's, which has no memory: its address is 0), without a lazy conjugate or negation bit."""
     return (t.is_cpu and t.layout is torch.strided and t.is_contiguous() and not t.is_conj()
             and not t.is_neg())
+
+
+def _typed_view(pool: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``pool`` viewed as ``dtype``, shared by every later put and get of the process: made outside
+    inference mode (client/neutral.py says why), and of a detached alias of ``pool``, so that a graph
+    an in-place op gives it stays on it and goes with it rather than reaching the pool's own tensor."""
+    with outside_inference():
+        return pool.detach().view(torch_dtype(dtype))
 
 
 def _typed_views(pool: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
