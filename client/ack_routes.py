@@ -49,8 +49,7 @@ class Acks:
         self._unconfirmed: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()
 
     def ack(self, desc: Descriptor, count: int, after: Any, wait: bool) -> Optional[dict[str, Any]]:
-        if not 1 <= count <= MAX_CONSUMERS:
-            raise ValueError(f"count must be between 1 and {MAX_CONSUMERS}")
+        check_ack(count, after, wait)
         if desc.kind == "inline":
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
         staged = self._pending.take_for(desc)
@@ -171,6 +170,19 @@ class Acks:
         if self._acker is not None and self._acker.pid == os.getpid():
             self._acker.close(self._timeout)
         self._acker = None
+
+
+def check_ack(count: object, after: object, wait: object) -> None:
+    """Refuse an ack's arguments before anything is attempted: a float count reached the table's
+    compare-and-swap only to raise there, and a caller (a Parcel) could not tell that from the
+    daemon's verdict. ValueError or TypeError: nothing was acked, and a corrected ack still counts."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CONSUMERS:
+        raise ValueError(f"count must be an int between 1 and {MAX_CONSUMERS} (how many consumers this ack is "
+                         f"for), not {count!r}")
+    if after is not None and not isinstance(after, (torch.cuda.Stream, torch.cuda.Event)):
+        raise TypeError(f"after must be a torch.cuda.Stream, a torch.cuda.Event or None, not {type(after).__name__}")
+    if type(wait) is not bool:
+        raise TypeError(f"wait must be True or False, not {wait!r}")
 
 
 def _table_ack(session: Session, fields: dict[str, Any], count: int) -> bool:

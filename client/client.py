@@ -216,6 +216,9 @@ class Client:
 
     def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1) -> Descriptor:
         """Place several tensors in one lease (one descriptor, one ack per consumer)."""
+        if isinstance(tensors, torch.Tensor):
+            raise TypeError("put_many takes a list of tensors, not one tensor (whose rows it would put one by one); "
+                            "put one tensor with put")
         if not tensors:
             raise ValueError("put_many needs at least one tensor")
         self._check_writable()
@@ -277,6 +280,10 @@ class Client:
         reused memory. The check reads the daemon's lease table (shared memory): a live lease costs no
         round trip, and only a lease the table calls gone is looked up, for the reason.
         """
+        if type(copy) is not bool or type(verify) is not bool:
+            raise TypeError(f"copy and verify must be True or False, not {copy!r} and {verify!r}")
+        if device is not None:
+            _check_device(device)
         return self._consumer.get(desc if type(desc) is Descriptor else _as_descriptor(desc), copy, verify, device)
 
     def prefetch(self, descs: Union[DescLike, Sequence[DescLike]]) -> None:
@@ -314,6 +321,9 @@ class Client:
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the daemon has applied every ack this client made; False on timeout."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout < float("inf")):
+            raise ValueError(f"timeout must be None or a finite number of seconds >= 0, not {timeout!r}")
         return self._acks.flush(self.timeout if timeout is None else timeout, self._session)
 
     # --- operators -----------------------------------------------------------------------------
@@ -336,6 +346,15 @@ def _silence_frombuffer_warning() -> None:
 
 
 _silence_frombuffer_warning()
+
+
+def _check_device(device: Any) -> None:
+    """Refuse a ``device`` that names no device before a get makes anything: torch's own error would come
+    from the middle of the copy, as an untyped RuntimeError."""
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be None, an int, 'cuda:N' or a torch.device, not {device!r}") from None
 
 
 def _as_descriptor(desc: DescLike) -> Descriptor:

@@ -169,10 +169,17 @@ class _Lease:
             assert self._desc is not None
             try:
                 self._client.ack(self._desc, count=count, after=after)
-            except (ValueError, TypeError):
-                raise  # bad arguments acked nothing: a corrected ack() (or the finaliser) still will
-            except BaseException:
+            except MmfeatError:
                 self.acked = True  # the daemon's verdict on this feature: another ack would get it again
+                raise
+            except Exception:
+                # Bad arguments (refused before anything was tried), or a failure before the ack was
+                # made: nothing was acked, so a corrected ack() (or the finaliser) still will.
+                raise
+            except BaseException:
+                # An interrupt may land after the ack took effect: a second one could then free the
+                # feature under another consumer, which is worse than leaving it to ack_ttl.
+                self.acked = True
                 raise
             self.acked = True
 
