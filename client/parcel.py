@@ -25,6 +25,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor, DescriptorError
 from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.tensor_spec import MAX_TENSORS
 
 from . import dlpack
 from .client import Client
@@ -74,6 +75,10 @@ def dumps(obj: Any, *, consumers: int = 1, client: Optional[Client] = None) -> b
 
     buf = io.BytesIO()
     _Pickler(buf, pooled, threshold).dump(obj)
+    if len(pooled) > MAX_TENSORS:
+        raise ValueError(f"dumps places the tensors of at least inline_threshold ({threshold} B) of an object in one "
+                         f"feature, which holds at most {MAX_TENSORS}, and this object has {len(pooled)}: split it "
+                         "over several dumps")
     desc = client.put_many(pooled, consumers=consumers).to_bytes() if pooled else None
     return msgpack.packb([FORMAT, desc, buf.getvalue()], use_bin_type=True)
 

@@ -25,6 +25,7 @@ import torch
 from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.messages import MAX_NBYTES, PoolInfo
+from mmfeat.protos.tensor_spec import check_tensor_count, packed_strides
 
 from . import dlpack
 from . import tensors as tz
@@ -40,7 +41,6 @@ ShapeLike = Union[int, Sequence[int], torch.Size]
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 _ATTR = "_mmfeat_reservation"
-_MAX_STRIDE = 1 << 62  # protos/descriptor.py's bound on shapes and strides
 OPEN, PUBLISHED, DISCARDED, CLOSED, DROPPED = "open", "published", "discarded", "closed", "dropped"
 _ENDED_BY = {PUBLISHED: "was published already", DISCARDED: "was discarded",
              CLOSED: "belonged to a Client that was closed", DROPPED: "was dropped"}
@@ -371,12 +371,11 @@ def _shape(shape: ShapeLike) -> tuple[int, ...]:
 
 def _check_size(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
     """Refuse a layout no feature can have before torch sees it: a size or stride past 2^63 is an overflow
-    error of torch's own, not a typed one. Its bytes are bounded by protos' MAX_NBYTES, and its strides
-    (the dimensions' product, a zero-size one counted as 1) by the 2^62 a descriptor carries."""
+    error of torch's own, not a typed one. Its bytes are bounded by protos' MAX_NBYTES, its dimensions
+    and strides by what a descriptor carries (packed_strides)."""
+    check_tensor_count(len(layout))
     for shape, _ in layout:
-        if math.prod(max(d, 1) for d in shape) > _MAX_STRIDE:
-            raise ValueError(f"shape {shape} has strides past 2^62 elements, more than a descriptor carries; "
-                             "reserve smaller features")
+        packed_strides(shape)
     total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
     if total > MAX_NBYTES:
         raise ValueError(f"the shapes {[shape for shape, _ in layout]} take {total} bytes, over the {MAX_NBYTES} a "

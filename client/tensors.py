@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from mmfeat.protos.descriptor import TensorSpec
+from mmfeat.protos.tensor_spec import check_packed_offset, check_tensor_count, packed_strides
 from mmfeat.protos.dtypes import DTYPE_SIZES
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
@@ -66,17 +67,17 @@ def layout(tensors: Sequence[torch.Tensor]) -> Layout:
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> Layout:
+    # Every limit a consumer's parse enforces is checked here, from the same constants (protos'
+    # tensor_spec), before anything is placed: every producer's path starts with its layout.
+    check_tensor_count(len(tensors))
     specs, offset = [], 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
         offset = -(-offset // PACK_ALIGNMENT) * PACK_ALIGNMENT
+        check_packed_offset(offset)
         shape = tuple(t.shape)
-        strides, step = [], 1
-        for d in reversed(shape):  # the contiguous strides put() will write
-            strides.append(step)
-            step *= max(d, 1)
-        specs.append(TensorSpec.checked(dtype_name(t.dtype), shape, tuple(reversed(strides)), offset))
+        specs.append(TensorSpec.checked(dtype_name(t.dtype), shape, packed_strides(shape), offset))
         offset += t.numel() * t.element_size()
     return tuple(specs), offset
 

@@ -104,3 +104,42 @@ def tensor_specs(tensors: Any, many: bool, nbytes: int) -> tuple[TensorSpec, ...
     if not many and len(tensors) != 1:
         raise DescriptorError("a single-tensor descriptor must hold exactly one tensor")
     return tuple([spec_from_wire(t, nbytes) for t in tensors])
+
+
+# The producer's side of the checks above, from the same limits: what put, put_many, reserve and dumps
+# refuse before anything is placed, so that no producer makes a descriptor every consumer refuses (even
+# for its ack, which left the feature's space pinned until ack_ttl). ValueError, as for a bad count of
+# consumers: the caller's own arguments, not bytes from elsewhere.
+
+def check_tensor_count(count: int) -> None:
+    """Refuse a feature of a number of tensors no descriptor can name."""
+    if not 1 <= count <= MAX_TENSORS:
+        raise ValueError(f"a feature holds 1 to {MAX_TENSORS} tensors, not {count}: every consumer refuses a "
+                         f"descriptor of more; send them as several features of at most {MAX_TENSORS}")
+
+
+def packed_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a tensor of ``shape`` packed contiguously, as put writes it, once the shape is one
+    a descriptor can name: at most the dimensions, and dimensions and strides at most the size, that
+    ``spec_from_wire`` reads."""
+    if len(shape) > _MAX_DIMS:
+        raise ValueError(f"a tensor of {len(shape)} dimensions {shape}: a descriptor names at most {_MAX_DIMS}, and "
+                         f"every consumer refuses more; reshape it to {_MAX_DIMS} or fewer before it is sent, and "
+                         "back after get")
+    strides, step = [], 1
+    for d in reversed(shape):
+        if d > _MAX_INT:
+            break
+        strides.append(step)
+        step *= max(d, 1)
+    if len(strides) < len(shape) or strides and strides[-1] > _MAX_INT:
+        raise ValueError(f"a tensor of shape {shape} has dimensions or strides past 2^62 elements, more than a "
+                         "descriptor carries; send smaller tensors")
+    return tuple(reversed(strides))
+
+
+def check_packed_offset(offset: int) -> None:
+    """Refuse a tensor that would start further into its feature than a descriptor can say."""
+    if offset > _MAX_INT:
+        raise ValueError(f"a tensor would start {offset} bytes into its feature, past the 2^62 a descriptor "
+                         "carries; send the tensors as several features")
