@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             "reads_checked": totals.get("checked", 0),
             "bytes_checked": totals.get("checked_bytes", 0),
             "wrong_reads": len(wrong_lines),
+            "modes": {"grad_puts": totals.get("grad_puts", 0), "inference_gets": totals.get("inference_gets", 0)},
             "refused_reads": {k[8:]: v for k, v in totals.items() if k.startswith("refused_")},
             "put_errors": {k[10:]: v for k, v in totals.items() if k.startswith("put_error_")},
             "bytes_leased_after_ttls": leaked,

@@ -3,6 +3,10 @@
 Every feature's bytes follow from its seed, so a consumer checks every byte it reads. A wrong byte is
 appended to the run's WRONG file at once (an O_APPEND write survives the SIGKILL that may follow);
 counts go to a per-process JSON file twice a second.
+
+Beside the honest workers, producer p0 puts non-contiguous tensors that require grad (a training step's
+activations), and every odd-numbered consumer gets and checks under ``torch.inference_mode()`` (a server
+running its model): a view carrying either mode is a wrong read too.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import zmq
 
 from mmfeat.client import Client, MmfeatError
+from mmfeat.protos.descriptor import Descriptor
 
 DTYPES = [torch.uint8, torch.float32, torch.int64, torch.bfloat16, torch.float16]
 # chaos.py --backend cuda_vmm: features are made, put and checked as CUDA tensors.
@@ -35,6 +40,16 @@ def feature(seed: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     size = torch.empty((), dtype=dtype).element_size()
     n = max(1, nbytes // size)
     return pattern(seed, n * size).view(dtype).reshape(-1).to(DEVICE)
+
+
+def with_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a non-contiguous tensor (every other element of a larger one) that, for a
+    floating dtype, requires grad and has a grad_fn."""
+    base = torch.zeros(t.numel(), 2, dtype=t.dtype, device=t.device)
+    base[:, 0] = t
+    if t.dtype.is_floating_point:
+        base.requires_grad_()
+    return base[:, 0]
 
 
 class Counts:
@@ -56,7 +71,7 @@ class Counts:
         os.replace(tmp, self.path)
 
 
-def produce(runtime_dir: str, run: Path, endpoints: list[str], seconds: float) -> None:
+def produce(runtime_dir: str, run: Path, endpoints: list[str], seconds: float, grad: bool) -> None:
     rng = random.Random(os.getpid())
     counts = Counts(run, "producer")
     ctx = zmq.Context()
@@ -79,7 +94,7 @@ def produce(runtime_dir: str, run: Path, endpoints: list[str], seconds: float) -
             try:
                 if rng.random() < 0.2:
                     tensors = [feature(seed + j, nbytes // 3 + 1, dtype) for j in range(3)]
-                    desc = c.put_many(tensors, consumers=k)
+                    desc = c.put_many([with_grad(t) for t in tensors] if grad else tensors, consumers=k)
                     spec = [[seed + j, t.numel(), str(dtype)] for j, t in enumerate(tensors)]
                 elif rng.random() < 0.15:
                     # Filled in place, and now and then published later than a reload's short reserve_ttl
@@ -92,13 +107,17 @@ def produce(runtime_dir: str, run: Path, endpoints: list[str], seconds: float) -
                     spec = [[seed, t.numel(), str(dtype)]]
                 else:
                     t = feature(seed, nbytes, dtype)
-                    desc = c.put(t, consumers=k)
+                    desc = c.put(with_grad(t) if grad else t, consumers=k)
                     spec = [[seed, t.numel(), str(dtype)]]
             except MmfeatError as exc:
                 counts.add(f"put_error_{exc.code.value if exc.code else 'unavailable'}")
                 time.sleep(0.05)
                 continue
             counts.add("inline" if desc.is_inline else "put")
+            if grad:
+                counts.add("grad_puts")
+                if not desc.is_inline and seq % 8 == 0:
+                    _check_own_view(c, desc, run)
             blob = msgpack.packb([spec, desc.to_bytes()])
             for s in rng.sample(pushes, k):
                 try:
@@ -108,7 +127,21 @@ def produce(runtime_dir: str, run: Path, endpoints: list[str], seconds: float) -
     counts.flush()
 
 
-def consume(runtime_dir: str, run: Path, endpoint: str) -> None:
+def _check_own_view(c: Client, desc: Descriptor, run: Path) -> None:
+    """A view of the grad producer's own feature: its copies into the pool must not have given the pool's
+    views a graph, which every later view of this process would inherit."""
+    try:
+        got = c.get(desc)
+    except MmfeatError:
+        return  # the daemon restarted, or the consumers acked it already
+    for t in got if isinstance(got, list) else [got]:
+        if t.requires_grad or t.grad_fn is not None:
+            wrong = os.open(run / "WRONG", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(wrong, f"producer {os.getpid()}: a view of its own feature has grad_fn {t.grad_fn}\n".encode())
+            os.close(wrong)
+
+
+def consume(runtime_dir: str, run: Path, endpoint: str, inference: bool) -> None:
     rng = random.Random(os.getpid())
     counts = Counts(run, "consumer")
     wrong = os.open(run / "WRONG", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -123,24 +156,36 @@ def consume(runtime_dir: str, run: Path, endpoint: str) -> None:
                 continue
             spec, blob = msgpack.unpackb(pull.recv())
             copy = rng.random() < 0.5
-            try:
-                got = c.get(blob, copy=copy)
-            except MmfeatError as exc:
-                counts.add(f"refused_{exc.code.value if exc.code else 'unavailable'}")
-                continue
-            for (seed, numel, dtype), t in zip(spec, got if isinstance(got, list) else [got]):
-                expect = feature(seed, numel * t.element_size(), getattr(torch, dtype.split(".")[1]))
-                if not torch.equal(t.view(torch.uint8), expect.view(torch.uint8).to(t.device)):
-                    os.write(wrong, f"seed {seed} numel {numel} {dtype} copy={copy}\n".encode())
-                    counts.add("wrong")
-                else:
-                    counts.add("checked_bytes", t.numel() * t.element_size())
+            with torch.inference_mode(inference):
+                try:
+                    got = c.get(blob, copy=copy)
+                except MmfeatError as exc:
+                    counts.add(f"refused_{exc.code.value if exc.code else 'unavailable'}")
+                    continue
+                for (seed, numel, dtype), t in zip(spec, got if isinstance(got, list) else [got]):
+                    expect = feature(seed, numel * t.element_size(), getattr(torch, dtype.split(".")[1]))
+                    # A private copy made in inference mode is an inference tensor, as torch makes it; a
+                    # view into the pool never is, and never requires grad.
+                    moded = t.requires_grad or (not copy and not desc_inline(blob) and t.is_inference())
+                    if moded or not torch.equal(t.view(torch.uint8), expect.view(torch.uint8).to(t.device)):
+                        os.write(wrong, f"seed {seed} numel {numel} {dtype} copy={copy} inference={inference} "
+                                        f"requires_grad={t.requires_grad} is_inference={t.is_inference()}\n".encode())
+                        counts.add("wrong")
+                    else:
+                        counts.add("checked_bytes", t.numel() * t.element_size())
             counts.add("checked")
+            if inference:
+                counts.add("inference_gets")
             try:
                 c.ack(blob, wait=rng.random() < 0.5)
                 counts.add("acked")
             except MmfeatError:
                 counts.add("ack_failed")
+
+
+def desc_inline(blob: bytes) -> bool:
+    """Whether ``blob`` is an inline descriptor, whose view is made from its bytes in the caller's mode."""
+    return Descriptor.from_bytes(blob).is_inline
 
 
 def main() -> None:
@@ -153,9 +198,9 @@ def main() -> None:
         if pid == 0:
             try:
                 if role == "producer":
-                    produce(runtime_dir, run, sys.argv[6].split(","), float(sys.argv[5]))
+                    produce(runtime_dir, run, sys.argv[6].split(","), float(sys.argv[5]), grad=name == "p0")
                 else:
-                    consume(runtime_dir, run, sys.argv[5])
+                    consume(runtime_dir, run, sys.argv[5], inference=int(name[1:]) % 2 == 1)
             finally:
                 os._exit(0)
         tmp = run / f"{name}.pid.tmp"
