@@ -21,15 +21,15 @@ from mmfeat.protos.descriptor import Descriptor, DescriptorError
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.paths import control_endpoint, default_runtime_dir
 
-from .ack_routes import Acks
-from .channel import ControlChannel
-from .consumer import Consumer
-from .fallbacks import FallbackTracker
-from .lease_table import LeaseTableView
-from .pinned import PendingCopies
-from .producer import Producer
-from .reservations import Reservations, ShapeLike, TensorOrList
-from .session import Session, open_session
+from .consume.ack_routes import Acks
+from .link.channel import ControlChannel
+from .consume.consumer import Consumer
+from .produce.fallbacks import FallbackTracker
+from .link.lease_table import LeaseTableView
+from .consume.pinned import PendingCopies
+from .produce.producer import Producer
+from .produce.reservations import Reservations, ShapeLike, TensorOrList
+from .link.session import Session, open_session
 
 log = logging.getLogger("mmfeat.client")
 

@@ -27,7 +27,7 @@ from mmfeat.protos.descriptor import Descriptor, DescriptorError
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.tensor_spec import MAX_TENSORS
 
-from . import dlpack
+from .gpu import dlpack
 from .client import Client
 from .fork_locks import renew_in_child
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmfeat.client.channel import ControlChannel
+from mmfeat.client.link.channel import ControlChannel
 from mmfeat.protos.errors import MmfeatError
 from mmfeat.protos.paths import control_endpoint, default_runtime_dir
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Optional, Sequence
 
-from mmfeat.client.channel import ControlChannel
+from mmfeat.client.link.channel import ControlChannel
 from mmfeat.protos.errors import MmfeatError
 from mmfeat.protos.paths import CONTROL_SOCKET, FD_SOCKET, control_endpoint
 

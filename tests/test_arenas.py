@@ -214,7 +214,7 @@ def test_a_consumer_that_never_acks_stalls_nothing_past_ack_ttl(daemon_factory) 
 
 
 def test_an_idle_producer_gives_its_arena_back(daemon, monkeypatch) -> None:
-    from mmfeat.client import arenas
+    from mmfeat.client.link import arenas
 
     monkeypatch.setattr(arenas, "IDLE_S", 0.4)
     with daemon.client(inline_threshold=0) as c:
@@ -295,7 +295,7 @@ def test_a_session_at_its_arena_limit_gives_an_old_arena_back_for_a_new_size_cla
     """A producer that holds arenas_per_session usual arenas and then puts a feature of a new size class
     gives back its least recently used arena and takes one of that class, instead of reserving each such
     feature until an arena goes idle; the features of the arena it gave back stay readable."""
-    from mmfeat.client import arenas
+    from mmfeat.client.link import arenas
 
     # The idle reaper must not take the usual arena first: on a loaded machine the steps below can outlast
     # IDLE_S, and the request would then be granted with no refusal, which is what this test counts.

@@ -96,7 +96,7 @@ def test_dropping_a_lease_table_view_lets_its_mapping_close() -> None:
     """The same for the client's writable view of the table, which binds its load function once."""
     import gc
 
-    from mmfeat.client.lease_table import LeaseTableView
+    from mmfeat.client.link.lease_table import LeaseTableView
     from mmfeat.protos.lease_table import table_bytes
 
     mm = mmap.mmap(-1, table_bytes(16))

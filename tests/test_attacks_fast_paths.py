@@ -62,7 +62,8 @@ def test_a_put_interrupted_during_its_copy_gives_its_slot_and_range_back(daemon_
 _INTERRUPTED_PUT = r"""
 import json, os, signal, sys, threading, time
 import torch
-from mmfeat.client import Client, arenas
+from mmfeat.client import Client
+from mmfeat.client.link import arenas
 
 # The expiry waited for below can outlast IDLE_S on a loaded machine: the reaper would then return the
 # session's only arena, and the next put reserve, which is what a stopped ring looks like here.

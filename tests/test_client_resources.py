@@ -140,7 +140,7 @@ def test_a_lock_path_that_is_no_file_leaves_the_answer_to_the_socket(tmp_path, p
 
 def test_a_live_daemon_is_not_mistaken_for_a_dead_one(daemon) -> None:
     """The probe's connection to the control socket, and its shared lock, leave a live daemon serving."""
-    from mmfeat.client.daemon_lock import gone_daemon
+    from mmfeat.client.link.daemon_lock import gone_daemon
 
     assert gone_daemon(daemon.runtime_dir) is None
     os.rename(daemon.runtime_dir / "mmfeatd.lock", daemon.runtime_dir / "lock.aside")
@@ -172,7 +172,7 @@ def test_a_daemon_starts_through_a_clients_momentary_probe_of_its_lock(daemon_fa
 _PROBES = """
 import sys
 from pathlib import Path
-from mmfeat.client.daemon_lock import gone_daemon
+from mmfeat.client.link.daemon_lock import gone_daemon
 rd = Path(sys.argv[1])
 print("probing", flush=True)
 while True:
@@ -209,7 +209,7 @@ def test_a_daemon_starts_at_its_first_try_while_clients_probe_its_lock(daemon_fa
 def test_a_lock_file_of_an_earlier_release_is_probed_with_its_flock(tmp_path) -> None:
     """A daemon of an earlier release holds a flock alone, which the OFD query does not see, and writes
     its pid alone: the probe then asks the flock, as that release's clients did."""
-    from mmfeat.client.daemon_lock import gone_daemon
+    from mmfeat.client.link.daemon_lock import gone_daemon
 
     lock = tmp_path / "mmfeatd.lock"
     lock.write_text("4242\n")

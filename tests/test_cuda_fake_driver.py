@@ -176,7 +176,7 @@ def test_a_process_without_cuda_puts_and_reserves_inline_where_the_daemon_has_on
     import torch
 
     from mmfeat.client import Client
-    from mmfeat.client.cuda_import import PoolMapError
+    from mmfeat.client.gpu.cuda_import import PoolMapError
 
     if torch.cuda.is_available():
         pytest.skip("this process sees a CUDA device")

@@ -21,7 +21,7 @@ no_driver = pytest.mark.skipif(drv.driver_unavailable_reason() is None, reason="
 
 
 def test_cuda_modules_import() -> None:
-    import mmfeat.client.cuda_import  # noqa: F401
+    import mmfeat.client.gpu.cuda_import  # noqa: F401
     import mmfeat.daemon.pools.cuda_vmm  # noqa: F401
     import mmfeat.daemon.pools.fabric_probe  # noqa: F401
 
@@ -164,7 +164,7 @@ def _driver_names_used() -> set[str]:
     from pathlib import Path
 
     root = Path(__file__).parent.parent
-    files = ["mmfeat_pkg/cuda_driver.py", "client/cuda_import.py", "daemon/pools/cuda_vmm.py",
+    files = ["mmfeat_pkg/cuda_driver.py", "client/gpu/cuda_import.py", "daemon/pools/cuda_vmm.py",
              "daemon/pools/fabric_probe.py"]
     names: set[str] = set()
     for f in files:
@@ -213,7 +213,7 @@ def test_dlpack_view_has_no_copy_and_keeps_its_owner_until_the_last_view() -> No
 
     import torch
 
-    from mmfeat.client import dlpack
+    from mmfeat.client.gpu import dlpack
 
     released = []
 
@@ -242,7 +242,7 @@ def test_keep_alive_views_the_same_bytes_and_holds_its_owner_until_the_last_view
 
     import torch
 
-    from mmfeat.client import dlpack
+    from mmfeat.client.gpu import dlpack
 
     released = []
 
@@ -276,7 +276,7 @@ def test_a_view_alive_at_interpreter_exit_does_not_crash_it() -> None:
 
     code = (
         "import ctypes, mmap, os, torch\n"
-        "from mmfeat.client import dlpack\n"
+        "from mmfeat.client.gpu import dlpack\n"
         "mm = mmap.mmap(-1, 1 << 16)\n"
         "ptr = ctypes.addressof((ctypes.c_uint8 * (1 << 16)).from_buffer(mm))\n"
         "class Owner:\n"
@@ -303,8 +303,8 @@ def test_the_acker_sleeps_on_the_event_and_acks_when_it_wakes() -> None:
     import threading
     import time
 
-    from mmfeat.client.ack_thread import Acker
-    from mmfeat.client.async_failures import AsyncFailures
+    from mmfeat.client.consume.ack_thread import Acker
+    from mmfeat.client.link.async_failures import AsyncFailures
 
     class GpuWork:  # what ack(after=) hands the acker: a blocking torch.cuda.Event (no `blocking` attribute)
         def __init__(self) -> None:

@@ -81,8 +81,10 @@ def test_a_forked_child_takes_the_module_locks_a_parent_thread_held(daemon) -> N
     side streams of acks after a CUDA event, and the driver's initialisation."""
     code = """
 from mmfeat import cuda_driver
-from mmfeat.client import ack_routes, dlpack, dumps, loads, parcel, pinned
-from mmfeat.client.mapping import HostMapping
+from mmfeat.client import dumps, loads, parcel
+from mmfeat.client.consume import ack_routes, pinned
+from mmfeat.client.gpu import dlpack
+from mmfeat.client.link.mapping import HostMapping
 os.environ["MMFEAT_RUNTIME_DIR"] = rt
 c = Client(rt)
 check("parcel: dumps with the default client", parcel._default_lock, lambda: dumps({"x": torch.zeros(4)}))

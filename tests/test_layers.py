@@ -112,7 +112,7 @@ def test_a_put_in_flight_travels_as_one_object() -> None:
     loose = {"specs", "nbytes", "many", "tensors", "consumers"}
     offenders = []
     for name in ("producer.py", "reservations.py"):
-        path = ROOT / "client" / name
+        path = ROOT / "client" / "produce" / name
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("_"):  # put and reserve make one
                 args = {a.arg for a in node.args.args + node.args.kwonlyargs}

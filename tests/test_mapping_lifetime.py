@@ -427,7 +427,7 @@ def test_a_child_forked_while_its_parent_maps_a_pool_and_table_maps_its_own(daem
     MAP_POPULATE can take a while) holds their locks; here a thread holds both across the fork. The
     child's own session maps them all the same, instead of waiting forever."""
     code = """
-from mmfeat.client import lease_table, mapping
+from mmfeat.client.link import lease_table, mapping
 
 def put_get_ack():
     with Client(rt, inline_threshold=0) as c:

@@ -4,7 +4,7 @@ at once, and a DMA may still be reading them."""
 
 from __future__ import annotations
 
-from mmfeat.client.pinned import PendingCopies
+from mmfeat.client.consume.pinned import PendingCopies
 
 
 class _Copy:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmfeat.client.channel import ControlChannel
+from mmfeat.client.link.channel import ControlChannel
 from mmfeat.protos import ErrorCode, MmfeatError
 
 from .conftest import Daemon

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmfeat.client.channel import ControlChannel
+from mmfeat.client.link.channel import ControlChannel
 from mmfeat.daemon.metrics import _mesh_metrics
 from mmfeat.daemon.mesh.remote import copy_pool, fabric_reply, route
 from mmfeat.protos.errors import ErrorCode, MmfeatError

@@ -7,7 +7,8 @@ import gc
 import pytest
 import torch
 
-from mmfeat.client import Client, dlpack
+from mmfeat.client import Client
+from mmfeat.client.gpu import dlpack
 from mmfeat.protos import DaemonUnavailableError, ErrorCode, MmfeatError
 
 from . import reservation_workers, workers

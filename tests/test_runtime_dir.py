@@ -137,7 +137,7 @@ def _fake_daemon_as(uid: int, runtime_dir: Path) -> subprocess.Popen:
 
 @needs_root
 def test_clients_refuse_a_daemon_of_another_user_in_a_squatted_dir() -> None:
-    from mmfeat.client.fd_channel import open_fd_channel
+    from mmfeat.client.link.fd_channel import open_fd_channel
     from mmfeat.protos import ErrorCode, MmfeatError
 
     # /tmp/mmfeat-<uid> made by someone else: the parent is world-writable, so only the client's own
@@ -156,7 +156,7 @@ def test_clients_refuse_a_daemon_of_another_user_in_a_squatted_dir() -> None:
 
 @needs_root
 def test_clients_trust_the_owner_of_a_dir_only_root_could_create() -> None:
-    from mmfeat.client.fd_channel import open_fd_channel
+    from mmfeat.client.link.fd_channel import open_fd_channel
     from mmfeat.protos import ErrorCode, MmfeatError
 
     # /run/mmfeat under systemd: owned by the daemon's user, in a parent only root may write. The

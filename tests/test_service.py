@@ -20,7 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmfeat.client import Client
-from mmfeat.client.channel import ControlChannel
+from mmfeat.client.link.channel import ControlChannel
 from mmfeat.testing import free_tcp_port
 from mmfeat.daemon.config import HELP, Settings, load_settings, tomllib
 from mmfeat.daemon.sd_notify import Notifier
@@ -118,7 +118,7 @@ def test_notifier_abstract_socket_and_watchdog_pid() -> None:
 
 
 def _hello_ttls(runtime_dir) -> tuple[float, float]:
-    from mmfeat.client.channel import ControlChannel
+    from mmfeat.client.link.channel import ControlChannel
 
     ch = ControlChannel(f"ipc://{runtime_dir}/mmfeatd.sock", 5)
     try:

@@ -17,7 +17,7 @@ def test_large_features_in_steady_state_send_the_daemon_no_message_each(daemon, 
     """Features over half the usual arena (8 MiB in this 128 MiB pool) go to an arena of their size class,
     granted once: forty more of them are published and acked through the lease table with no request to
     the daemon (the producer's stats call is the only one it takes)."""
-    from mmfeat.client import arenas
+    from mmfeat.client.link import arenas
 
     # The warm-up's first put takes a usual arena too, which none of these features uses: on a loaded
     # machine the loop can outlast IDLE_S, and the reaper's return of it would be one more request.

@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from mmfeat.client.channel import ControlChannel
+from mmfeat.client.link.channel import ControlChannel
 from mmfeat.protos import DaemonUnavailableError, ErrorCode, MmfeatError
 
 

@@ -267,7 +267,7 @@ def test_put_tokens_are_fresh_and_a_forked_child_draws_its_own() -> None:
     time: each is new, and a child forked mid-draw hands out none of the tokens its parent will."""
     import os
 
-    from mmfeat.client.put_in_flight import new_token
+    from mmfeat.client.produce.put_in_flight import new_token
 
     seen = {new_token() for _ in range(1000)}
     assert len(seen) == 1000 and all(len(t) == 16 for t in seen)

@@ -150,7 +150,7 @@ def _burst_daemon(pool_mb: int, size: int, burst: int) -> tuple[int, tuple[str, 
 
 def _daemon_facts(runtime_dir: Path) -> tuple[str, int]:
     """(payload device, daemon pid): cuda:N when the daemon's first pool is in GPU memory, else cpu."""
-    from mmfeat.client.channel import ControlChannel
+    from mmfeat.client.link.channel import ControlChannel
     from mmfeat.protos.paths import control_endpoint
 
     ch = ControlChannel(control_endpoint(runtime_dir), 5.0)

@@ -40,8 +40,8 @@ def _echo_server(endpoint: str, ready: Any, stop: Any) -> None:
 
 
 def _mmfeat_worker(runtime_dir: str, seconds: float, start: Any, out: Any) -> None:
-    from mmfeat.client.channel import ControlChannel
-    from mmfeat.client.fd_channel import open_fd_channel
+    from mmfeat.client.link.channel import ControlChannel
+    from mmfeat.client.link.fd_channel import open_fd_channel
 
     import os
 

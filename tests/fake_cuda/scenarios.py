@@ -55,7 +55,7 @@ def pool_info(owner_phys: int = 0, daemon_ordinal: int = 0) -> Any:
 def cpu_dlpack() -> None:
     """The client's own DLPack wrap, as kDLCPU: torch's CPU build cannot make a CUDA tensor. The memory
     is never touched."""
-    from mmfeat.client import dlpack
+    from mmfeat.client.gpu import dlpack
 
     real = dlpack.uint8_tensor
     dlpack.uint8_tensor = lambda ptr, n, dt, did, owner: real(ptr, n, dlpack.KDL_CPU, 0, owner)
@@ -63,7 +63,7 @@ def cpu_dlpack() -> None:
 
 def wrap_fails() -> None:
     """The DLPack wrap fails after the range is mapped, while the runtime holds its own reference."""
-    from mmfeat.client import cuda_import, dlpack
+    from mmfeat.client.gpu import cuda_import, dlpack
 
     fake_torch_cuda(0)
     runtime_context(0)
@@ -83,7 +83,7 @@ def wrap_fails() -> None:
 
 def restore_current() -> None:
     """The context current on the calling thread before a mapping and after it, and after its unmap."""
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     fake_torch_cuda(0)
     cpu_dlpack()
@@ -105,7 +105,7 @@ def restore_current() -> None:
 
 def owner_never_used() -> None:
     """This process uses GPU 0; the pool lives on GPU 1, which it grants access to but never used."""
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     fake_torch_cuda(0)
     cpu_dlpack()
@@ -139,7 +139,7 @@ def daemon_two_pools() -> None:
 
 def map_failure_remembered() -> None:
     """An import that fails (STUB_IMPORT_FAIL_TYPE=1), asked for three times, then once after the wait."""
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     fake_torch_cuda(0)
     cpu_dlpack()
@@ -167,7 +167,7 @@ def failed_map_holds_nothing() -> None:
     once the put is over, though the failure itself is remembered."""
     import weakref
 
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     fake_torch_cuda(0)
     cpu_dlpack()
@@ -212,8 +212,8 @@ def pin_host_pool() -> None:
     """A GPU consumer's staged gets from a host pool: the mapping pinned on the first, reused by the
     next ones, on devices 0 and 1; then the mapping dropped while a view of it lives, then the view.
     $FAKE_CUDA_SCENARIO_READONLY=1 maps the pool read-only."""
-    from mmfeat.client import mapping as mapping_cache
-    from mmfeat.client.pinned import pinned_view
+    from mmfeat.client.link import mapping as mapping_cache
+    from mmfeat.client.consume.pinned import pinned_view
 
     fake_torch_cuda(0)
     runtime_context(0)  # the consumer's own use of its GPU
@@ -290,7 +290,7 @@ def fabric_gets() -> None:
 
 def fork_while_importing() -> None:
     """A thread holds the GPU pool cache's lock across a fork; the forked child maps a pool of its own."""
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
     from tests.forking import fork_holding, reap
 
     fake_torch_cuda(0)
@@ -305,7 +305,7 @@ def fork_while_importing() -> None:
 
 def child_drops_parents_pool() -> None:
     """A forked child drops its copy of the parent's mapping; then the parent drops its own."""
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     fake_torch_cuda(0)
     cpu_dlpack()
@@ -329,7 +329,7 @@ def remap_while_unmapping() -> None:
     (STUB_UNMAP_SLEEP_MS); meanwhile the main thread maps the same pool again."""
     import threading
 
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     fake_torch_cuda(0)
     cpu_dlpack()

@@ -44,7 +44,7 @@ def _pool_and_fd(client) -> tuple[dict, int]:
 
 
 def test_a_mapping_gives_the_thread_back_its_context_and_torch_keeps_working(gpu_daemon) -> None:
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     torch.cuda.set_device(0)
     keep = torch.arange(1024, device="cuda:0")
@@ -63,7 +63,7 @@ def test_a_mapping_gives_the_thread_back_its_context_and_torch_keeps_working(gpu
 
 
 def test_a_failed_wrap_after_the_mapping_leaves_torchs_context_alive(gpu_daemon, monkeypatch) -> None:
-    from mmfeat.client import cuda_import, dlpack
+    from mmfeat.client.gpu import cuda_import, dlpack
 
     torch.cuda.set_device(0)
     keep = torch.ones(1024, device="cuda:0")
@@ -84,7 +84,7 @@ def test_a_failed_wrap_after_the_mapping_leaves_torchs_context_alive(gpu_daemon,
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: the pool on one, the process on the other")
 def test_unmapping_creates_no_context_on_the_pools_gpu_when_unused(runtime_dir) -> None:
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     d = start_daemon(runtime_dir, "--pool-mb", "64", "--devices", "1", backend="cuda_vmm")
     try:

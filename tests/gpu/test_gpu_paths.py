@@ -25,7 +25,7 @@ def gpu_daemon(runtime_dir):
 
 
 def test_a_posix_fd_export_imported_twice_in_one_process(gpu_daemon) -> None:
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
 
     torch.cuda.set_device(0)
     with gpu_daemon.client() as c:

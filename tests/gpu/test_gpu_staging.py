@@ -22,7 +22,7 @@ def staging_daemon(runtime_dir):
 
 
 def test_a_cpu_feature_is_staged_from_pinned_pages_with_every_byte(staging_daemon) -> None:
-    from mmfeat.client.pinned import pinned_view
+    from mmfeat.client.consume.pinned import pinned_view
 
     torch.cuda.set_device(0)
     x = torch.randint(0, 255, (4096, 16 << 10), dtype=torch.uint8)  # 64 MiB

@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .neutral import outside_inference
+from ..neutral import outside_inference
 
 
 @dataclass

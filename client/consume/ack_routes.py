@@ -25,9 +25,9 @@ from mmfeat.protos.errors import DaemonUnavailableError
 from mmfeat.protos.messages import MAX_CONSUMERS, AckReply
 
 from .acked_leases import AckedLeases
-from .channel import ControlChannel
+from ..link.channel import ControlChannel
 from .pinned import PendingCopies
-from .session import Session
+from ..link.session import Session
 
 log = logging.getLogger("mmfeat.client")
 

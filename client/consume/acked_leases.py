@@ -14,9 +14,9 @@ from collections import OrderedDict
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 
-from .fork_locks import renew_in_child
-from .session import Session
-from .lease_table import STATE_FREE
+from ..fork_locks import renew_in_child
+from ..link.session import Session
+from ..link.lease_table import STATE_FREE
 
 # A repeat further back than this many acks goes on the wire and is counted as a pipelined failure.
 MAX_REMEMBERED = 4096

@@ -18,9 +18,9 @@ from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.descriptor_parts import head_fields
 from mmfeat.protos.messages import TOKEN_BYTES, PoolInfo
 
-from . import tensors as tz
-from .arenas import Placement
-from .session import Session
+from .. import tensors as tz
+from ..link.arenas import Placement
+from ..link.session import Session
 
 
 # A feature's token (the capability to ack or release it) comes from the kernel's CSPRNG, drawn for this

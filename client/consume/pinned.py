@@ -22,9 +22,9 @@ import torch
 from mmfeat import cuda_driver as drv
 from mmfeat.protos.descriptor import Descriptor
 
-from . import dlpack
-from .fork_locks import renew_in_child
-from .mapping import HostMapping
+from ..gpu import dlpack
+from ..fork_locks import renew_in_child
+from ..link.mapping import HostMapping
 
 log = logging.getLogger("mmfeat.client")
 

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections import Counter
 
-from .fork_locks import renew_in_child
+from ..fork_locks import renew_in_child
 
 log = logging.getLogger("mmfeat.client")
 

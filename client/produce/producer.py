@@ -16,13 +16,13 @@ from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
 from mmfeat.protos.messages import MAX_CONSUMERS, FallbackReason, LeaseReply, PoolInfo
 
-from . import tensors as tz
-from .channel import ControlChannel
+from .. import tensors as tz
+from ..link.channel import ControlChannel
 from .fallbacks import FallbackTracker
-from .policy import feature_pool
+from ..policy import feature_pool
 from .put_in_flight import PutInFlight, new_token
-from .session import Session
-from .stream_wait import wait_for_current_stream
+from ..link.session import Session
+from ..gpu.stream_wait import wait_for_current_stream
 
 _FALLBACK_ERRORS = {
     ErrorCode.POOL_FULL: FallbackReason.POOL_FULL,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .neutral import outside_inference
+from ..neutral import outside_inference
 
 KDL_CPU, KDL_CUDA = 1, 2
 _KDL_UINT = 1

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from mmfeat.protos.errors import MmfeatError
 
-from .async_failures import AsyncFailures
+from ..link.async_failures import AsyncFailures
 
 log = logging.getLogger("mmfeat.client")
 

@@ -12,14 +12,14 @@ from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import PoolInfo, RemoteGetReply
 
-from . import tensors as tz
-from .channel import ControlChannel
-from .session import Session
-from .stream_wait import wait_for_current_stream
-from .mapping import HostMapping
+from .. import tensors as tz
+from ..link.channel import ControlChannel
+from ..link.session import Session
+from ..gpu.stream_wait import wait_for_current_stream
+from ..link.mapping import HostMapping
 from .pinned import PendingCopies, pending_key, pinned_view
-from .policy import feature_staging
-from .lease_table import STATE_FREE, STATE_MISMATCH
+from ..policy import feature_staging
+from ..link.lease_table import STATE_FREE, STATE_MISMATCH
 
 log = logging.getLogger("mmfeat.client")
 

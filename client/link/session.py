@@ -157,7 +157,7 @@ class Session:
             if not torch.cuda.is_available():
                 # torch would assert (a CPU-only build) or raise deep inside; a PoolMapError is what put and
                 # reserve fall back inline on, and what a get raises for a pool it cannot map.
-                from .cuda_import import PoolMapError
+                from ..gpu.cuda_import import PoolMapError
 
                 raise PoolMapError(f"pool {pool_id} is GPU memory (device {info.device}), and this process sees "
                                    "no CUDA device: get it where one is, or give the daemon a host pool "
@@ -165,7 +165,7 @@ class Session:
             device = torch.cuda.current_device()
         key = (pool_id, device)
         if key not in self.mappings:
-            from .cuda_import import map_cuda_pool
+            from ..gpu.cuda_import import map_cuda_pool
 
             fd = self.fds.get(pool_id)
             self.mappings[key] = map_cuda_pool(self.endpoint, info, os.dup(fd) if fd is not None else None,
@@ -183,7 +183,7 @@ class Session:
         held = self.fabric_mappings.get(key)
         if held is not None and held.epoch == info.epoch:
             return held
-        from .cuda_import import map_cuda_pool
+        from ..gpu.cuda_import import map_cuda_pool
 
         mapping = map_cuda_pool(f"mesh:{node}", info, None, self.readonly)
         self.fabric_mappings[key] = mapping

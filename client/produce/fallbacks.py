@@ -18,8 +18,8 @@ from typing import Optional
 from mmfeat.protos.errors import FdLimitError, MmfeatError
 from mmfeat.protos.messages import FallbackReason
 
-from .channel import ControlChannel
-from .fork_locks import renew_in_child
+from ..link.channel import ControlChannel
+from ..fork_locks import renew_in_child
 
 log = logging.getLogger("mmfeat.client")
 

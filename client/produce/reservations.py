@@ -27,15 +27,15 @@ from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.messages import MAX_NBYTES, PoolInfo
 from mmfeat.protos.tensor_spec import check_tensor_count, packed_strides
 
-from . import dlpack
-from . import tensors as tz
-from .arenas import Placement
-from .fork_locks import renew_in_child
-from .neutral import outside_inference
+from ..gpu import dlpack
+from .. import tensors as tz
+from ..link.arenas import Placement
+from ..fork_locks import renew_in_child
+from ..neutral import outside_inference
 from .producer import _FALLBACK_ERRORS, Producer, check_consumers
 from .put_in_flight import PutInFlight
-from .session import Session
-from .stream_wait import wait_for_current_stream
+from ..link.session import Session
+from ..gpu.stream_wait import wait_for_current_stream
 
 ShapeLike = Union[int, Sequence[int], torch.Size]
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
