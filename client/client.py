@@ -45,7 +45,7 @@ DEFAULT_INLINE_MAX = int(os.environ.get("MMFEAT_INLINE_MAX", str(256 << 20)))
 DescLike = Any
 
 
-# Every Client of this process, whose connect lock a forked child takes fresh (as client/channel.py does
+# Every Client of this process, whose connect lock a forked child takes fresh (as client/link/channel.py does
 # its channels' locks): a thread of the parent opening a session at the fork holds it there for good.
 _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 

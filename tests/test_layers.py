@@ -106,8 +106,8 @@ def test_only_protos_envelope_makes_request_and_reply_frames() -> None:
 
 
 def test_a_put_in_flight_travels_as_one_object() -> None:
-    """The producer's path (client/producer.py) and the zero-copy one (client/reservations.py) hand a
-    feature on its way into the pool from step to step as one PutInFlight (client/put_in_flight.py), not
+    """The producer's path (client/produce/producer.py) and the zero-copy one (client/produce/reservations.py) hand a
+    feature on its way into the pool from step to step as one PutInFlight (client/produce/put_in_flight.py), not
     as loose (tensors, specs, nbytes, many, ...) arguments each step must pass on in the same order."""
     loose = {"specs", "nbytes", "many", "tensors", "consumers"}
     offenders = []

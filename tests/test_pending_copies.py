@@ -1,4 +1,4 @@
-"""The consumer's book of staged copies in flight (client/pinned.py, PendingCopies) stays within its
+"""The consumer's book of staged copies in flight (client/consume/pinned.py, PendingCopies) stays within its
 bound, and forgets no copy before it has completed: an ack that finds nothing to wait for frees bytes
 at once, and a DMA may still be reading them."""
 

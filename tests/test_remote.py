@@ -273,7 +273,7 @@ def test_the_route_to_a_feature_is_fabric_only_in_a_shared_nvlink_domain() -> No
                 {"cluster_uuid": "ab" * 16, "clique": -1}, {"cluster_uuid": "ab" * 16, "clique": 1 << 32}):
         with pytest.raises(MeshError):
             decode_mesh(encode_mesh("hello", {**hello, "fabric_domain": bad}))
-    # What the client then maps: the fields client/cuda_import.py reads for a FABRIC pool of its own daemon.
+    # What the client then maps: the fields client/gpu/cuda_import.py reads for a FABRIC pool of its own daemon.
     ref = LeaseRef(pool=0, epoch=9, lease=3, gen=4, token=b"t" * 16, offset=256, nbytes=1024)
     reply = fabric_reply("a", 9, fabric, ref).to_wire()
     info = reply["fabric"]

@@ -69,7 +69,7 @@ def test_a_lease_reply_with_a_malformed_lease_is_a_typed_error() -> None:
 
 
 def test_both_transports_send_a_quiet_request_and_count_its_failure_under_its_op(daemon) -> None:
-    """The control channel and the fd channel are one interface (client/transport.py): ``send`` is a
+    """The control channel and the fd channel are one interface (client/link/transport.py): ``send`` is a
     quiet request on either, and its error reply, read by a later call, is counted under the op."""
     lease = {"pool": 0, "epoch": 0, "lease": 1 << 20, "gen": 0, "token": b"t" * 16, "offset": 0, "nbytes": 1}
     with daemon.client() as c:

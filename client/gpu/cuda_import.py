@@ -4,7 +4,7 @@ POSIX fd or FABRIC bytes -> import -> reserve VA -> map -> set access for this p
 release the imported handle (the mapping keeps the memory) -> close the fd. Per tensor there is no
 driver call at all: get() slices the cached tensor.
 
-The cache holds the mapped ranges weakly, as client/mapping.py holds host pools: the sessions using a
+The cache holds the mapped ranges weakly, as client/link/mapping.py holds host pools: the sessions using a
 pool hold its CudaMapping, and every tensor over the pool holds its range. Once the last of them is gone
 the range is unmapped, so a consumer that outlives its daemon does not keep that daemon's HBM allocated
 (memory the restarted daemon needs).

@@ -2,7 +2,7 @@
 
 A consumer checks a descriptor here without a round trip and adds its acks here; a producer publishes
 the features of its arenas here. Mapped once per daemon epoch and shared by the sessions of the process
-that use it; unmapped once none does (held weakly, as client/mapping.py holds pools).
+that use it; unmapped once none does (held weakly, as client/link/mapping.py holds pools).
 """
 
 from __future__ import annotations
@@ -155,13 +155,13 @@ class LeaseTableView:
 
 
 _lock = threading.Lock()
-# Weakly, as client/mapping.py holds pools: the sessions using a table hold it.
+# Weakly, as client/link/mapping.py holds pools: the sessions using a table hold it.
 _tables: "weakref.WeakValueDictionary[tuple[str, int], LeaseTableView]" = weakref.WeakValueDictionary()
 
 
 def _new_lock_in_child() -> None:
     # A thread of the parent mapping a table at the fork holds the lock in the child for good, as in
-    # client/mapping.py: the child's first session would wait for it forever.
+    # client/link/mapping.py: the child's first session would wait for it forever.
     global _lock
     _lock = threading.Lock()
 

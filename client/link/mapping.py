@@ -25,7 +25,7 @@ class HostMapping:
     size: int
     tensor: Any  # torch.uint8 tensor over the whole pool; it keeps the mmap alive
     readonly: bool = False
-    # The same pages registered with the CUDA driver (client/pinned.py), made on a GPU consumer's first
+    # The same pages registered with the CUDA driver (client/consume/pinned.py), made on a GPU consumer's first
     # staged get and kept as long as the mapping; pin_error: why it could not be, so it is not retried.
     pinned: Any = None
     pin_error: Optional[str] = None

@@ -1,5 +1,5 @@
 """A client's session with its daemon: the hello, the fd channel that keeps the session alive (its
-requests travel through client/fd_transport.py), the lease table and the pool mappings."""
+requests travel through client/link/fd_transport.py), the lease table and the pool mappings."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One feature on its way into the pool: its layout, its consumers, and the tensors it comes from.
 
 ``put`` makes one per call and hands it through placement, reserve, write and fallback; a zero-copy
-reservation (client/reservations.py) makes one when it reserves and keeps it until it is published,
+reservation (client/produce/reservations.py) makes one when it reserves and keeps it until it is published,
 so both paths make their descriptor, and fall back, from the same object.
 """
 

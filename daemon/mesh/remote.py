@@ -95,7 +95,7 @@ def copy_pool(pullable: dict[int, Any], into_pool: Optional[int]) -> int:
 
 def fabric_reply(node: str, epoch: int, pool: MeshPool, ref: LeaseRef) -> RemoteGetReply:
     """remote_get's answer on the FABRIC route: the owner's pool as a client maps a FABRIC pool of its own
-    daemon (client/cuda_import.py reads ``handle``, ``fabric``, ``size``, ``pool`` and ``epoch``), and the
+    daemon (client/gpu/cuda_import.py reads ``handle``, ``fabric``, ``size``, ``pool`` and ``epoch``), and the
     owner's lease to read in it."""
     return RemoteGetReply(_lease_ref(ref), FabricPool(node, epoch, pool.pool, pool.size, pool.device, "fabric",
                                                       pool.fabric))
