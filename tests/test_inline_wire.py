@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mmfeat.client import tensors as tz
+from mmfeat.client.produce import packing
 from mmfeat.protos import Descriptor, DescriptorError
 from mmfeat.protos import descriptor
 
@@ -196,8 +197,8 @@ def test_mutated_inline_bytes_are_refused_as_the_full_parse_refuses_them() -> No
     """bytes take the view path (or, from_bytes, a head already learned), a bytearray the full msgpack
     parse: all accept and refuse alike."""
     t = torch.arange(300, dtype=torch.int16)
-    specs, nbytes = tz.layout([t])
-    good = Descriptor.inline_of(tuple(specs), nbytes, False, tz.packed_parts([t], specs, nbytes)).to_bytes()
+    specs, nbytes = packing.layout([t])
+    good = Descriptor.inline_of(tuple(specs), nbytes, False, packing.packed_parts([t], specs, nbytes)).to_bytes()
     rng = random.Random(7)
     blobs = [good[:n] for n in range(0, len(good), 7)] + [good + b"\0"]
     for _ in range(3000):
@@ -312,8 +313,8 @@ def test_a_producer_packs_each_layout_once_and_its_bytes_stay_what_msgpack_makes
     """Heads are kept by layout, bounded; a layout seen again gives the bytes msgpack makes, whatever
     came between."""
     def made(t: torch.Tensor) -> bytes:
-        specs, nbytes = tz.layout([t])
-        return Descriptor.inline_of(tuple(specs), nbytes, False, tz.packed_parts([t], specs, nbytes)).to_bytes()
+        specs, nbytes = packing.layout([t])
+        return Descriptor.inline_of(tuple(specs), nbytes, False, packing.packed_parts([t], specs, nbytes)).to_bytes()
 
     a, b = _tensor(torch.float16, (7, 3), 20), _tensor(torch.int64, (5,), 21)
     for t in (a, b, a, b):

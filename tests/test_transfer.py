@@ -142,16 +142,16 @@ def test_a_fake_tensor_is_refused_not_read_from_address_zero(daemon) -> None:
 def test_a_write_past_the_pool_is_refused_not_made() -> None:
     """The memmove path checks the bounds torch's views would: a range from a confused or hostile daemon
     must raise, never write past the mapping."""
-    from mmfeat.client import tensors as tz
+    from mmfeat.client.produce import packing
 
     pool = torch.zeros(4096, dtype=torch.uint8)
     src = torch.ones(512, dtype=torch.uint8)
-    specs, _ = tz.layout([src])
-    tz.write_into_pool(pool, 4096 - 512, [src], specs)  # exactly at the end: fine
+    specs, _ = packing.layout([src])
+    packing.write_into_pool(pool, 4096 - 512, [src], specs)  # exactly at the end: fine
     assert int(pool[-512:].sum()) == 512
     for offset in (4096 - 256, 4096, 1 << 40, -512):
         with pytest.raises(RuntimeError):
-            tz.write_into_pool(pool, offset, [src], specs)
+            packing.write_into_pool(pool, offset, [src], specs)
     assert int(pool.sum()) == 512
 
 

@@ -226,19 +226,20 @@ def test_one_tensors_layout_from_the_cache_is_the_one_it_would_build() -> None:
     own, the spec that a put of several tensors builds afresh for its first."""
     import torch
 
-    from mmfeat.client import tensors as tz
+    from mmfeat.client.produce import packing
 
     cases = [torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float16), torch.zeros(4, 3), torch.zeros(4, 3).t(),
              torch.zeros(0, 5, dtype=torch.int64), torch.zeros((), dtype=torch.bfloat16)]
     for t in cases * 2:  # the second pass reads the cache
-        (spec,), nbytes = tz.layout([t])
-        assert spec == tz.layout([t, t])[0][0] and nbytes == t.numel() * t.element_size()
-    assert tz.layout([cases[0]])[0][0] != tz.layout([cases[1]])[0][0]
+        (spec,), nbytes = packing.layout([t])
+        assert spec == packing.layout([t, t])[0][0] and nbytes == t.numel() * t.element_size()
+    assert packing.layout([cases[0]])[0][0] != packing.layout([cases[1]])[0][0]
     # The very tuple again for the same layout: the descriptor encoder keeps a tail's bytes by that tuple.
-    assert tz.layout([torch.ones(3, 4)])[0] is tz.layout([cases[0]])[0]
-    for n in range(tz.LAYOUT_CACHE_ENTRIES + 8):  # more shapes than it keeps: it starts again, and stays bounded
-        assert tz.layout([torch.zeros(n + 1, dtype=torch.uint8)]) == ((TensorSpec("uint8", (n + 1,), (1,), 0),), n + 1)
-    assert 0 < tz.layout_cache_len() <= tz.LAYOUT_CACHE_ENTRIES
+    assert packing.layout([torch.ones(3, 4)])[0] is packing.layout([cases[0]])[0]
+    for n in range(packing.LAYOUT_CACHE_ENTRIES + 8):  # more shapes than it keeps: it starts again, and stays bounded
+        spec = TensorSpec("uint8", (n + 1,), (1,), 0)
+        assert packing.layout([torch.zeros(n + 1, dtype=torch.uint8)]) == ((spec,), n + 1)
+    assert 0 < packing.layout_cache_len() <= packing.LAYOUT_CACHE_ENTRIES
 
 
 def test_timers_wake_the_loop_only_for_those_that_wake_it() -> None:

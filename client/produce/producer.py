@@ -16,7 +16,7 @@ from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
 from mmfeat.protos.messages import MAX_CONSUMERS, FallbackReason, LeaseReply, PoolInfo
 
-from .. import tensors as tz
+from . import packing
 from ..link.channel import ControlChannel
 from .fallbacks import FallbackTracker
 from ..policy import feature_pool
@@ -58,20 +58,20 @@ class Producer:
 
     def put_one(self, tensor: torch.Tensor, consumers: int) -> Descriptor:
         """put() of one tensor: the common feature in one frame where it can be (see _put_now)."""
-        layout = tz.layout((tensor,))
+        layout = packing.layout((tensor,))
         if layout[1] >= self.inline_threshold and layout[1]:
             desc = self._put_now(tensor, consumers, layout)
             if desc is not None:
                 return desc
         return self.put([tensor], consumers, False, layout)
 
-    def _put_now(self, t: torch.Tensor, consumers: int, layout: tz.Layout) -> Optional[Descriptor]:
+    def _put_now(self, t: torch.Tensor, consumers: int, layout: packing.Layout) -> Optional[Descriptor]:
         """The put a server makes over and over, without the general path's objects and frames: one dense
         host tensor, in the arena that took the last feature, in a session whose pool, mapping and
         descriptor head the general path has set up. None for anything else, before anything is placed
         or sent: put then does it all, fallbacks and errors included."""
         if (type(consumers) is not int or not 1 <= consumers <= MAX_CONSUMERS or self._fallbacks.daemon_down
-                or self._fd_short is not None or not tz.dense_host(t)):
+                or self._fd_short is not None or not packing.dense_host(t)):
             return None
         specs, nbytes = layout
         session = self._session_now()
@@ -95,7 +95,7 @@ class Producer:
                 token = new_token()
                 desc = Descriptor.of_pool(head, tensors=specs, nbytes=nbytes, many=False, lease=placed.slot,
                                           gen=placed.gen, token=token, offset=placed.offset)
-                tz.copy_to_host_pool(pool_tensor, placed.offset, t, nbytes)
+                packing.copy_to_host_pool(pool_tensor, placed.offset, t, nbytes)
             except BaseException:
                 arenas.abandon(placed)
                 raise
@@ -105,10 +105,10 @@ class Producer:
             session.end_write()
 
     def put(self, tensors: list[torch.Tensor], consumers: int, many: bool,
-            layout: Optional[tz.Layout] = None) -> Descriptor:
-        """``tensors`` placed in the pool, or inline; ``layout``: tz.layout(tensors) where the caller has it."""
+            layout: Optional[packing.Layout] = None) -> Descriptor:
+        """``tensors`` placed in the pool, or inline; ``layout``: packing.layout(tensors) where the caller has it."""
         check_consumers(consumers)
-        specs, nbytes = layout if layout is not None else tz.layout(tensors)
+        specs, nbytes = layout if layout is not None else packing.layout(tensors)
         if len(tensors) == 1:  # no generator for the common single tensor
             device = tensors[0].device.index if tensors[0].is_cuda else None
         else:
@@ -308,7 +308,7 @@ class Producer:
 
 def _write(pool: torch.Tensor, offset: int, put: PutInFlight) -> None:
     tensors = put.tensors
-    tz.write_into_pool(pool, offset, tensors, put.specs)
+    packing.write_into_pool(pool, offset, tensors, put.specs)
     if pool.is_cuda or put.device is not None:
         # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the copy
         # must be complete before the descriptor exists (docs/design.md, GPU pools). The copy ran on the

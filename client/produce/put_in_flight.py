@@ -18,7 +18,7 @@ from mmfeat.protos.descriptor import Descriptor, TensorSpec
 from mmfeat.protos.descriptor_parts import head_fields
 from mmfeat.protos.messages import TOKEN_BYTES, PoolInfo
 
-from .. import tensors as tz
+from . import packing
 from ..link.arenas import Placement
 from ..link.session import Session
 
@@ -101,5 +101,5 @@ class PutInFlight:
         """The descriptor that carries the bytes themselves, copied once: from each tensor's memory
         straight into the bytes ``to_bytes`` returns (a tensor that is not dense host memory is made so
         first)."""
-        parts = tz.packed_parts(self.tensors, self.specs, self.nbytes)
+        parts = packing.packed_parts(self.tensors, self.specs, self.nbytes)
         return Descriptor.inline_of(self.specs, self.nbytes, self.many, parts)

@@ -29,6 +29,7 @@ from mmfeat.protos.tensor_spec import check_tensor_count, packed_strides
 
 from ..gpu import dlpack
 from .. import tensors as tz
+from . import packing
 from ..link.arenas import Placement
 from ..fork_locks import renew_in_child
 from ..neutral import outside_inference
@@ -102,7 +103,7 @@ class Reservations:
         checked = [(_shape(shape), _dtype(dtype)) for shape, dtype in layout]
         _check_size(checked)
         metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in checked]
-        specs, nbytes = tz.layout(metas)
+        specs, nbytes = packing.layout(metas)
         put = PutInFlight(tuple(specs), nbytes, many, consumers, target.index if target.type == "cuda" else None)
         r = self._in_pool(put)
         if r is None:
