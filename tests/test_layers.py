@@ -2,7 +2,8 @@
 client and daemon on protos (and the shared CUDA wrapper in the top package), never on each other; and
 none of them on the tools (the `mmfeat` command, the bench, the helpers that start daemons), which a
 producer or consumer process never loads. Inside them no module imports itself back through others,
-and the daemon's wings import each other and its top only as docs/design.md says."""
+and the wings of the daemon and of the client import each other and their tops only as
+docs/design.md says."""
 
 from __future__ import annotations
 
@@ -199,22 +200,101 @@ def test_a_planted_circle_is_found(tmp_path: Path) -> None:
     assert circle is not None and {"mmfeat.daemon.leases.lease", "mmfeat.daemon.leases.ledger"} <= set(circle), circle
 
 
+# The same for the client's wings. Its top holds the Client and dumps/loads, which may import any wing,
+# and the modules the wings share (SHARED), which import nothing of the client: no wing imports the top
+# above it, link/ and gpu/ nothing of either side, and neither side the other.
+CLIENT_WINGS = {
+    "gpu": set(),
+    "link": {"gpu", "fork_locks"},
+    "produce": {"link", "gpu", "fork_locks", "policy", "tensors"},
+    "consume": {"link", "gpu", "fork_locks", "policy", "tensors"},
+}
+CLIENT_TOP = {"client", "parcel"}
+SHARED = {"fork_locks", "policy", "tensors"}
+
+
 def _wing(module: str) -> str:
-    """leases, sockets, mesh or pools for a module of a wing; the module's own name for one of the top."""
+    """leases, sockets, mesh or pools (produce, consume, link or gpu) for a module of a wing; the module's
+    own name for one of the top."""
     return module.split(".")[2] if module.count(".") >= 2 else ""
+
+
+def _wing_offences(graph: dict[str, set[str]], part: str, wings: dict[str, set[str]]) -> list[str]:
+    prefix = f"mmfeat.{part}"
+    offences = []
+    for module, deps in sorted(graph.items()):
+        if not module.startswith(prefix + ".") or _wing(module) not in wings:
+            continue
+        wing = _wing(module)
+        for dep in sorted(deps):
+            if dep.startswith(prefix + ".") and _wing(dep) != wing and _wing(dep) not in wings[wing]:
+                offences.append(f"{module} (wing {wing}) imports {dep}: not in the wing's rules")
+    return offences
 
 
 def test_the_daemons_wings_import_as_documented() -> None:
     graph = _graph(ROOT)
     wings = {m.split(".")[2] for m in graph if m.startswith("mmfeat.daemon.") and m.count(".") >= 3}
     assert wings == set(WINGS), f"the daemon's wings are {sorted(wings)}; docs/design.md and WINGS say {sorted(WINGS)}"
-    for module, deps in sorted(graph.items()):
-        if not module.startswith("mmfeat.daemon.") or _wing(module) not in WINGS:
-            continue
-        wing = _wing(module)
-        for dep in sorted(deps):
-            if dep.startswith("mmfeat.daemon") and _wing(dep) != wing:
-                assert _wing(dep) in WINGS[wing], f"{module} (wing {wing}) imports {dep}: not in WINGS[{wing!r}]"
+    assert not _wing_offences(graph, "daemon", WINGS)
+
+
+def test_the_clients_wings_import_as_documented() -> None:
+    graph = _graph(ROOT)
+    client = {m for m in graph if m.startswith("mmfeat.client.")}
+    wings = {_wing(m) for m in client if m.count(".") >= 3}
+    assert wings == set(CLIENT_WINGS), \
+        f"the client's wings are {sorted(wings)}; docs/design.md and CLIENT_WINGS say {sorted(CLIENT_WINGS)}"
+    top = {_wing(m) for m in client if _wing(m) not in CLIENT_WINGS}
+    assert top == CLIENT_TOP | SHARED, f"the client's top holds {sorted(top)}: a new module there is either " \
+        "of the top (CLIENT_TOP) or shared by the wings (SHARED), or it belongs in a wing"
+    offences = _wing_offences(graph, "client", CLIENT_WINGS)
+    for name in sorted(SHARED):
+        offences += [f"mmfeat.client.{name} (shared) imports {dep}" for dep in sorted(graph[f"mmfeat.client.{name}"])
+                     if dep.startswith("mmfeat.client")]
+    assert not offences, offences
+
+
+def test_a_planted_back_arrow_between_the_clients_wings_is_found(tmp_path: Path) -> None:
+    """The check above must see an arrow from the link back up to the producer's side, even one that
+    exists only for the type checker."""
+    for part in PARTS:
+        shutil.copytree(ROOT / part, tmp_path / part)
+    session = tmp_path / "client" / "link" / "session.py"
+    session.write_text(session.read_text() + "\nif False:\n    from ..produce.producer import Producer\n")
+    offences = _wing_offences(_graph(tmp_path), "client", CLIENT_WINGS)
+    assert offences == ["mmfeat.client.link.session (wing link) imports mmfeat.client.produce.producer: "
+                        "not in the wing's rules"], offences
+
+
+# What `mmfeat.client` offers a user, besides its submodules: the names some load on first use included.
+PUBLIC = {"Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "FdLimitError", "MmfeatError", "Parcel",
+          "PeerUnavailableError", "Pooled", "dumps", "loads"}
+
+
+def test_the_clients_public_names_stay_put() -> None:
+    """Each public name resolves, from a fresh interpreter, to the same object wherever a user reaches it
+    (Client and the parcel's names load on first use), and the package offers no other (its typing
+    helpers and submodules aside)."""
+    code = ("import json, types, mmfeat.client as c, mmfeat.protos as p\n"
+            "from mmfeat.client import *  # noqa: F403\n"
+            "star = sorted(k for k in dir() if k in c.__all__)\n"
+            "from mmfeat.client.client import Client\n"
+            "from mmfeat.client import parcel\n"
+            "same = {n: getattr(c, n) is (Client if n == 'Client' else getattr(parcel, n, None) or getattr(p, n))\n"
+            "        for n in c.__all__}\n"
+            "offered = sorted(n for n in dir(c) if not n.startswith('_') and n not in ('Any', 'TYPE_CHECKING')\n"
+            "                 and not isinstance(getattr(c, n), types.ModuleType))\n"
+            "print(json.dumps({'all': sorted(c.__all__), 'star': star, 'same': same, 'offered': offered}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    got = json.loads(r.stdout)
+    assert set(got["all"]) == PUBLIC and len(got["all"]) == len(PUBLIC), got["all"]
+    assert got["star"] == sorted(PUBLIC), got["star"]
+    assert all(got["same"].values()), got["same"]
+    assert set(got["offered"]) <= PUBLIC, f"mmfeat.client offers {sorted(set(got['offered']) - PUBLIC)} too"
 
 
 def _same_signatures(protocol: type, cls: type, names: tuple[str, ...]) -> None:
