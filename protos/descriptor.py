@@ -383,6 +383,9 @@ class Descriptor:
         if kind == "inline":
             if not isinstance(inline, (bytes, bytearray, memoryview)) or len(inline) != nbytes:
                 raise DescriptorError("an inline descriptor must carry exactly nbytes of data")
+            if not isinstance(token, bytes):
+                raise DescriptorError("an inline descriptor's token (its padding) must be a bin")
+            token = b""  # padding only (inline_wire.py): not part of what the descriptor names
         else:
             if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
                 raise DescriptorError(f"a pool descriptor carries a {TOKEN_BYTES}-byte token")

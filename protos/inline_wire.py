@@ -7,6 +7,11 @@ small fields are packed on their own and the bin's header is written by hand, so
 exactly once, straight into the final bytes (``join``); reading decodes the fourteen fields alone and
 hands back a read-only memoryview of the payload inside the received bytes. The bytes are the ones
 ``msgpack.packb`` makes for the same array, so either side may be the older code.
+
+The payload starts at a multiple of PAYLOAD_ALIGNMENT from the descriptor's first byte: the token field
+(index 9), which an inline descriptor has no use for, is a bin of zero bytes just long enough to push the
+payload there. Any msgpack decoder reads that as it reads any bin, and readers ignore an inline token, so
+a buffer that itself starts aligned (a page, a pool, an aligned receive buffer) holds an aligned payload.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ _ARRAY14, _ARRAY15 = 0x9E, 0x9F  # msgpack fixarray headers
 _BIN8, _BIN16, _BIN32 = 0xC4, 0xC5, 0xC6
 _U16, _U32 = struct.Struct(">H"), struct.Struct(">I")
 _HEAD14 = bytes((_ARRAY14,))
+_TOKEN = 9  # the field an inline descriptor pads with
+# Where an inline payload starts, from the descriptor's first byte: torch's CPU allocator aligns this way,
+# and views of any dtype (complex128's 16 bytes included) want at least their element size.
+PAYLOAD_ALIGNMENT = 64
 _FIRST_CHUNK = 1024  # the fourteen fields of one tensor are ~100-200 bytes; more is fed only when needed
 
 
@@ -36,9 +45,17 @@ def bin_header(n: int) -> bytes:
 
 def head(fields: Sequence[Any], nbytes: int) -> bytes:
     """The descriptor's bytes before its payload: the first fourteen ``fields`` and the bin header of a
-    payload of ``nbytes``."""
-    packed = bytearray(msgpack.packb(list(fields), use_bin_type=True))
-    if len(fields) != 14 or packed[0] != _ARRAY14:
+    payload of ``nbytes``, PAYLOAD_ALIGNMENT long or a multiple of it (the token, ``fields[9]``, is
+    replaced by the zero bytes of padding that make it so)."""
+    fields = list(fields)
+    if len(fields) != 14:
+        raise ValueError("an inline descriptor's head is its first fourteen fields")
+    fields[_TOKEN] = b""
+    bare = len(msgpack.packb(fields, use_bin_type=True)) + len(bin_header(nbytes))
+    # A bin8 of under 256 bytes has the same 2-byte header however long: padding adds exactly its length.
+    fields[_TOKEN] = bytes(-bare % PAYLOAD_ALIGNMENT)
+    packed = bytearray(msgpack.packb(fields, use_bin_type=True))
+    if packed[0] != _ARRAY14:
         raise ValueError("an inline descriptor's head is its first fourteen fields")
     packed[0] = _ARRAY15
     packed += bin_header(nbytes)

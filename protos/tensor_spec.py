@@ -11,6 +11,9 @@ from .dtypes import DTYPE_SIZES
 _MAX_DIMS = 16
 MAX_TENSORS = 1024
 _MAX_INT = 1 << 62  # shapes, strides and offsets: far past any real tensor, and products stay exact
+# A tensor's offset in its lease or inline payload is a multiple of this (producers pack at 256), and
+# leases and inline payloads start on it too: every view is aligned as torch's own allocator aligns.
+TENSOR_ALIGNMENT = 64
 
 
 class DescriptorError(ValueError):
@@ -88,8 +91,9 @@ def spec_from_wire(raw: Any, nbytes: Optional[int]) -> TensorSpec:
             raise DescriptorError("a zero stride on a dimension larger than 1 is refused")
         numel *= d
         last += (d - 1) * s
-    if offset % itemsize:
-        raise DescriptorError(f"tensor offset {offset} is not aligned to its {dtype} elements")
+    if offset % TENSOR_ALIGNMENT:
+        raise DescriptorError(f"tensor offset {offset} is not aligned to {TENSOR_ALIGNMENT} bytes, as every "
+                              "producer packs tensors")
     extent = (last + 1) * itemsize if numel else 0
     if nbytes is not None and (offset + extent > nbytes or offset + numel * itemsize > nbytes):
         raise DescriptorError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
 import random
 import sys
 import threading
@@ -34,10 +35,15 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
     return flat.reshape(shape)
 
 
-def _legacy_bytes(desc: Descriptor, payload: bytes) -> bytes:
-    """What msgpack.packb makes of the whole 15-element array: the format every reader knows."""
-    return msgpack.packb([1, "inline", "", "", -1, 0, 0, 0, 0, b"", 0, desc.nbytes, desc.many,
-                          [t.to_wire() for t in desc.tensors], payload], use_bin_type=True)
+def _legacy_bytes(desc: Descriptor, payload: bytes, pad: bool = True) -> bytes:
+    """What msgpack.packb makes of the whole 15-element array: the format every reader knows. With
+    ``pad``, its token is the zero bytes that start the payload at a multiple of 64 (SPEC "Descriptor")."""
+    def packed(token: bytes) -> bytes:
+        return msgpack.packb([1, "inline", "", "", -1, 0, 0, 0, 0, token, 0, desc.nbytes, desc.many,
+                              [t.to_wire() for t in desc.tensors], payload], use_bin_type=True)
+
+    bare = packed(b"")
+    return packed(bytes(-(len(bare) - len(payload)) % 64)) if pad else bare
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
@@ -68,10 +74,13 @@ def test_every_dtype_round_trips_inline_in_the_format_msgpack_makes(daemon, dtyp
             desc = c.put(t)
             blob = desc.to_bytes()
             assert desc.is_inline and blob == _legacy_bytes(desc, _bytes_of(t))
+            assert (len(blob) - desc.nbytes) % 64 == 0  # the payload starts aligned in the descriptor
             got = c.get(blob)
-            assert _same(got, t) and got.is_contiguous()
+            assert _same(got, t) and got.is_contiguous() and got.data_ptr() % 64 == 0
             private = c.get(blob, copy=True)
-            assert _same(private, t)
+            assert _same(private, t) and private.data_ptr() % 64 == 0
+            old = _legacy_bytes(desc, _bytes_of(t), pad=False)  # an older producer's: no padding
+            assert Descriptor.from_bytes(old) == desc and _same(c.get(old), t) and c.get(old).data_ptr() % 64 == 0
             c.ack(blob)
         # put_many: mixed with an empty tensor and padding between and after
         many = [_tensor(dtype, (7,), 6), _tensor(dtype, (0,), 7), _tensor(dtype, (2, 3), 8).t(),
@@ -80,11 +89,14 @@ def test_every_dtype_round_trips_inline_in_the_format_msgpack_makes(daemon, dtyp
         blob = desc.to_bytes()
         assert len(desc.inline) == desc.nbytes and Descriptor.from_bytes(bytes(bytearray(blob))) == desc
         for got, t in zip(c.get(blob), many):
-            assert _same(got, t)
+            assert _same(got, t) and got.data_ptr() % 64 == 0
         c.ack(blob)
 
 
-def test_put_makes_the_bytes_once_and_get_views_them(daemon) -> None:
+def test_put_makes_the_bytes_once_and_get_views_them_where_they_are_aligned(daemon) -> None:
+    """The payload starts 64-aligned from the descriptor's first byte: received into an aligned buffer
+    it is viewed in place; received as bytes (whose data sits at an offset inside the object) it is
+    copied once into aligned memory."""
     with daemon.client(inline_threshold=BIG) as c:
         t = torch.arange(16384, dtype=torch.float32)
         desc = c.put(t)
@@ -93,16 +105,24 @@ def test_put_makes_the_bytes_once_and_get_views_them(daemon) -> None:
         lo, hi = _address_range(blob)
         view = torch.frombuffer(desc.inline, dtype=torch.uint8)
         assert lo <= view.data_ptr() and view.data_ptr() + desc.nbytes == hi  # the payload inside those bytes
-        received = bytes(bytearray(blob))  # as a socket hands it over: other bytes, same value
+        page = mmap.mmap(-1, len(blob))  # as an aligned receive buffer holds it: other bytes, same value
+        page[:] = blob
+        received = memoryview(page).toreadonly()
         got = c.get(received)
-        lo, hi = _address_range(received)
-        assert lo <= got.data_ptr() < hi, "get copied the payload out of the received bytes"
-        assert torch.equal(got, t)
+        lo = torch.frombuffer(page, dtype=torch.uint8).data_ptr()
+        assert got.data_ptr() == lo + len(blob) - desc.nbytes, "get copied an aligned payload"
+        assert torch.equal(got, t) and got.data_ptr() % 64 == 0
         private = c.get(received, copy=True)
-        assert not lo <= private.data_ptr() < hi
+        assert not lo <= private.data_ptr() < lo + len(blob) and private.data_ptr() % 64 == 0
         private += 1  # copy=True is writable and private
         assert torch.equal(c.get(received), t)
         c.ack(received)
+        as_bytes = bytes(bytearray(blob))
+        lo, hi = _address_range(as_bytes)
+        got = c.get(as_bytes)
+        assert torch.equal(got, t) and got.data_ptr() % 64 == 0
+        assert (lo <= got.data_ptr() < hi) == ((lo + len(blob) - desc.nbytes) % 64 == 0)
+        c.ack(as_bytes)
 
 
 def test_the_tensor_keeps_the_received_bytes_alive(daemon) -> None:
@@ -275,7 +295,8 @@ def test_a_small_zmq_frame_is_parsed_as_its_bytes_are(daemon, push_pull) -> None
 
 def test_a_zmq_frame_received_without_copying_is_read_in_place(daemon, push_pull) -> None:
     """A consumer that receives with copy=False hands get() the Frame: the tensor views the payload
-    inside the message ZeroMQ received (no copy), keeps it alive, and ack(frame) parses nothing more."""
+    inside the message ZeroMQ received where it is aligned (else an aligned copy), keeps it alive, and
+    ack(frame) parses nothing more."""
     push, pull = push_pull
     with daemon.client(inline_threshold=BIG) as producer, daemon.client() as consumer:
         t = _tensor(torch.float32, (128, 128), 11)
@@ -286,8 +307,10 @@ def test_a_zmq_frame_received_without_copying_is_read_in_place(daemon, push_pull
         got = consumer.get(frame)
         consumer.ack(frame)
         after = descriptor.parse_stats()
-        assert _same(got, t)
-        assert start <= got.data_ptr() and got.data_ptr() + t.nbytes <= start + len(frame.buffer)
+        assert _same(got, t) and got.data_ptr() % 64 == 0
+        payload = start + len(frame.buffer) - t.nbytes
+        # Viewed in place where the message's payload is aligned, else copied once into aligned memory.
+        assert (got.data_ptr() == payload) == (payload % 64 == 0)
         assert after["parses"] - before["parses"] == 1 and after["cache_hits"] - before["cache_hits"] == 1
         del frame
         descriptor._inline_parsed.clear()  # the cache's reference too: only the tensor holds the message
