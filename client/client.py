@@ -97,7 +97,7 @@ class Client:
                                   inline_max, fallback, self._session_now)
         self._reservations = Reservations(self._producer)
         pending = PendingCopies()  # staged copies from host pools: get() adds them, ack() waits for them
-        self._consumer = Consumer(self._connect, self._channel, pending)
+        self._consumer = Consumer(self._connect, self._channel, pending, readonly)
         self._acks = Acks(self._connect, self._channel, timeout, pending)
         # A process that exits (or drops the client) without close() still reports its fallbacks.
         self._report_at_exit = weakref.finalize(self, self._fallbacks.close, 1.0)

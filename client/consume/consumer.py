@@ -14,6 +14,7 @@ from mmfeat.protos.messages import PoolInfo, RemoteGetReply
 
 from .. import tensors as tz
 from ..link.channel import ControlChannel
+from .inline_base import inline_base
 from ..link.session import Session
 from ..gpu.stream_wait import wait_for_current_stream
 from ..link.mapping import HostMapping
@@ -27,14 +28,19 @@ Tensors = Union[torch.Tensor, list[torch.Tensor]]
 
 
 class Consumer:
-    def __init__(self, connect: Callable[[], Session], channel: ControlChannel, pending: PendingCopies) -> None:
+    def __init__(self, connect: Callable[[], Session], channel: ControlChannel, pending: PendingCopies,
+                 readonly: bool = False) -> None:
         self._connect = connect
+        self._readonly = readonly  # inline views too are in pages a write faults on (inline_base.py)
         self._channel = channel
         self._pending = pending  # staged copies from host pools still in flight, which their acks wait for
 
     def get(self, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
         if desc.kind == "inline":
-            out = [tz.view(_inline_base(desc, copy and device is None), spec) for spec in desc.tensors]
+            private = device is None and copy
+            base = inline_base(desc.inline, desc.nbytes, copy=private,
+                               readonly=self._readonly and device is None and not copy)
+            out = [tz.view(base, spec) for spec in desc.tensors]
             return _finish(out, desc.many, False, device)
         session = self._connect()
         if desc.node != session.node:
@@ -194,12 +200,3 @@ def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> T
         wait_for_current_stream(dev)
     return views if many else views[0]
 
-
-def _inline_base(desc: Descriptor, copy: bool) -> torch.Tensor:
-    """A uint8 tensor over an inline descriptor's bytes: shared with them (read-only by contract, like a
-    pool view) or, with ``copy``, private and writable."""
-    data = desc.inline
-    if not desc.nbytes or data is None:
-        return torch.empty(0, dtype=torch.uint8)
-    # The tensor holds ``data`` (and, through a memoryview, the bytes it views) for as long as it lives.
-    return torch.frombuffer(bytearray(data) if copy else data, dtype=torch.uint8)
