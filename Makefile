@@ -66,7 +66,7 @@ HOSTILE_SECONDS ?= 60
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS) --nodes 2
-	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000
+	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000 --descriptors 12000
 	$(BIN)/python -m tests.chaos.hostile --seconds $(HOSTILE_SECONDS)
 
 # The daemon's container image, the one deploy/kubernetes/daemonset.yaml names. Needs podman, buildah

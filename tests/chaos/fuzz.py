@@ -1,8 +1,11 @@
 """``make chaos`` (second half): fuzz the control socket, the fd-channel handshake and the requests a
 session sends on its fd channel. Every answer must be a typed reply; the daemon must stay up with flat
-fds, no lease left behind, and serve a real client at the end.
+fds, no lease left behind, and serve a real client at the end. Then fuzz descriptors: mutants of real
+inline and pool descriptors got by consumers in child processes (tests/chaos/descriptor_fuzz.py), each
+a typed refusal or a read of aligned views that hold the bytes named; a consumer that dies is a finding,
+reported with the mutant that killed it, and the next batch goes on.
 
-    python -m tests.chaos.fuzz --frames 50000 --handshakes 5000
+    python -m tests.chaos.fuzz --frames 50000 --handshakes 5000 --descriptors 12000
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import zmq
 
 from mmfeat.client import Client
 from mmfeat.protos import PROTOCOL_VERSION, REQUEST_MODELS, ErrorCode
+from mmfeat.testing import worker_context
 
+from tests.chaos import descriptor_fuzz as dfz
 from tests.conftest import anon_bytes, fd_count, start_daemon
 
 CODES = {c.value for c in ErrorCode}
@@ -55,10 +60,52 @@ def _frame(rng: random.Random, real: dict) -> bytes:
     return blob
 
 
+_MUTANTS_PER_BLOB = 200  # per child process: a crash loses at most one batch's tally
+
+
+def _fuzz_descriptors(root: Path, total: int, seed: int) -> dict:
+    """``total`` mutants of real descriptors, got in child processes a batch each."""
+    with Client(root, inline_threshold=1 << 62) as inline, Client(root, inline_threshold=0, fallback="error") as pool:
+        stft = torch.complex(torch.arange(100.0), torch.ones(100)).to(torch.complex128)
+        blobs = [inline.put(stft).to_bytes(), inline.put(torch.ones(7, dtype=torch.bfloat16)).to_bytes(),
+                 inline.put_many([torch.ones(33, dtype=torch.float16), stft[:5].to(torch.complex64)]).to_bytes(),
+                 inline.put(torch.arange(20_000, dtype=torch.int16)).to_bytes()]
+        descs = [pool.put(torch.arange(2000, dtype=torch.float64), consumers=1),
+                 pool.put_many([torch.ones(3, dtype=torch.complex128), torch.ones(5)], consumers=1)]
+        blobs += [d.to_bytes() for d in descs]
+        ctx = worker_context()
+        out = {"mutants": 0, "read": 0, "refused": 0, "children": 0, "findings": []}
+        batches = max(1, -(-total // (_MUTANTS_PER_BLOB * len(blobs))))
+        for b in range(batches):
+            results, at = ctx.SimpleQueue(), ctx.Value("q", -1)
+            proc = ctx.Process(target=dfz.fuzz_worker,
+                               args=(str(root), blobs, seed + b, _MUTANTS_PER_BLOB, at, results))
+            proc.start()
+            proc.join(300)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            out["children"] += 1
+            got = results.get() if not results.empty() else None
+            if got is not None and got[0] == "ok":
+                out["mutants"] += sum(got[1].values())
+                out["read"] += got[1]["read"]
+                out["refused"] += got[1]["refused"]
+                continue
+            mutant = dfz.mutant(blobs, seed + b, _MUTANTS_PER_BLOB, at.value)
+            out["findings"].append({"batch_seed": seed + b, "index": at.value, "exit": proc.exitcode,
+                                    "what": got[2] if got else "the consumer died", "mutant": mutant.hex()})
+        for d in descs:
+            pool.ack(d)
+        pool.flush(10)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=50_000)
     p.add_argument("--handshakes", type=int, default=5_000)
+    p.add_argument("--descriptors", type=int, default=12_000, help="mutated descriptors to get, in child processes")
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
@@ -122,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 sess.send_frame(_frame(rng, real))
                 session_requests += 1
             assert sess.sync(10.0), "the daemon did not answer a ping on the fd channel after the fuzzing"
+        descriptors = _fuzz_descriptors(root, args.descriptors, args.seed)
         time.sleep(1.0)
         with Client(root, inline_threshold=0, fallback="error") as c:
             desc = c.put(torch.arange(4096), consumers=1)
@@ -136,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "fd_handshakes": args.handshakes,
             "handshake_answers": hs,
             "fd_channel_requests": session_requests,
+            "descriptors": descriptors,
             "bad_requests_counted": s["counters"]["bad_requests"],
             "pool_used_after": s["pools"][0]["used"],
             "daemon_fds": {"before": fds0, "after": fd_count(d.pid)},
@@ -143,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(report, indent=2))
         ok = (untyped == 0 and hs["fds_leaked_to_stranger"] == 0 and s["pools"][0]["used"] == 0
+              and not descriptors["findings"] and descriptors["mutants"] >= args.descriptors
               and d.proc.poll() is None
               and fd_count(d.pid) <= fds0 + 1 and anon_bytes(d.pid) - anon0 < 64 << 20)
         print("fuzz: " + ("held" if ok else "FAILED"))
