@@ -10,6 +10,8 @@ import signal
 
 import torch
 
+from mmfeat.client import inline_base
+
 
 from . import inline_workers as iw
 from .chaos import descriptor_fuzz as fz
@@ -112,3 +114,17 @@ def test_a_client_that_is_not_readonly_views_an_aligned_inline_payload_in_place(
     # Its views are the received bytes (or their aligned copy): written in place, the write goes through.
     exitcode, *results = _join(children, iw.write_inline_in_place, (str(daemon.runtime_dir), blob, "", False))
     assert exitcode == 0 and results == [("read", 255.0, 0), ("wrote", 1.0)], (exitcode, results)
+
+
+def test_read_only_copies_keep_their_bytes_while_their_pages_are_carved_again() -> None:
+    """A readonly Client's inline copies share chunks of read-only pages, carved again once no tensor
+    reads them: a view still held keeps its bytes however many copies come after it."""
+    held = []
+    for k in range(6000):
+        t = inline_base.read_only_copy(memoryview(bytes([k % 251]) * 1000), 1000)
+        assert t.data_ptr() % 64 == 0
+        if k % 1000 == 0:
+            held.append((k, t))
+    for k, t in held:
+        assert bytes(t.numpy()) == bytes([k % 251]) * 1000, k
+    assert len(inline_base._retired) <= inline_base._RETIRED

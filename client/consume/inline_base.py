@@ -6,16 +6,18 @@ aligned from the descriptor's first byte (protos/inline_wire.py), but the buffer
 need not start aligned: a bytes object's data sits at an offset inside the object, a zmq Frame's
 anywhere. Such a payload is copied once into aligned memory; an aligned one is viewed where it lies.
 
-A readonly Client gets the payload in pages of its own, made read-only after the copy, as its pool
-mapping is: a write into the view faults (SIGSEGV) instead of changing the bytes another consumer of
-the same descriptor reads.
+A readonly Client gets the payload copied into pages mapped read-only, as its pool mapping is: a write
+into the view faults (SIGSEGV) instead of changing the bytes another consumer of the same descriptor
+reads.
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
-from typing import Any, Union
+import os
+import sys
+import threading
+from typing import Any, Optional, Union
 
 import torch
 
@@ -24,15 +26,10 @@ from mmfeat.protos.inline_wire import PAYLOAD_ALIGNMENT
 
 Buffer = Union[bytes, bytearray, memoryview, Any]
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mprotect.restype = ctypes.c_int
-
-
 def inline_base(data: Buffer, nbytes: int, *, copy: bool, readonly: bool) -> torch.Tensor:
     """A uint8 tensor of ``data``'s ``nbytes``, its first byte aligned to PAYLOAD_ALIGNMENT: ``data``
     itself where it is aligned; with ``copy`` a private, writable copy; with ``readonly`` a copy in
-    pages that fault on a write."""
+    pages that fault on a write (aligned, as every copy here)."""
     if not nbytes or data is None:
         return torch.empty(0, dtype=torch.uint8)
     if copy:
@@ -58,18 +55,83 @@ def aligned_copy(data: Buffer, nbytes: int) -> torch.Tensor:
 
 
 def read_only_copy(data: Buffer, nbytes: int) -> torch.Tensor:
-    """A copy of ``data`` in anonymous pages of its own (page-aligned), made PROT_READ once written;
-    the pages go when the tensor does."""
-    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    pages[:nbytes] = _flat(data)
-    base = torch.frombuffer(pages, dtype=torch.uint8, count=nbytes)  # holds the mmap, which unmaps on its end
-    if _libc.mprotect(base.data_ptr(), size, mmap.PROT_READ) != 0:
-        err = ctypes.get_errno()
-        raise MmfeatError(ErrorCode.INTERNAL, f"cannot make an inline feature's {size} B read-only (mprotect: "
-                          f"errno {err}); a readonly Client does not hand out writable views: raise the "
-                          "process's map count (vm.max_map_count) or use copy=True")
-    return base
+    """A copy of ``data`` in pages a write through the tensor faults on: written through a second,
+    writable mapping of the same memory, which the tensor never sees."""
+    with _lock:
+        chunk = _current[0]
+        if nbytes > _CHUNK_BYTES // 4:
+            chunk = _Chunk(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)  # its own: a chunk would hold far more
+        elif chunk is None or chunk.used + nbytes > chunk.size:
+            chunk = _current[0] = _next_chunk(chunk)
+        at = chunk.used
+        chunk.used = -(-(at + nbytes) // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+        chunk.writable[at : at + nbytes] = _flat(data)
+        # The tensor holds the read-only mapping alone; the writable one goes with the chunk, once full.
+        return torch.frombuffer(chunk.readable, dtype=torch.uint8, count=nbytes, offset=at)
+
+
+# Read-only copies are carved out of chunks of this size, each one memfd mapped twice (written through
+# one mapping, read through the other): a mapping and its page faults per feature cost more than the
+# rest of a small feature's get. A chunk's pages stay while any tensor of it lives, and a full chunk is
+# carved again once none does.
+_CHUNK_BYTES = 1 << 20
+# The page faults of a whole chunk taken at once, in the kernel, rather than one by one on first touch.
+_SHARED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _next_chunk(full: Optional["_Chunk"]) -> "_Chunk":
+    """A chunk to carve from: a retired one no tensor reads any more (its pages already faulted in), or
+    a new one. ``full`` joins the retired, the oldest of which is let go past _RETIRED."""
+    if full is not None:
+        _retired.append(full)
+    for i, chunk in enumerate(_retired):
+        if chunk.unread():
+            del _retired[i]
+            chunk.used = 0
+            return chunk
+    del _retired[:-_RETIRED]  # their read-only pages live on while tensors read them, then go
+    return _Chunk(_CHUNK_BYTES)
+
+
+class _Chunk:
+    def __init__(self, size: int) -> None:
+        try:
+            fd = os.memfd_create("mmfeat-inline", os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise MmfeatError(ErrorCode.INTERNAL, f"cannot make read-only pages for an inline feature ({exc}); "
+                              "a readonly Client does not hand out writable views: use copy=True") from None
+        try:
+            os.ftruncate(fd, size)
+            self.writable = mmap.mmap(fd, size, flags=_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.readable = mmap.mmap(fd, size, flags=_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)  # each mapping holds the memory
+        self.size = size
+        self.used = 0
+        self._refs = sys.getrefcount(self.readable)  # this object's reference, and the call's
+
+    def unread(self) -> bool:
+        """Whether no tensor holds the read-only mapping any more (each storage made by frombuffer holds
+        a reference to it): then no view can see what is written next."""
+        return sys.getrefcount(self.readable) <= self._refs
+
+
+_lock = threading.Lock()
+_current: list[Optional[_Chunk]] = [None]
+_RETIRED = 8  # full chunks kept to be carved again once their tensors are gone
+_retired: list[_Chunk] = []
+
+
+def _forget_in_child() -> None:
+    # The chunk is shared memory: a child writing its next copies at the same place would change the
+    # parent's views. The child starts a chunk of its own (and a lock a parent's thread cannot hold).
+    global _lock
+    _lock = threading.Lock()
+    _current[0] = None
+    _retired.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _flat(data: Buffer) -> memoryview:
