@@ -6,6 +6,7 @@ consumers run in processes of their own: a SIGSEGV fails the test, not the pytes
 from __future__ import annotations
 
 import mmap
+import os
 import signal
 
 import torch
@@ -128,3 +129,22 @@ def test_read_only_copies_keep_their_bytes_while_their_pages_are_carved_again() 
     for k, t in held:
         assert bytes(t.numpy()) == bytes([k % 251]) * 1000, k
     assert len(inline_base._retired) <= inline_base._RETIRED
+
+
+def test_a_forked_child_keeps_the_bytes_of_the_read_only_copies_it_inherited() -> None:
+    """The chunks are shared memory: the parent must not carve again, after a fork, pages whose tensors
+    the child inherited, even once the parent's own tensors are gone."""
+    views = [inline_base.read_only_copy(memoryview(bytes([7]) * 1000), 1000) for _ in range(2000)]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # waits until the parent has carved again, then reads what it inherited
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0 if all(bytes(v.numpy()) == bytes([7]) * 1000 for v in views) else 3)
+    os.close(r)
+    views.clear()
+    for _ in range(5000):
+        inline_base.read_only_copy(memoryview(bytes([9]) * 1000), 1000)
+    os.write(w, b"x")
+    os.close(w)
+    assert os.waitpid(pid, 0)[1] == 0, "the child's inherited views changed under it"

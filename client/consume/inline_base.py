@@ -122,16 +122,28 @@ _RETIRED = 8  # full chunks kept to be carved again once their tensors are gone
 _retired: list[_Chunk] = []
 
 
+def _hold_for_fork() -> None:
+    _lock.acquire()
+
+
+def _forget_in_parent() -> None:
+    # A forked child holds the tensors it inherited, over the same shared pages: a chunk carved again
+    # would change them under it. Every chunk of before the fork is let go (its pages live while
+    # tensors of either process read them).
+    _current[0] = None
+    _retired.clear()
+    _lock.release()
+
+
 def _forget_in_child() -> None:
-    # The chunk is shared memory: a child writing its next copies at the same place would change the
-    # parent's views. The child starts a chunk of its own (and a lock a parent's thread cannot hold).
+    # The same in the child, whose lock may be held by a thread of the parent that is not there.
     global _lock
     _lock = threading.Lock()
     _current[0] = None
     _retired.clear()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(before=_hold_for_fork, after_in_parent=_forget_in_parent, after_in_child=_forget_in_child)
 
 
 def _flat(data: Buffer) -> memoryview:
