@@ -11,7 +11,7 @@ import signal
 
 import torch
 
-from mmfeat.client import inline_base
+from mmfeat.client.consume import inline_base
 
 
 from . import inline_workers as iw
