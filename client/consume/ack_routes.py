@@ -161,7 +161,7 @@ class Acks:
                 return acks is None or acks._connect().fd.sync(timeout)
 
             self._acker = Acker(send, sync, self._channel.failures)
-            weakref.finalize(self, self._acker.stop)
+            weakref.finalize(self, _stop_in_owner, self._acker, os.getpid())
         return self._acker
 
     def close(self) -> None:
@@ -235,3 +235,10 @@ def _completion_event(after: Any) -> Optional[torch.cuda.Event]:
     event = torch.cuda.Event(blocking=True)
     event.record(stream)
     return event
+
+
+def _stop_in_owner(acker: Any, pid: int) -> None:
+    # A forked child has no acker thread of this one's (acker() makes a new one there), and the queue's
+    # lock may be one a parent thread held at the fork.
+    if os.getpid() == pid:
+        acker.stop()

@@ -13,6 +13,7 @@ waiting when the current one runs low, and arenas unused for ``IDLE_S`` go back 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -374,7 +375,7 @@ class ArenaSet:
             # it this set, its fd channel and its session at the daemon. Collecting the set wakes it.
             self._reaper = threading.Thread(target=_reap_idle, args=(weakref.ref(self), self._stop),
                                             name="mmfeat-arenas", daemon=True)
-            weakref.finalize(self, self._stop.set)
+            weakref.finalize(self, _stop_in_owner, self._stop, os.getpid())
             self._reaper.start()
 
     def reap_idle(self) -> bool:
@@ -423,6 +424,13 @@ class ArenaSet:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _stop_in_owner(stop: threading.Event, pid: int) -> None:
+    # A forked child has no reaper thread to stop, and the event's lock may be one a parent thread held
+    # at the fork: setting it there could wait for ever.
+    if os.getpid() == pid:
+        stop.set()
 
 
 def _reap_idle(owner: "weakref.ref[ArenaSet]", stop: threading.Event) -> None:
