@@ -134,9 +134,9 @@ def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> m.E
 
 def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> m.LeaseReply:
     """The producer finished writing: the lease becomes readable and its ack deadline starts."""
-    # So that a feature published in an arena is known (and refused here as already published). A reserved
-    # lease is never in an arena slot, so what a timer sweep leaves unadopted there stays left.
-    core.sweep(now, defer_unacked=True)
+    # So that a feature published in an arena is known, and refused here as already published: a publish
+    # naming an arena's lease must find it adopted, so this sweep leaves nothing waiting unadopted.
+    core.sweep(now)
     return _lease_reply(core, core.ledger.publish(req.lease, req.session, now), now)
 
 
