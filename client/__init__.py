@@ -9,14 +9,15 @@ from typing import TYPE_CHECKING, Any
 from mmfeat.protos import (
     DaemonUnavailableError, Descriptor, ErrorCode, FdLimitError, MmfeatError, PeerUnavailableError,
 )
+from mmfeat.protos.keys import MAX_KEY_BYTES, MAX_LOOKUP_KEYS, Namespace
 
 if TYPE_CHECKING:
     from .client import Client
     from .parcel import Parcel, Pooled, dumps, loads
 
 __all__ = [
-    "Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "FdLimitError", "MmfeatError", "Parcel",
-    "PeerUnavailableError", "Pooled", "dumps", "loads",
+    "Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "FdLimitError", "MAX_KEY_BYTES",
+    "MAX_LOOKUP_KEYS", "MmfeatError", "Namespace", "Parcel", "PeerUnavailableError", "Pooled", "dumps", "loads",
 ]
 
 

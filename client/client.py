@@ -25,6 +25,7 @@ from .consume.ack_routes import Acks
 from .link.channel import ControlChannel
 from .consume.consumer import Consumer
 from .produce.fallbacks import FallbackTracker
+from .produce.keyed import KeyedPuts, KeyLookups, check_lifetime
 from .link.lease_table import LeaseTableView
 from .consume.pinned import PendingCopies
 from .produce.producer import Producer
@@ -69,15 +70,21 @@ class Client:
         name: str = "",
         readonly: bool = False,
         inline_max: int = DEFAULT_INLINE_MAX,
+        map_pools: bool = True,
     ) -> None:
         """``readonly=True`` is for processes that only consume: the pool is mapped read-only, so an
         in-place write into a tensor from ``get`` kills this process (SIGSEGV) instead of changing what
-        other consumers read, and ``put`` raises FORBIDDEN."""
+        other consumers read, and ``put`` raises FORBIDDEN. ``map_pools=False`` is for processes that
+        only look features up and hold them (a scheduler): no pool is mapped, not even received, and
+        put, reserve and get raise FORBIDDEN; has, lookup, hold, ack, evict and stats work."""
         if fallback not in ("inline", "error"):
             raise ValueError("fallback must be 'inline' or 'error'")
         if not isinstance(readonly, bool):
             raise TypeError(f"readonly must be True or False, not {readonly!r}")
+        if not isinstance(map_pools, bool):
+            raise TypeError(f"map_pools must be True or False, not {map_pools!r}")
         self.readonly = readonly
+        self.map_pools = map_pools
         for setting, value in (("inline_threshold", inline_threshold), ("inline_max", inline_max)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{setting} must be an int of bytes >= 0, not {value!r}")
@@ -99,6 +106,8 @@ class Client:
         pending = PendingCopies()  # staged copies from host pools: get() adds them, ack() waits for them
         self._consumer = Consumer(self._connect, self._channel, pending, readonly)
         self._acks = Acks(self._connect, self._channel, timeout, pending)
+        self._keyed = KeyedPuts(self._producer)
+        self._keys = KeyLookups(self._channel, self._connect)
         # A process that exits (or drops the client) without close() still reports its fallbacks.
         self._report_at_exit = weakref.finalize(self, self._fallbacks.close, 1.0)
 
@@ -189,7 +198,8 @@ class Client:
                 # Closing our copies is safe after a fork too: the parent keeps its own.
                 self._session.close()
                 self._session = None
-            self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout, self.readonly)
+            self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout, self.readonly,
+                                         self.map_pools)
             self._closed_table = None
             return self._session
 
@@ -208,43 +218,67 @@ class Client:
 
     # --- producer ------------------------------------------------------------------------------
 
-    def put(self, tensor: torch.Tensor, consumers: int = 1) -> Descriptor:
-        """Place one tensor in the pool for ``consumers`` consumers; returns its descriptor."""
-        if self.readonly:
+    def put(self, tensor: torch.Tensor, consumers: int = 1, key: Optional[str] = None,
+            retain_ttl: Optional[float] = None) -> Descriptor:
+        """Place one tensor in the pool for ``consumers`` consumers; returns its descriptor.
+
+        ``key`` (``Namespace(...).key(name)``): the feature is found by it (has, lookup, hold, get(key=))
+        while it lives, and a put under a key that names a live feature returns that feature's descriptor
+        (these bytes are not kept). ``retain_ttl`` (seconds): retained instead of counted, kept after any
+        number of reads until that long after its publish with no hold on it, or until the pool needs the
+        space (then features nothing holds go, oldest first, before any put goes inline), or evict(key).
+        Either costs two round trips (the daemon learns of the feature before anyone can find it)."""
+        if self.readonly or not self.map_pools:
             self._check_writable()
+        if key is not None or retain_ttl is not None:
+            return self._keyed.put([tensor], False, consumers, check_lifetime(key, retain_ttl, consumers))
         return self._producer.put_one(tensor, consumers)
 
-    def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1) -> Descriptor:
-        """Place several tensors in one lease (one descriptor, one ack per consumer)."""
+    def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1, key: Optional[str] = None,
+                 retain_ttl: Optional[float] = None) -> Descriptor:
+        """Place several tensors in one lease (one descriptor, one ack per consumer); ``key`` and
+        ``retain_ttl`` as for put."""
         if isinstance(tensors, torch.Tensor):
             raise TypeError("put_many takes a list of tensors, not one tensor (whose rows it would put one by one); "
                             "put one tensor with put")
         if not tensors:
             raise ValueError("put_many needs at least one tensor")
         self._check_writable()
+        if key is not None or retain_ttl is not None:
+            return self._keyed.put(list(tensors), True, consumers, check_lifetime(key, retain_ttl, consumers))
         return self._producer.put(list(tensors), consumers, many=True)
 
     def _check_writable(self) -> None:
+        if not self.map_pools:
+            raise MmfeatError(ErrorCode.FORBIDDEN, "this Client maps no pool (map_pools=False): it looks features up "
+                                                   "and holds them; put and get in a Client that maps the pools")
         if self.readonly:
             raise MmfeatError(ErrorCode.FORBIDDEN, "this Client maps the pool read-only (readonly=True) and cannot "
                                                    "put; producers use a Client without readonly")
 
-    def reserve(self, shape: ShapeLike, dtype: torch.dtype, consumers: int = 1, device: Any = None) -> torch.Tensor:
+    def reserve(self, shape: ShapeLike, dtype: torch.dtype, consumers: int = 1, device: Any = None,
+                key: Optional[str] = None, retain_ttl: Optional[float] = None) -> torch.Tensor:
         """An uninitialised tensor over pool memory (on ``device``'s GPU pool, or a host pool) for the
         producer to fill in place; ``publish(t)`` then dispatches it with no copy. Where put would not
         use the pool (a small feature, a full pool, no daemon) it is an ordinary tensor and publish puts it.
-        Publish or discard it within reserve_ttl; one dropped unpublished gives its space back."""
+        Publish or discard it within reserve_ttl; one dropped unpublished gives its space back.
+        ``key`` and ``retain_ttl`` are given here, as put takes them; ``publish(t)`` then returns the
+        key's live feature where another producer's came first (a live key at reserve: ``t`` is an
+        ordinary tensor, and publish puts it under the key, which then answers that feature)."""
         self._check_writable()
-        return self._reservations.reserve([(shape, dtype)], consumers, device, many=False)[0]
+        keyed = check_lifetime(key, retain_ttl, consumers) if key is not None or retain_ttl is not None else None
+        return self._reservations.reserve([(shape, dtype)], consumers, device, many=False, keyed=keyed)[0]
 
     def reserve_many(self, layout: Sequence[tuple[ShapeLike, torch.dtype]], consumers: int = 1,
-                     device: Any = None) -> list[torch.Tensor]:
+                     device: Any = None, key: Optional[str] = None,
+                     retain_ttl: Optional[float] = None) -> list[torch.Tensor]:
         """Tensors of the given (shape, dtype) pairs in one feature, as put_many packs them; publish the
-        list to dispatch them (one descriptor, one ack per consumer)."""
+        list to dispatch them (one descriptor, one ack per consumer); ``key`` and ``retain_ttl`` as reserve."""
         if not layout:
             raise ValueError("reserve_many needs at least one (shape, dtype)")
         self._check_writable()
-        return self._reservations.reserve(list(layout), consumers, device, many=True)
+        keyed = check_lifetime(key, retain_ttl, consumers) if key is not None or retain_ttl is not None else None
+        return self._reservations.reserve(list(layout), consumers, device, many=True, keyed=keyed)
 
     def publish(self, reserved: TensorOrList) -> Descriptor:
         """Dispatch what reserve (or reserve_many) returned, once filled: the descriptor put would give.
@@ -266,7 +300,8 @@ class Client:
     # --- consumer ------------------------------------------------------------------------------
 
     def get(
-        self, desc: DescLike, copy: bool = False, verify: bool = True, device: Any = None
+        self, desc: DescLike = None, copy: bool = False, verify: bool = True, device: Any = None,
+        key: Optional[str] = None,
     ) -> Union[torch.Tensor, list[torch.Tensor]]:
         """The tensor (or list, for put_many) a descriptor names.
 
@@ -279,11 +314,28 @@ class Client:
         still live, so a descriptor that outlived its lease raises STALE or NOT_FOUND instead of reading
         reused memory. The check reads the daemon's lease table (shared memory): a live lease costs no
         round trip, and only a lease the table calls gone is looked up, for the reason.
+
+        ``key`` instead of ``desc``: ``lookup(key)`` then a get of what it names (NOT_FOUND if nothing
+        is live under it). No hold protects such a read: a retained feature may be evicted under
+        pressure while a view of it is in use. Read with ``copy=True``, which checks again after
+        copying and raises STALE or NOT_FOUND if the feature ended meanwhile, or hold it first.
         """
         if type(copy) is not bool or type(verify) is not bool:
             raise TypeError(f"copy and verify must be True or False, not {copy!r} and {verify!r}")
         if device is not None:
             _check_device(device)
+        if not self.map_pools:
+            self._check_writable()
+        if key is not None:
+            if desc is not None:
+                raise ValueError("get takes a descriptor or a key, not both")
+            found = self._keys.lookup(key)
+            if found is None:
+                raise MmfeatError(ErrorCode.NOT_FOUND, "no live feature under that key (never put, ended, evicted, "
+                                  "or from before a daemon restart)")
+            desc = found
+        elif desc is None:
+            raise ValueError("get needs a descriptor or a key")
         return self._consumer.get(desc if type(desc) is Descriptor else _as_descriptor(desc), copy, verify, device)
 
     def prefetch(self, descs: Union[DescLike, Sequence[DescLike]]) -> None:
@@ -325,6 +377,33 @@ class Client:
                                     or not 0 <= timeout < float("inf")):
             raise ValueError(f"timeout must be None or a finite number of seconds >= 0, not {timeout!r}")
         return self._acks.flush(self.timeout if timeout is None else timeout, self._session)
+
+    # --- keys ----------------------------------------------------------------------------------
+
+    def has(self, key: str) -> bool:
+        """Whether a feature is live under ``key`` now (a hint: hold it to keep it)."""
+        return self._keys.has_many([key])[0]
+
+    def has_many(self, keys: Sequence[str]) -> list[bool]:
+        """``has`` of each key, in one round trip (at most MAX_LOOKUP_KEYS keys: TOO_LARGE past it)."""
+        return self._keys.has_many(keys if isinstance(keys, list) else list(keys))
+
+    def lookup(self, key: str) -> Optional[Descriptor]:
+        """The descriptor of the feature live under ``key``, or None."""
+        return self._keys.lookup(key)
+
+    def hold(self, target: Union[str, DescLike], count: int = 1) -> Optional[Descriptor]:
+        """Protect a retained feature (by key, or its descriptor) for ``count`` readers: while the hold
+        lives nothing frees the feature, not its retain_ttl, not the pool's need for space, not an evict.
+        The descriptor returned is what the readers get() and ack(): each ack releases one of ``count``,
+        from any process. The hold also ends after ack_ttl, and with this Client's session (a holder that
+        dies gives its holds back). None when nothing is live under the key."""
+        return self._keys.hold(target if isinstance(target, str) else _as_descriptor(target), count)
+
+    def evict(self, key: str) -> bool:
+        """No key finds the feature any more; a retained one is freed once nothing holds it. False when
+        nothing was live under ``key``."""
+        return self._keys.evict(key)
 
     # --- operators -----------------------------------------------------------------------------
 

@@ -194,6 +194,7 @@ class DaemonCore:
         self.sweep(now)
         self.sessions.close(token)
         self.arenas.give_back_session(token)
+        self.ledger.end_holds(token, now)  # a dead holder's readers are not waited for
         return self.ledger.reclaim_session(token, now)
 
     def tick(self, now: float) -> None:
@@ -240,4 +241,6 @@ class DaemonCore:
             "counters": self.counters.as_dict(),
             "limits": self.resource_stats(),
             "mesh": self.mesh_stats(),
+            "namespaces": self.ledger.keys.stats(),
+            "holds": self.ledger.holds_live,
         }

@@ -7,6 +7,7 @@ MmfeatError for a refusal; daemon/dispatch.py turns either into a reply frame.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -15,8 +16,10 @@ from mmfeat.protos import messages as m
 from mmfeat.protos.codec import MAX_REQUEST_BYTES
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
+from mmfeat.protos.keys import MAX_LOOKUP_KEYS
 
 from .core import DaemonCore, Remote
+from .leases.keys import hold_descriptor
 from .leases.sessions import MAX_PENDING_SESSIONS
 
 log = logging.getLogger("mmfeatd")
@@ -40,11 +43,29 @@ def _remote(core: DaemonCore) -> Remote:
     return core.remote
 
 
-def _lease_reply(core: DaemonCore, lease: Any, now: float) -> m.LeaseReply:
-    ref = m.LeaseRefReply(lease.pool_id, core.epoch, lease.lease_id, lease.gen, lease.token, lease.offset, lease.nbytes)
+def _lease_ref(core: DaemonCore, lease: Any) -> m.LeaseRefReply:
+    return m.LeaseRefReply(lease.pool_id, core.epoch, lease.lease_id, lease.gen, lease.token, lease.offset,
+                           lease.nbytes)
+
+
+def _lease_reply(core: DaemonCore, lease: Any, now: float, descriptor: Optional[bytes] = None) -> m.LeaseReply:
     # The lease's own deadline, not the TTL hello reported: a reload changes the TTL of leases granted
-    # after it, and the producer must know when this one ends.
-    return m.LeaseReply(ref, lease.state.value, lease.consumers, lease.remaining, max(0.0, lease.deadline - now))
+    # after it, and the producer must know when this one ends. A feature that nothing times (retained,
+    # held) has none to tell.
+    left = lease.deadline - now
+    expires_in = max(0.0, left) if math.isfinite(left) else None
+    return m.LeaseReply(_lease_ref(core, lease), lease.state.value, lease.consumers, lease.remaining, expires_in,
+                        descriptor)
+
+
+def _attached(core: DaemonCore, token: bytes, op: str) -> None:
+    """Raise unless ``token`` is a session with its fd channel attached (whose end frees what it holds)."""
+    session = core.sessions.get(token)
+    if session is None:
+        core.check_not_cut(token)
+        raise MmfeatError(ErrorCode.NOT_FOUND, "unknown session (expired, or from before a daemon restart): reconnect")
+    if not session.attached:
+        raise MmfeatError(ErrorCode.BAD_STATE, f"connect the fd channel before {op}, so a crash frees what you hold")
 
 
 def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> m.HelloReply:
@@ -92,8 +113,16 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> m.LeaseReply
     if not session.attached:
         raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before reserving, so a crash frees your leases")
     pool_id = core.pool_for(req.device)
+    if req.key is not None:
+        live = core.ledger.keys.find(req.key)
+        if live is not None:
+            # Dedup before any byte is written: the producer gets the live feature instead of a lease.
+            core.counters.dedups += 1
+            core.ledger.keys.count(req.key, "dedups")
+            return _lease_reply(core, live, now, live.descriptor)
     t0 = time.perf_counter()
-    lease = core.ledger.reserve(req.session, pool_id, req.nbytes, req.consumers, now)
+    lease = core.ledger.reserve(req.session, pool_id, req.nbytes, req.consumers, now, key=req.key,
+                                retain_ttl=req.retain_ttl)
     if core.observe_reserve is not None:
         core.observe_reserve(time.perf_counter() - t0)
     return _lease_reply(core, lease, now)
@@ -137,7 +166,8 @@ def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> m.LeaseReply
     # So that a feature published in an arena is known, and refused here as already published: a publish
     # naming an arena's lease must find it adopted, so this sweep leaves nothing waiting unadopted.
     core.sweep(now)
-    return _lease_reply(core, core.ledger.publish(req.lease, req.session, now), now)
+    lease = core.ledger.publish(req.lease, req.session, now, req.descriptor)
+    return _lease_reply(core, lease, now, lease.descriptor)
 
 
 def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Union[m.AckReply, Deferred]:
@@ -162,6 +192,57 @@ def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> m.LeaseReply:
     """Is this lease live, with this generation and token? Consumers verify before reading."""
     core.sweep(now)
     return _lease_reply(core, core.ledger.lookup(req.lease), now)
+
+
+def lookup_key(core: DaemonCore, req: m.LookupKeyRequest, now: float) -> m.LookupKeyReply:
+    """Which keys name a live feature (has_many), and with ``descriptors`` their descriptors (lookup)."""
+    if len(req.keys) > MAX_LOOKUP_KEYS:
+        core.counters.too_large += 1
+        raise MmfeatError(ErrorCode.TOO_LARGE, f"{len(req.keys)} keys in one lookup_key, over the {MAX_LOOKUP_KEYS} "
+                          "a request may carry: split the list")
+    core.sweep(now)  # acks in the table may have ended some
+    index = core.ledger.keys
+    found, descs = [], []
+    for key in req.keys:
+        lease = index.find(key)
+        hit = lease is not None
+        found.append(hit)
+        descs.append(lease.descriptor if hit else None)
+        index.count(key, "hits" if hit else "misses")
+        if hit:
+            core.counters.key_hits += 1
+        else:
+            core.counters.key_misses += 1
+    return m.LookupKeyReply(tuple(found), tuple(descs) if req.descriptors else None)
+
+
+def hold(core: DaemonCore, req: m.HoldRequest, now: float) -> m.HoldReply:
+    """A hold on a retained feature for ``count`` readers, ended by their acks or with this session."""
+    if (req.key is None) == (req.lease is None):
+        raise MmfeatError(ErrorCode.BAD_REQUEST, "hold: name the feature by key or by lease, exactly one of them")
+    core.sweep(now)
+    _attached(core, req.session, "holding")
+    ledger = core.ledger
+    if req.key is not None:
+        base = ledger.keys.find(req.key)
+        if base is None:
+            ledger.keys.count(req.key, "misses")
+            core.counters.key_misses += 1
+            raise MmfeatError(ErrorCode.NOT_FOUND, "no live feature under that key (never put, ended, evicted, or "
+                              "from before a daemon restart): put it again")
+        ledger.keys.count(req.key, "hits")
+        core.counters.key_hits += 1
+    else:
+        base = ledger.resolve(req.lease)
+    h = ledger.hold(base, req.session, req.count, now)
+    return m.HoldReply(_lease_ref(core, h), hold_descriptor(base, h))
+
+
+def evict(core: DaemonCore, req: m.EvictRequest, now: float) -> m.EvictReply:
+    """No key finds the feature from now on; a retained one is freed as soon as nothing holds it."""
+    core.sweep(now)
+    evicted, held = core.ledger.evict(req.key, now)
+    return m.EvictReply(evicted, held)
 
 
 def remote_get(core: DaemonCore, req: m.RemoteGetRequest, now: float) -> Deferred:
@@ -203,6 +284,9 @@ HANDLERS: dict[str, Handler] = {
     "ack": ack,
     "release": release,
     "lookup": lookup,
+    "lookup_key": lookup_key,
+    "hold": hold,
+    "evict": evict,
     "remote_get": remote_get,
     "arena": arena,
     "arena_return": arena_return,

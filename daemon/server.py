@@ -421,7 +421,9 @@ class Server:
         # before it was set still publishes in its arena, and must not find the daemon gone.
         if now < self._drain_deadline - self.settings.drain_timeout + DRAIN_SETTLE_S:
             return True
-        return self.core.ledger.live > 0 and now < self._drain_deadline
+        # Retained features nothing holds are a cache, which a drain need not wait out.
+        awaited = self.core.ledger.live - self.core.ledger.keys.unheld_retained()
+        return awaited > 0 and now < self._drain_deadline
 
     def _serve_requests(self) -> None:
         assert self._control is not None and self._control.router is not None

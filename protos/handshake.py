@@ -16,9 +16,20 @@ from .version import PROTOCOL_VERSION
 MAX_HANDSHAKE_BYTES = 4096
 
 
-def hello(session: bytes) -> bytes:
-    """The client's first datagram: its session token from the control socket's hello."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, "session": session}, use_bin_type=True)
+def hello(session: bytes, pools: bool = True) -> bytes:
+    """The client's first datagram: its session token from the control socket's hello. ``pools`` False:
+    a control-only client, which maps no pool and is sent the lease table's fd alone."""
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "session": session}
+    if not pools:
+        msg["pools"] = False
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def wants_pools(data: bytes) -> bool:
+    """Whether a client's first datagram (parse_hello accepted it) asks for the pools' fds: all but a
+    control-only client's, which says ``pools: false``."""
+    msg = msgpack.unpackb(data, raw=False, max_ext_len=0)
+    return msg.get("pools") is not False
 
 
 def parse_hello(data: bytes) -> bytes:

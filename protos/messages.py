@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, ClassVar, Optional, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from .errors import ErrorCode, MmfeatError
 from .handshake import ArenaGrant
+from .keys import key_problem
 
 TOKEN_BYTES = 16
 MAX_CONSUMERS = 4096
@@ -24,6 +25,22 @@ Token = Annotated[bytes, Field(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES)]
 Count = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 Size = Annotated[int, Field(gt=0, le=MAX_NBYTES)]
 Consumers = Annotated[int, Field(ge=1, le=MAX_CONSUMERS)]
+MAX_RETAIN_TTL_S = 7 * 86400.0
+# A keyed feature's descriptor as the daemon keeps it for lookups: a pool descriptor of many tensors
+# is still far smaller; an fd channel datagram is 4096 bytes.
+MAX_KEPT_DESCRIPTOR_BYTES = 2048
+
+
+def _checked_key(value: str) -> str:
+    problem = key_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+Key = Annotated[str, AfterValidator(_checked_key)]
+RetainTTL = Annotated[float, Field(gt=0, le=MAX_RETAIN_TTL_S, allow_inf_nan=False)]
+KeptDescriptor = Annotated[bytes, Field(min_length=1, max_length=MAX_KEPT_DESCRIPTOR_BYTES)]
 
 
 class _Message(BaseModel):
@@ -52,12 +69,20 @@ class ReserveRequest(_Message):
     nbytes: Size
     consumers: Consumers = 1
     device: Optional[Annotated[int, Field(ge=-1, le=1023)]] = None
+    # A keyed feature (SPEC.md, "Keys and lifetimes"): found by key once published; a live key makes
+    # the reserve return that feature instead of a new lease.
+    key: Optional[Key] = None
+    # Retained instead of counted: kept after any number of reads, until this many seconds after its
+    # publish pass with no hold on it (or the pool needs the space, or it is evicted by key).
+    retain_ttl: Optional[RetainTTL] = None
 
 
 class PublishRequest(_Message):
     # The producer's session; on the fd channel the connection's own session is used instead.
     session: Token
     lease: LeaseRef
+    # The descriptor of a keyed lease, kept for lookups by key (required for one, refused for others).
+    descriptor: Optional[KeptDescriptor] = None
 
 
 NodeName = Annotated[str, Field(min_length=1, max_length=128)]
@@ -94,6 +119,24 @@ class RemoteGetRequest(_Message):
     into_pool: Optional[Annotated[int, Field(ge=0, le=1023)]] = None
     # The client could not import the owner's FABRIC handle that this daemon relayed: pull the bytes instead.
     pull: bool = False
+
+
+class HoldRequest(_Message):
+    """Protect a retained feature for ``count`` readers: a hold of its own, released by their acks."""
+
+    session: Token
+    key: Optional[Key] = None
+    lease: Optional[LeaseRef] = None  # the feature's own reference instead of its key
+    count: Consumers = 1
+
+
+class LookupKeyRequest(_Message):
+    keys: Annotated[list[Key], Field(min_length=1)]
+    descriptors: bool = False  # also answer each live key's descriptor (lookup), not only whether it is live
+
+
+class EvictRequest(_Message):
+    key: Key
 
 
 class ArenaRequest(_Message):
@@ -141,6 +184,9 @@ REQUEST_MODELS: dict[str, type[_Message]] = {
     "ack": AckRequest,
     "release": ReleaseRequest,
     "lookup": LookupRequest,
+    "lookup_key": LookupKeyRequest,
+    "hold": HoldRequest,
+    "evict": EvictRequest,
     "remote_get": RemoteGetRequest,
     "arena": ArenaRequest,
     "arena_return": ArenaReturnRequest,
@@ -270,20 +316,24 @@ class LeaseReply(_Reply):
     consumers: int
     remaining: int
     expires_in: Optional[float] = None
-    _WIRE = {"lease": dict, "state": str, "consumers": int, "remaining": int, "expires_in": _NUM}
+    # A keyed feature's descriptor, as lookups by key answer it: in a reserve reply only when the key was
+    # live (nothing was reserved: ``lease`` is that feature's), in a publish reply of a keyed lease.
+    descriptor: Optional[bytes] = None
+    _WIRE = {"lease": dict, "state": str, "consumers": int, "remaining": int, "expires_in": _NUM, "descriptor": bytes}
     _NESTED = {"lease": LeaseRefReply}
-    _OPTIONAL = frozenset({"expires_in"})
+    _OPTIONAL = frozenset({"expires_in", "descriptor"})
 
     @classmethod
     def from_wire(cls, body: Any) -> "LeaseReply":
         try:
             lease, state, consumers, remaining = body["lease"], body["state"], body["consumers"], body["remaining"]
             expires_in = body.get("expires_in")
+            descriptor = body.get("descriptor")
         except (KeyError, TypeError, IndexError, AttributeError):
             return cls(**_read(cls, body))
         if (type(state) is str and type(consumers) is int and type(remaining) is int
-                and (expires_in is None or type(expires_in) is float)):
-            return cls(LeaseRefReply.from_wire(lease), state, consumers, remaining, expires_in)
+                and (expires_in is None or type(expires_in) is float) and type(descriptor) in _OPT_BYTES):
+            return cls(LeaseRefReply.from_wire(lease), state, consumers, remaining, expires_in, descriptor)
         return cls(**_read(cls, body))
 
     def to_wire(self) -> dict[str, Any]:  # by hand: on every reserve's path
@@ -291,6 +341,8 @@ class LeaseReply(_Reply):
                                 "remaining": self.remaining}
         if self.expires_in is not None:
             body["expires_in"] = self.expires_in
+        if self.descriptor is not None:
+            body["descriptor"] = self.descriptor
         return body
 
 
@@ -320,6 +372,52 @@ class AckReply(_Reply):
         if self.duplicate is not None:
             body["duplicate"] = self.duplicate
         return body
+
+
+@dataclass(slots=True)
+class LookupKeyReply(_Reply):
+    """Per key asked, in order: whether a feature is live under it, and (when asked) its descriptor or nil."""
+
+    found: tuple[bool, ...]
+    descriptors: Optional[tuple[Optional[bytes], ...]] = None
+    _WIRE = {"found": list, "descriptors": list}
+    _OPTIONAL = frozenset({"descriptors"})
+
+    @classmethod
+    def from_wire(cls, body: Any) -> "LookupKeyReply":
+        out = _read(cls, body)
+        found = tuple(out["found"])
+        if not all(type(f) is bool for f in found):
+            raise _reply_error(cls, "has found items that are not bools")
+        descs = out.get("descriptors")
+        if descs is not None:
+            descs = tuple(descs)
+            if len(descs) != len(found) or not all(type(d) in _OPT_BYTES for d in descs):
+                raise _reply_error(cls, "has descriptors that are not one bin or nil per key")
+        return cls(found, descs)
+
+    def to_wire(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"found": list(self.found)}
+        if self.descriptors is not None:
+            body["descriptors"] = list(self.descriptors)
+        return body
+
+
+@dataclass(slots=True)
+class HoldReply(_Reply):
+    """The hold: a lease of its own over the feature's bytes, and the descriptor its readers get and ack."""
+
+    lease: LeaseRefReply
+    descriptor: Optional[bytes]  # nil for a feature held by its lease that has no key (the holder has its descriptor)
+    _WIRE = {"lease": dict, "descriptor": _OPT_BYTES}
+    _NESTED = {"lease": LeaseRefReply}
+
+
+@dataclass(slots=True)
+class EvictReply(_Reply):
+    evicted: bool  # a feature was live under the key; it is not findable by it any more
+    held: bool  # holds still protect it: its bytes go once the last of them ends
+    _WIRE = {"evicted": bool, "held": bool}
 
 
 @dataclass(slots=True)
@@ -439,9 +537,13 @@ class StatsReply(_Reply):
     counters: dict
     limits: dict
     mesh: Optional[dict]
+    # Keyed features by namespace (SPEC.md, "Keys and lifetimes"), and the holds live now.
+    namespaces: Optional[dict] = None
+    holds: Optional[int] = None
     _WIRE = {"node": str, "pid": int, "epoch": int, "uptime_s": _NUM, "draining": bool, "clients": int,
              "sessions": int, "leases": dict, "timers": int, "swept_slots": int, "pools": list, "counters": dict,
-             "limits": dict, "mesh": (dict, type(None))}
+             "limits": dict, "mesh": (dict, type(None)), "namespaces": dict, "holds": int}
+    _OPTIONAL = frozenset({"namespaces", "holds"})
 
 
 Reply = _Reply  # any op's reply type
@@ -454,6 +556,9 @@ REPLY_TYPES: dict[str, type[_Reply]] = {
     "ack": AckReply,
     "release": ReleaseReply,
     "lookup": LeaseReply,
+    "lookup_key": LookupKeyReply,
+    "hold": HoldReply,
+    "evict": EvictReply,
     "remote_get": RemoteGetReply,
     "arena": ArenaReply,
     "arena_return": EmptyReply,

@@ -48,9 +48,11 @@ def _check_daemon(sock: socket.socket, runtime_dir: Path) -> None:
         )
 
 
-def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.socket, dict[int, int], int]:
+def open_fd_channel(path: Path, session: bytes, timeout: float,
+                    pools: bool = True) -> tuple[socket.socket, dict[int, int], int]:
     """Connect, authenticate, receive fds. Returns the open socket (keep it: closing it tells the daemon
-    this client is gone), ``{pool_id: fd}`` and the lease table's fd; the caller owns the fds."""
+    this client is gone), ``{pool_id: fd}`` and the lease table's fd; the caller owns the fds. ``pools``
+    False: ask for the lease table's fd alone (a control-only client)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     fds: list[int] = []
@@ -58,7 +60,7 @@ def open_fd_channel(path: Path, session: bytes, timeout: float) -> tuple[socket.
         try:
             sock.connect(str(path))
             _check_daemon(sock, path.parent)
-            sock.sendall(handshake.hello(session))
+            sock.sendall(handshake.hello(session, pools))
             data, fds, flags, _ = socket.recv_fds(sock, handshake.MAX_HANDSHAKE_BYTES, _MAX_FDS)
         except (socket.timeout, ConnectionError, FileNotFoundError) as exc:
             raise DaemonUnavailableError(f"fd channel {path}: {exc}") from None

@@ -205,12 +205,12 @@ class Session:
 
 
 def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float,
-                 readonly: bool = False) -> Session:
+                 readonly: bool = False, map_pools: bool = True) -> Session:
     """hello, the fd channel handshake (which checks who serves it), the lease table and the host pools
     (read-only with ``readonly``). FdLimitError, before anything is half open, when this process cannot
     spare the fds that takes."""
     try:
-        return _open_session(channel, runtime_dir, name, timeout, readonly)
+        return _open_session(channel, runtime_dir, name, timeout, readonly, map_pools)
     except OSError as exc:
         if fd_budget.is_exhaustion(exc):
             raise fd_budget.exhausted(exc, "opening a session with mmfeatd") from None
@@ -218,7 +218,7 @@ def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout:
 
 
 def _open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float,
-                  readonly: bool) -> Session:
+                  readonly: bool, map_pools: bool = True) -> Session:
     # One pool for the count before hello (a daemon has at least one); the exact count once it says.
     fd_budget.ensure(fd_budget.session_fds(1), "opening a session with mmfeatd")
     sent = time.monotonic()
@@ -226,7 +226,8 @@ def _open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout
     # Same kernel, same CLOCK_MONOTONIC (unless a time namespace shifts it): then deadlines mean the same.
     channel.send_deadlines = sent - 1.0 <= hello.clock <= time.monotonic() + 1.0
     fd_budget.ensure(fd_budget.session_fds(len(hello.pools)), "opening a session with mmfeatd")
-    fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(runtime_dir), hello.session, timeout)
+    # A control-only client (map_pools False) asks for the lease table's fd alone: no pool reaches it.
+    fd_sock, fds, table_fd = open_fd_channel(fd_socket_path(runtime_dir), hello.session, timeout, map_pools)
     try:
         # Writable only where this process will publish and ack in it (SPEC.md, section 9).
         writable = hello.arenas and atomics.AVAILABLE
@@ -239,6 +240,8 @@ def _open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout
     fd = FdTransport(fd_sock, timeout, channel.failures)
     fd.send_deadlines = channel.send_deadlines
     session = Session(hello, channel.endpoint, fd, fds, table, timeout, readonly)
+    if not map_pools:
+        return session
     try:
         for pool_id, info in session.pools.items():
             if info.kind == "host":  # map host pools now; GPU pools on first use, on the caller's device

@@ -248,11 +248,15 @@ class Producer:
         return session
 
     def _reserve(self, session: Session, pool: PoolInfo, put: PutInFlight,
-                 writing: Optional[list[Session]] = None) -> tuple[Session, LeaseReply]:
+                 writing: Optional[list[Session]] = None,
+                 keyed: Optional[dict[str, Any]] = None) -> tuple[Session, LeaseReply]:
         """The reserve reply and the session it was made in (a new one if the daemon restarted), counted
         in ``writing`` where the caller writes the feature before this returns (put; not reserve, whose
-        caller fills the tensors later and close() gives back)."""
+        caller fills the tensors later and close() gives back). ``keyed``: its ``key`` and ``retain_ttl``."""
         fields: dict[str, Any] = {"session": session.token, "nbytes": put.nbytes, "consumers": put.consumers}
+        if keyed:
+            fields["key"] = keyed.get("key")
+            fields["retain_ttl"] = keyed.get("retain_ttl")
         # The daemon's ordinal of the GPU this tensor is on, or -1: its host pool, which on a GPU node is
         # not its first pool.
         fields["device"] = pool.device

@@ -33,6 +33,7 @@ from . import packing
 from ..link.arenas import Placement
 from ..fork_locks import renew_in_child
 from ..neutral import outside_inference
+from .keyed import KeyedPuts, publish_keyed
 from .producer import _FALLBACK_ERRORS, Producer, check_consumers
 from .put_in_flight import PutInFlight
 from ..link.session import Session
@@ -65,6 +66,8 @@ class Reservation:
         # When a reserved lease ends at the daemon (monotonic, as seen here): from its reserve reply,
         # never from hello, whose reserve_ttl a reload may have changed since.
         self.deadline = math.inf
+        # A keyed or retained feature's reserve fields (client/keyed.py); None for a plain one.
+        self.keyed: Optional[dict[str, Any]] = None
         # Weak: a reservation must not keep its tensors, or a dropped one would never be noticed.
         self.refs: list[weakref.ref] = []
 
@@ -95,7 +98,7 @@ class Reservations:
     # --- reserve -------------------------------------------------------------------------------
 
     def reserve(self, layout: Sequence[tuple[ShapeLike, torch.dtype]], consumers: int, device: Any,
-                many: bool) -> list[torch.Tensor]:
+                many: bool, keyed: Optional[dict[str, Any]] = None) -> list[torch.Tensor]:
         if self._closed:
             raise MmfeatError(ErrorCode.BAD_STATE, "reserve on a closed Client: open a new Client")
         check_consumers(consumers)
@@ -105,18 +108,20 @@ class Reservations:
         metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in checked]
         specs, nbytes = packing.layout(metas)
         put = PutInFlight(tuple(specs), nbytes, many, consumers, target.index if target.type == "cuda" else None)
-        r = self._in_pool(put)
+        r = self._in_pool(put, keyed)
         if r is None:
             r = Reservation(self, "plain", put)
             base = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=target)
         else:
             base = self._pool_bytes(r)
+        r.keyed = keyed
         return self._hand_out(r, base)
 
-    def _in_pool(self, put: PutInFlight) -> Optional[Reservation]:
-        """A reservation in the pool, as ``put`` would place the feature; None where put would not."""
+    def _in_pool(self, put: PutInFlight, keyed: Optional[dict[str, Any]] = None) -> Optional[Reservation]:
+        """A reservation in the pool, as ``put`` would place the feature; None where put would not (and
+        for a keyed one whose key is live: publish then answers that feature)."""
         p, device = self._producer, put.device
-        if put.nbytes == 0 or put.nbytes < p.inline_threshold:
+        if put.nbytes == 0 or (put.nbytes < p.inline_threshold and not keyed):
             return None
         if p._fallbacks.daemon_down:
             if p.fallback == "error":
@@ -128,11 +133,14 @@ class Reservations:
             pool = p._pool_for(session, device)
             if device is not None and pool.kind != "cuda":
                 return None  # no pool on that GPU: a device tensor, which publish puts into a host pool
-            r = self._in_arena(session, pool, put)
-            if r is not None:
-                return r
+            if not keyed:  # a keyed or retained feature is the daemon's to find and end: never in an arena
+                r = self._in_arena(session, pool, put)
+                if r is not None:
+                    return r
             asked_at = time.monotonic()  # before the request: the deadline here is never later than the daemon's
-            session, reply = p._reserve(session, pool, put)
+            session, reply = p._reserve(session, pool, put, keyed=keyed)
+            if reply.descriptor is not None:
+                return None  # the key's feature is live: no lease was reserved
         except DaemonUnavailableError:
             p._fallbacks.mark_down()
             if p.fallback == "error":
@@ -206,6 +214,8 @@ class Reservations:
         p = self._producer
         if r.kind == "plain":
             try:
+                if r.keyed:
+                    return KeyedPuts(p).put(given, r.put.many, r.put.consumers, r.keyed)
                 return p.put(given, r.put.consumers, r.put.many)
             except BaseException:
                 self._reopen(r)  # nothing was sent: the caller may publish again or discard
@@ -216,6 +226,8 @@ class Reservations:
             # The daemon restarted or went away since the reservation: the bytes are still mapped here,
             # so put carries them as it can (a new pool, or inline).
             self._give_back(r)
+            if r.keyed:
+                return KeyedPuts(p).put(given, r.put.many, r.put.consumers, r.keyed)
             return p.put(given, r.put.consumers, r.put.many)
         try:
             _ready_for_consumers(r)
@@ -226,6 +238,13 @@ class Reservations:
             assert r.placed is not None and session.arenas is not None
             session.arenas.publish(r.placed, r.put.nbytes, r.put.consumers, desc.token)
             return desc
+        if r.keyed:
+            try:
+                return publish_keyed(session, desc, "key" in r.keyed)
+            except MmfeatError as exc:
+                if isinstance(exc, DaemonUnavailableError):
+                    raise
+                raise MmfeatError(exc.code, f"the reservation was not published: {exc.message}") from None
         now = time.monotonic()
         if now >= r.deadline:
             try:  # waited for: an ended lease's refusal is the expected answer, not an async failure

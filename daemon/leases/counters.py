@@ -45,6 +45,18 @@ class Counters:
     # Request frames taken, on the control socket and the fd channels: the steady state of features in
     # arenas takes none per feature, so a rate that follows the features' says a producer left that path.
     requests: int = 0
+    # Keys and lifetimes (SPEC.md, section 3, "Keys and lifetimes").
+    dedups: int = 0  # keyed puts answered with the feature already live under their key
+    key_hits: int = 0
+    key_misses: int = 0
+    holds: int = 0  # holds granted
+    holds_ended: int = 0  # holds over: by their acks, their ack_ttl, their holder's end
+    holds_expired: int = 0  # of those, by ack_ttl
+    holds_reclaimed: int = 0  # of those, because their holder's session ended
+    retained_acks: int = 0  # acks of a retained feature's own descriptor: it counts none, so they change nothing
+    retained_expired: int = 0  # retained features freed once their retain_ttl passed with no hold
+    evictions: int = 0  # retained features freed because a reserve or hold needed their space
+    evicted_by_key: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:

@@ -27,6 +27,11 @@ class EndReason(str, Enum):
     SHUTDOWN = "cut at daemon shutdown"
     REFUSED = "refused: its producer published it with words the daemon could not accept"
     CUT = "cut: its session wrote lease table words the daemon refused, past max_refused_words"
+    RETAIN_EXPIRED = "its retain_ttl passed with no hold on it"
+    EVICTED = "evicted: the pool needed its space and nothing held it"
+    EVICTED_BY_KEY = "evicted by key"
+    HOLDER_GONE = "a hold whose holder's session ended"
+    DEDUPED = "another feature was published under its key first"
 
 
 @dataclass
@@ -48,6 +53,18 @@ class Lease:
     arena: Optional[Arena] = None  # set for a feature published in a producer arena
     # Ack ids already applied, so that a consumer's retry of an ack whose reply it lost counts once.
     ack_ids: Optional[set[bytes]] = None
+    # Keys and lifetimes (daemon/leases/keys.py). ``key``: the key it is published under (bound from
+    # its publish until it ends), with ``descriptor``, its bytes as lookups answer them.
+    key: Optional[str] = None
+    descriptor: Optional[bytes] = None
+    # Set for a retained feature: kept after any number of reads, until this long after its publish
+    # has passed and nothing holds it (``deadline`` then says when). None: counted, as ever.
+    retain_ttl: Optional[float] = None
+    holds: int = 0  # live holds on this retained feature: while any is, nothing frees it
+    # Why it ended while holds protected it: it is freed, for that reason, when the last hold ends.
+    doomed: Optional[EndReason] = None
+    # Set for a hold: the retained feature whose bytes it protects (a hold owns no bytes of its own).
+    hold_of: Optional["Lease"] = None
 
 
 # Why a slot's last generation ended, as stored per slot (one byte each): 0 while it never ended (or was

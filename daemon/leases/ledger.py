@@ -17,13 +17,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.lease_table import FREE, PUBLISHED, RESERVED
+from mmfeat.protos.lease_table import ACK_COUNT_MASK, FREE, PUBLISHED, RESERVED
 from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 
 from .allocator import Allocator, align_up
 from .arenas import BLOCK_SIZE, Arena, Arenas
 from .counters import Counters
 from .deadlines import Deadlines
+from .keys import KeyIndex, checked_descriptor
+from .retention import Retention
 from .lease import END_CODE, END_REASONS, EndReason, FreeObserver, Lease, LeaseState, QuickObserver
 from .lease_table import LeaseTable
 from .session_books import SessionBooks
@@ -42,7 +44,7 @@ class AckResult:
     duplicate: bool = False
 
 
-class Ledger:
+class Ledger(Retention):
     def __init__(
         self,
         allocators: dict[int, Allocator],
@@ -87,6 +89,8 @@ class Ledger:
         self._count = {p: {st: 0 for st in LeaseState} for p in allocators}
         self._bytes = {p: {st: 0 for st in LeaseState} for p in allocators}
         self.live = 0
+        self.keys = KeyIndex()
+        self.holds_live = 0
 
     # --- the lifecycle -------------------------------------------------------------------------
 
@@ -97,8 +101,10 @@ class Ledger:
                 and alloc.largest_free >= align_up(nbytes, alloc.alignment))
 
     def reserve(self, session: bytes, pool_id: int, nbytes: int, consumers: int, now: float,
-                ttl: Optional[float] = None, quota: bool = True) -> Lease:
-        """``ttl`` and ``quota`` are for the daemon's own leases (a pulled copy): its hold and no session quota."""
+                ttl: Optional[float] = None, quota: bool = True, key: Optional[str] = None,
+                retain_ttl: Optional[float] = None) -> Lease:
+        """``ttl`` and ``quota`` are for the daemon's own leases (a pulled copy): its hold and no session quota.
+        ``key``: bound at publish; ``retain_ttl``: a retained feature, which counts no consumers."""
         alloc = self.allocators[pool_id]
         if nbytes > alloc.capacity:
             self.counters.too_large += 1
@@ -106,6 +112,8 @@ class Ledger:
                 ErrorCode.TOO_LARGE,
                 f"{nbytes} B is larger than pool {pool_id} ({alloc.capacity} B); send it inline or raise pool_mb",
             )
+        if not self.fits(pool_id, nbytes):
+            self.evict_for(pool_id, nbytes, now)  # retained features nothing holds, before anyone goes inline
         if self.live >= self.max_leases:
             self.counters.pool_full += 1
             raise MmfeatError(ErrorCode.POOL_FULL,
@@ -141,12 +149,18 @@ class Ledger:
             deadline=now + (self.reserve_ttl if ttl is None else ttl),
             reserved_at=now,
             size=alloc.size_of(offset),
+            key=key,
+            retain_ttl=retain_ttl,
         )
+        if retain_ttl is not None:
+            # It counts no consumers; the table's count is one no acks reach, so no reader ends it there.
+            lease.consumers = lease.remaining = 0
         self._go_live(lease)
         self.live += 1
         self._account(lease, +1)
         if self._table is not None:
-            self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes, consumers, lease.token)
+            self._table.set_live(lease_id, lease.gen, RESERVED, pool_id, offset, nbytes,
+                                 consumers if retain_ttl is None else ACK_COUNT_MASK, lease.token)
         self.books.single_taken(session, lease_id, lease.size)
         self._deadlines.push(lease)
         self.counters.reserves += 1
@@ -183,11 +197,24 @@ class Ledger:
         self.counters.arena_adoptions += 1
         return lease
 
-    def publish(self, ref: LeaseRef, session: bytes, now: float) -> Lease:
+    def publish(self, ref: LeaseRef, session: bytes, now: float, descriptor: Optional[bytes] = None) -> Lease:
+        """The lease published, or for a keyed one whose key another feature took meanwhile, that feature
+        (this one is freed: its bytes are not kept)."""
         lease = self._producers_lease(ref, session, "publish")
         if lease.state is not LeaseState.RESERVED:
             raise MmfeatError(ErrorCode.BAD_STATE,
                               f"lease {lease.lease_id} is already {lease.state.value}; publish once")
+        if lease.key is not None:
+            descriptor = checked_descriptor(descriptor, lease, self.epoch)
+            live = self.keys.find(lease.key)
+            if live is not None:
+                self.counters.dedups += 1
+                self.keys.count(lease.key, "dedups")
+                self._free(lease, EndReason.DEDUPED, now)
+                return live
+        elif descriptor is not None:
+            raise MmfeatError(ErrorCode.BAD_REQUEST, f"lease {lease.lease_id} has no key: publish it without a "
+                              "descriptor (only keyed features are looked up)")
         self._account(lease, -1)
         lease.state = LeaseState.PUBLISHED
         self._account(lease, +1)
@@ -196,7 +223,15 @@ class Ledger:
         lease.deadline = now + self.ack_ttl
         self.books.not_reserved(lease.session, lease.lease_id)
         self.counters.publishes += 1
-        if lease.remaining == 0:
+        if lease.retain_ttl is not None:
+            lease.deadline = now + lease.retain_ttl
+            self.keys.retained(lease)
+        if lease.key is not None:
+            assert descriptor is not None
+            self.keys.bind(lease, lease.key, descriptor)
+        if lease.retain_ttl is not None:
+            self._deadlines.push(lease)
+        elif lease.remaining == 0:
             # Every consumer acked before this publish arrived (it was pipelined): done already.
             self._free(lease, EndReason.ACKED, now)
         else:
@@ -218,6 +253,10 @@ class Ledger:
 
     def apply_acks(self, lease: Lease, count: int, now: float) -> AckResult:
         """``count`` acks for a live lease, from a message or from the lease table's ack word."""
+        if lease.retain_ttl is not None:
+            # A reader of a retained feature without a hold acked its descriptor: nothing counts them.
+            self.counters.retained_acks += count
+            return AckResult(remaining=0, freed=False, over_acked=0)
         taken = min(count, lease.remaining)
         over = count - taken
         lease.remaining -= taken
@@ -248,9 +287,20 @@ class Ledger:
         """Free every lease whose deadline has passed; the number freed."""
         n = 0
         for lease in self._deadlines.due(now):
-            reason = EndReason.EXPIRED_RESERVED if lease.state is LeaseState.RESERVED else EndReason.EXPIRED_PUBLISHED
-            self.counters.expired += 1
-            self._free(lease, reason, now)
+            if lease.retain_ttl is not None and lease.state is LeaseState.PUBLISHED:
+                if lease.holds:
+                    continue  # the last of its holds to end frees it (_hold_ended)
+                self.counters.retained_expired += 1
+                self.keys.count(lease.key, "expired")
+                self._free(lease, EndReason.RETAIN_EXPIRED, now)
+            elif lease.hold_of is not None:
+                self.counters.holds_expired += 1
+                self._free(lease, EndReason.EXPIRED_PUBLISHED, now)
+            else:
+                reason = (EndReason.EXPIRED_RESERVED if lease.state is LeaseState.RESERVED
+                          else EndReason.EXPIRED_PUBLISHED)
+                self.counters.expired += 1
+                self._free(lease, reason, now)
             n += 1
         return n
 
@@ -260,7 +310,8 @@ class Ledger:
         number of leases and arenas."""
         leases = [lease for lease in self._leases.values() if lease.session == session]
         for lease in leases:
-            self._free(lease, EndReason.CUT, now)
+            if self._leases.get(lease.lease_id) is lease:  # a hold's end may have freed what it held
+                self._free(lease, EndReason.CUT, now)
         self.books.pop_reserved(session)
         return len(leases), self.arenas.give_back_session(session)
 
@@ -325,8 +376,9 @@ class Ledger:
         """Free everything still live (shutdown); the number cut."""
         leases = list(self._leases.values())
         for lease in leases:
-            self.counters.cut_on_shutdown += 1
-            self._free(lease, EndReason.SHUTDOWN, now)
+            if self._leases.get(lease.lease_id) is lease:  # a hold's end may have freed what it held
+                self.counters.cut_on_shutdown += 1
+                self._free(lease, EndReason.SHUTDOWN, now)
         return len(leases)
 
     def next_deadline(self) -> float:
@@ -350,6 +402,8 @@ class Ledger:
             self._table.set(lease_id, gen, state)
 
     def _account(self, lease: Lease, sign: int) -> None:
+        if lease.hold_of is not None:
+            return  # a hold owns no bytes: stats count holds on their own
         self._count[lease.pool_id][lease.state] += sign
         self._bytes[lease.pool_id][lease.state] += sign * lease.size
 
@@ -410,6 +464,15 @@ class Ledger:
     def _free(self, lease: Lease, reason: EndReason, now: float) -> None:
         slot = lease.lease_id
         assert self._leases.get(slot) is lease
+        if lease.holds and reason is not EndReason.SHUTDOWN:
+            # Readers hold it: no key finds it from now on, and it is freed when the last hold ends.
+            lease.doomed = reason
+            self.keys.unbind(lease)
+            self.keys.not_retained(lease)
+            return
+        self.keys.unbind(lease)
+        if lease.retain_ttl is not None:
+            self.keys.not_retained(lease)
         if lease.state is LeaseState.RESERVED:
             self.books.not_reserved(lease.session, slot)
         self._account(lease, -1)
@@ -418,14 +481,25 @@ class Ledger:
         self._ended[slot] = END_CODE[reason]
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         self._mirror(lease.lease_id, lease.gen, FREE)
+        base = lease.hold_of
         if lease.arena is not None:
             self.arenas.feature_ended(lease.arena, lease.offset, lease.size)
+        elif base is not None:
+            self.books.hold_ended(lease.session, slot)
+            self.space.give(slot)
         else:
             self.allocators[lease.pool_id].release(lease.offset)
             self.books.single_freed(lease.session, lease.size)
             self.space.give(lease.lease_id)
         self.live -= 1
-        self.counters.frees += 1
+        if base is None:
+            self.counters.frees += 1
+        else:
+            self.holds_live -= 1
+            self.counters.holds_ended += 1
         self._deadlines.compact()  # a sweep may end many leases adopted in one go
         for observe in self._observers:
             observe(lease, reason, now)
+        if base is not None:
+            self._hold_ended(base, now)
+

@@ -20,6 +20,7 @@ class SessionBooks:
         self._bytes: dict[bytes, int] = {}
         self._singles: dict[bytes, int] = {}
         self._reserved: dict[bytes, set[int]] = {}
+        self._holds: dict[bytes, set[int]] = {}  # slots of the session's holds, which end with it
 
     # --- limits ----------------------------------------------------------------------------------
 
@@ -82,3 +83,22 @@ class SessionBooks:
     def pop_reserved(self, session: bytes) -> set[int]:
         """The slots of the session's RESERVED leases, forgotten here (its process is gone)."""
         return self._reserved.pop(session, set())
+
+    def hold_taken(self, session: bytes, slot: int) -> None:
+        """A hold of the session took single slot ``slot`` (it counts toward max_session_leases)."""
+        self._singles[session] = self._singles.get(session, 0) + 1
+        self._holds.setdefault(session, set()).add(slot)
+
+    def hold_ended(self, session: bytes, slot: int) -> None:
+        left = self._singles.pop(session) - 1
+        if left:
+            self._singles[session] = left
+        ids = self._holds.get(session)
+        if ids is not None:
+            ids.discard(slot)
+            if not ids:
+                del self._holds[session]
+
+    def holds_of(self, session: bytes) -> set[int]:
+        """The slots of the session's live holds (a copy)."""
+        return set(self._holds.get(session, ()))

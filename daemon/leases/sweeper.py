@@ -216,6 +216,11 @@ class Sweeper:
         gen, state = word >> 2, word & 3
         lease = ledger.live_lease(slot)
         if lease is not None and state == DONE and gen == lease.gen and lease.state is LeaseState.PUBLISHED:
+            if lease.retain_ttl is not None:
+                # No count of acks reaches a retained feature's: a peer of the group wrote that DONE.
+                self._refuse(slot, word, lease.session, f"slot {slot} holds a retained feature, which no ack "
+                             "ends, and was marked DONE")
+                return
             self._on_done(slot, lease, now)  # its last consumer acked: the common end of a live feature
             return
         arena = ledger.arenas.of_slot(slot)

@@ -188,6 +188,8 @@ class FdChannel:
         try:
             token = handshake.parse_hello(data)
             pool_ids, fds = self._authorize(token, conn.peer)
+            if not handshake.wants_pools(data):
+                pool_ids, fds = [], fds[-1:]  # a control-only client: the lease table's fd alone
         except MmfeatError as exc:
             self.handshakes_refused += 1
             self._warn(f"refused an fd channel from pid {conn.peer.pid} uid {conn.peer.uid}: {exc} "

@@ -1,0 +1,164 @@
+"""Keyed and retained features, the client's part: puts that the daemon learns the key of, lookups by
+key, holds and eviction (SPEC.md, section 3, "Keys and lifetimes").
+
+A keyed or retained put never goes through an arena: the daemon must know the key before anyone can
+find the feature, and a retained feature must not be ended by a reader's ack in the lease table. So it
+takes a reserve (which answers the live feature at once when the key has one: no byte is copied) and
+a publish that waits for its reply (which answers the live feature when another producer published
+under the key meanwhile: this one's bytes are let go).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Union
+
+import torch
+
+from mmfeat.protos.descriptor import Descriptor
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
+from mmfeat.protos.keys import check_key, check_keys
+from mmfeat.protos.messages import MAX_CONSUMERS, MAX_RETAIN_TTL_S, FallbackReason, HoldReply, LeaseReply, \
+    LookupKeyReply
+
+from ..link.channel import ControlChannel
+from ..link.session import Session
+from . import packing
+from .producer import _FALLBACK_ERRORS, Producer, _write
+from .put_in_flight import PutInFlight
+
+
+def check_lifetime(key: Optional[str], retain_ttl: Optional[float], consumers: int) -> dict[str, Any]:
+    """The reserve fields of a keyed or retained put ({} for neither); BAD_REQUEST for a bad key, ValueError
+    for a bad TTL or a consumer count given with one."""
+    fields: dict[str, Any] = {}
+    if key is not None:
+        fields["key"] = check_key(key)
+    if retain_ttl is not None:
+        if (isinstance(retain_ttl, bool) or not isinstance(retain_ttl, (int, float)) or not math.isfinite(retain_ttl)
+                or not 0 < retain_ttl <= MAX_RETAIN_TTL_S):
+            raise ValueError(f"retain_ttl must be seconds in (0, {MAX_RETAIN_TTL_S:g}], not {retain_ttl!r}")
+        if consumers != 1:
+            raise ValueError("a retained feature counts no consumers: give retain_ttl or consumers, not both "
+                             "(its readers are protected by hold(key, count=...))")
+        fields["retain_ttl"] = float(retain_ttl)
+    return fields
+
+
+class KeyedPuts:
+    """put and put_many with a key or a retain_ttl."""
+
+    def __init__(self, producer: Producer) -> None:
+        self._p = producer
+
+    def put(self, tensors: list[torch.Tensor], many: bool, consumers: int, keyed: dict[str, Any]) -> Descriptor:
+        p = self._p
+        specs, nbytes = packing.layout(tensors)
+        device = next((t.device.index for t in tensors if t.is_cuda), None)
+        put = PutInFlight(specs, nbytes, many, consumers, device, tensors)
+        if nbytes == 0:
+            return p._inline(put, FallbackReason.BELOW_THRESHOLD, "")  # no lease holds zero bytes
+        if p._fallbacks.daemon_down:
+            exc = DaemonUnavailableError(f"mmfeatd at {p._channel.endpoint} stopped answering; probing it once a "
+                                         "second")
+            return p._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
+        writing: list[Session] = []
+        try:
+            return self._in_pool(put, device, keyed, writing)
+        except FdLimitError as exc:
+            return p._fallback_or_raise(put, FallbackReason.FD_LIMIT, exc)
+        except DaemonUnavailableError as exc:
+            p._fallbacks.mark_down()
+            return p._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
+        except MmfeatError as exc:
+            reason = _FALLBACK_ERRORS.get(exc.code)
+            if reason is None:
+                raise
+            # The pool had no room even after evicting what nothing held: inline, and no key finds it.
+            return p._fallback_or_raise(put, reason, exc)
+        finally:
+            for s in writing:
+                s.end_write()
+
+    def _in_pool(self, put: PutInFlight, device: Optional[int], keyed: dict[str, Any],
+                 writing: list[Session]) -> Descriptor:
+        p = self._p
+        session = p._writing_in(p._connect(), writing)
+        pool, _ = p._target(session, device)
+        session, reply = p._reserve(session, pool, put, writing, keyed)
+        if reply.descriptor is not None:
+            return Descriptor.from_bytes(reply.descriptor)  # the key's live feature: nothing was reserved
+        lease = reply.lease
+        desc = put.descriptor(session, p._channel.endpoint, lease.pool, lease.lease, lease.gen, lease.token,
+                              lease.offset)
+        try:
+            try:
+                pool_tensor = p._pool_tensor(session, desc.pool, device)
+            except (RuntimeError, OSError) as exc:
+                p._release_quietly(session, desc)
+                return p._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
+            _write(pool_tensor, desc.offset, put)
+        except BaseException:
+            p._release_quietly(session, desc)
+            raise
+        return publish_keyed(session, desc, "key" in keyed)
+
+
+def publish_keyed(session: Session, desc: Descriptor, keyed: bool) -> Descriptor:
+    """Publish a reserved keyed or retained lease whose bytes are written; the descriptor that names the
+    key's feature (another producer's, where its publish came first)."""
+    if not keyed:
+        session.publish(desc.lease_ref())  # retained, no key: nobody can find it first, nothing to wait for
+        return desc
+    sent = desc.to_bytes()
+    reply = LeaseReply.from_wire(session.fd.call("publish", lease=desc.lease_ref(), descriptor=sent))
+    if reply.descriptor is not None and reply.descriptor != sent:
+        return Descriptor.from_bytes(reply.descriptor)
+    return desc
+
+
+class KeyLookups:
+    """has, has_many, lookup, hold and evict: control requests, which need no pool."""
+
+    def __init__(self, channel: ControlChannel, connect: Any) -> None:
+        self._channel = channel
+        self._connect = connect
+
+    def has_many(self, keys: list[str]) -> list[bool]:
+        keys = check_keys(keys)
+        if not keys:
+            return []
+        return list(LookupKeyReply.from_wire(self._channel.call("lookup_key", keys=keys)).found)
+
+    def lookup(self, key: str) -> Optional[Descriptor]:
+        reply = LookupKeyReply.from_wire(self._channel.call("lookup_key", keys=[check_key(key)], descriptors=True))
+        data = reply.descriptors[0] if reply.descriptors else None
+        return Descriptor.from_bytes(data) if data is not None else None
+
+    def hold(self, target: Union[str, Descriptor], count: int) -> Optional[Descriptor]:
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CONSUMERS:
+            raise ValueError(f"count must be an int between 1 and {MAX_CONSUMERS}, not {count!r}")
+        session: Session = self._connect()
+        fields: dict[str, Any] = {"session": session.token, "count": count}
+        if isinstance(target, str):
+            fields["key"] = check_key(target)
+        else:
+            if target.is_inline:
+                raise MmfeatError(ErrorCode.BAD_REQUEST, "an inline descriptor is no feature of the pool: nothing "
+                                  "to hold")
+            fields["lease"] = target.lease_ref()
+        try:
+            reply = HoldReply.from_wire(self._channel.call("hold", **fields))
+        except MmfeatError as exc:
+            if exc.code in (ErrorCode.NOT_FOUND, ErrorCode.STALE) and (isinstance(target, str) or session.alive()):
+                return None  # the feature is gone (a restart forgets every key)
+            raise
+        if reply.descriptor is not None:
+            return Descriptor.from_bytes(reply.descriptor)
+        assert not isinstance(target, str)
+        ref = reply.lease
+        return dataclasses.replace(target, lease=ref.lease, gen=ref.gen, token=ref.token)
+
+    def evict(self, key: str) -> bool:
+        return bool(self._channel.call("evict", key=check_key(key))["evicted"])
