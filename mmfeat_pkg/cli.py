@@ -43,6 +43,13 @@ def render_stats(s: dict[str, Any]) -> str:
         lines.append("  ".join(f"{k}={v}" for k, v in counters[i : i + 4]))
     fb = c.get("fallbacks") or {}
     lines.append("fallbacks reported by clients: " + (", ".join(f"{k}={v}" for k, v in sorted(fb.items())) or "none"))
+    namespaces = s.get("namespaces") or {}
+    if namespaces:
+        lines += ["", f"{'namespace':<16} {'keys':>7} {'retained MiB':>12} {'hits':>9} {'misses':>9} {'holds':>8} "
+                      f"{'evictions':>9} {'expired':>8}"]
+        for ns, n in sorted(namespaces.items()):
+            lines.append(f"{ns:<16} {n['keys']:>7} {_mib(n['bytes_retained']):>12} {n['hits']:>9} {n['misses']:>9} "
+                         f"{n['holds']:>8} {n['evictions']:>9} {n['expired']:>8}")
     mesh = s.get("mesh")
     if mesh:
         lines += ["", f"mesh on {mesh['listen']} as {mesh['public_key']}: refused keys {mesh['refused']}, "

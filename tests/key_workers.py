@@ -1,0 +1,37 @@
+"""Processes of the keyed and retained tests (tests/test_keys.py): a producer that puts under keys, a
+scheduler that holds with a control-only client, readers that get and ack a hold."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from mmfeat.client import Client
+
+
+def keyed_producer(runtime_dir: str, keys: list[str], retain_ttl: float, out_q: Any) -> None:
+    """Put one retained feature per key (feature i is all i), report the descriptors, exit."""
+    with Client(runtime_dir, fallback="error") as c:
+        descs = [c.put(torch.full((4096,), float(i)), key=k, retain_ttl=retain_ttl).to_bytes()
+                 for i, k in enumerate(keys)]
+    out_q.put(descs)
+
+
+def holder(runtime_dir: str, key: str, count: int, out_q: Any) -> None:
+    """A scheduler: hold ``key`` for ``count`` readers with a control-only client, report the hold's
+    descriptor, then wait to be killed (its holds must end with it)."""
+    c = Client(runtime_dir, map_pools=False)
+    h = c.hold(key, count=count)
+    out_q.put(h.to_bytes() if h is not None else None)
+    time.sleep(600)
+
+
+def reader(runtime_dir: str, hold: bytes, out_q: Any) -> None:
+    """A worker rank: copy the held feature out, ack one unit of the hold, report the copy's sum."""
+    with Client(runtime_dir) as c:
+        t = c.get(hold, copy=True)
+        c.ack(hold)
+        c.flush()
+    out_q.put(float(t.sum()))
