@@ -45,7 +45,24 @@ _COUNTERS = {
     "bad_table_words": "Words written by clients into the lease table that the daemon refused",
     "sessions_cut": "Sessions cut because words in lease table slots they hold were refused past max_refused_words",
     "leases_cut": "Leases ended because their session was cut",
+    "dedups": "Keyed reserves and publishes answered with the feature already live under their key",
+    "holds": "Holds granted on retained features",
+    "holds_expired": "Holds that ended by ack_ttl, their readers' acks missing",
+    "holds_reclaimed": "Holds that ended because their holder's session ended",
+    "retained_expired": "Retained features freed once their retain_ttl passed with no hold",
+    "evictions": "Retained features nothing held, freed because a reserve or hold needed their space",
+    "evicted_by_key": "Features evicted by key",
 }
+# Per namespace of keys (stats "namespaces"): (field, metric, help, counter or gauge).
+_NAMESPACE_METRICS = (
+    ("hits", "mmfeat_namespace_hits", "Lookups and holds by key that found a live feature", True),
+    ("misses", "mmfeat_namespace_misses", "Lookups and holds by key that found none", True),
+    ("holds", "mmfeat_namespace_holds", "Holds granted", True),
+    ("evictions", "mmfeat_namespace_evictions", "Features evicted, under pressure or by key", True),
+    ("expired", "mmfeat_namespace_retained_expired", "Retained features freed by their retain_ttl", True),
+    ("keys", "mmfeat_namespace_keys", "Keys naming a live feature", False),
+    ("bytes_retained", "mmfeat_namespace_retained_bytes", "Bytes of the retained features live under its keys", False),
+)
 
 
 class _StateCollector:
@@ -103,6 +120,7 @@ class _StateCollector:
         for name, help_text in _COUNTERS.items():
             yield CounterMetricFamily(f"mmfeat_{name}", help_text, value=counters[name])
         yield from _mesh_metrics(s.get("mesh"))
+        yield from _namespace_metrics(s)
         fallbacks = CounterMetricFamily("mmfeat_client_fallbacks", "Features clients sent inline, by reason",
                                         labels=["reason"])
         for reason, n in sorted(counters["fallbacks"].items()):
@@ -121,6 +139,16 @@ _PEER_COUNTERS = (
     ("acks_dropped", "mmfeat_mesh_acks_dropped", "Acks not relayed (peer down or restarted); its ack_ttl frees those"),
     ("auth_failures", "mmfeat_mesh_auth_failures", "Handshakes in which a peer refused this node's key"),
 )
+
+
+def _namespace_metrics(s: dict[str, Any]) -> Iterator[Any]:
+    namespaces = s.get("namespaces") or {}
+    yield GaugeMetricFamily("mmfeat_holds_live", "Holds on retained features live now", value=s.get("holds") or 0)
+    for field, name, doc, counter in _NAMESPACE_METRICS:
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["namespace"])
+        for ns, entry in sorted(namespaces.items()):
+            family.add_metric([ns], entry[field])
+        yield family
 
 
 def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:

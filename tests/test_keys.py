@@ -314,3 +314,30 @@ def test_bad_keys_get_typed_errors(daemon) -> None:
         assert e.value.code is ErrorCode.BAD_STATE
         c.ack(counted)
     books_balance(daemon)
+
+
+def test_namespace_metrics_for_prometheus(daemon_factory) -> None:
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = daemon_factory("--pool-mb", "16", "--metrics-port", str(port))
+    key = NS.key("m")
+    with d.client() as c:
+        c.put(torch.ones(100000), key=key, retain_ttl=300.0)
+        h = c.hold(key)
+        want = (f'mmfeat_namespace_holds_total{{namespace="{NS.id}"}} 1.0',
+                f'mmfeat_namespace_keys{{namespace="{NS.id}"}} 1.0', "mmfeat_holds_live 1.0")
+        deadline = time.monotonic() + 30  # the loop refreshes the metrics snapshot every second at most
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            if all(line in text for line in want) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert all(line in text for line in want), text
+        c.ack(h)
+        assert c.evict(key)
