@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--producers", type=int, default=3)
     p.add_argument("--consumers", type=int, default=3)
+    p.add_argument("--keyed", type=int, default=1, help="producers of retained features under keys")
+    p.add_argument("--holders", type=int, default=2, help="processes that hold keys and read and ack the holds")
     p.add_argument("--kill-every", type=float, default=0.2, help="seconds between worker kills")
     p.add_argument("--daemon-kill-every", type=float, default=20.0, help="seconds between daemon kills")
     p.add_argument("--seed", type=int, default=1)
@@ -146,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     workers: dict[str, subprocess.Popen] = {}
 
     def start(name: str) -> None:
-        if name.startswith("p"):
+        if name.startswith("k"):
+            workers[name] = _spawn(["keyed", str(runtime), str(run), name, str(args.seconds * 2)], device)
+        elif name.startswith("h"):
+            workers[name] = _spawn(["holder", str(runtime), str(run), name], device)
+        elif name.startswith("p"):
             workers[name] = _spawn(["producer", str(runtime), str(run), name, str(args.seconds * 2),
                                     ",".join(endpoints)], device)
         else:
@@ -154,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             workers[name] = _spawn(["consumer", str(rt), str(run), name, endpoints[int(name[1:])]], device)
 
     names = [f"p{i}" for i in range(args.producers)] + [f"c{i}" for i in range(args.consumers)]
-    kills = {"producer": 0, "consumer": 0, "daemon": 0}
+    names += [f"k{i}" for i in range(args.keyed)] + [f"h{i}" for i in range(args.holders)]
+    roles = {"p": "producer", "c": "consumer", "k": "keyed", "h": "holder"}
+    kills = {"producer": 0, "consumer": 0, "keyed": 0, "holder": 0, "daemon": 0}
     reloads: list[str] = []
 
     def reload(reserve_ttl: float, ack_ttl: float) -> None:
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(rng.uniform(0.5, 1.5) * args.kill_every)
             victim = rng.choice(names)
             if _kill_worker(run, victim):
-                kills["producer" if victim.startswith("p") else "consumer"] += 1
+                kills[roles[victim[0]]] += 1
             if time.monotonic() >= next_daemon_kill:
                 nodes.kill_and_restart(rng.randrange(len(nodes.daemons)))
                 kills["daemon"] += 1
@@ -209,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             "reloads": reloads,
             "features_put": totals.get("put", 0),
             "features_inline": totals.get("inline", 0),
+            "keyed_puts": totals.get("keyed_put", 0),
+            "holds_taken": totals.get("held", 0),
+            "hold_misses": totals.get("hold_missed", 0),
             "reads_checked": totals.get("checked", 0),
             "bytes_checked": totals.get("checked_bytes", 0),
             "wrong_reads": len(wrong_lines),
@@ -218,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             "bytes_leased_after_ttls": leaked,
             "leases_after_ttls": s["leases"],
             "daemon_counters": {k: s["counters"][k] for k in ("expired", "reclaimed_on_disconnect", "late_requests",
-                                                              "stale", "not_found")},
+                                                              "stale", "not_found", "dedups", "holds",
+                                                              "holds_reclaimed", "holds_expired", "evictions",
+                                                              "retained_expired")},
+            "holds_after_ttls": [x["holds"] for x in every],
             "daemon_fds": {"fresh_daemon": fds_fresh, "busy": fds_busy, "end": fds_end},
             "daemon_anon_mib": {"fresh_daemon": round(anon_fresh / 2**20, 1), "end": round(anon_end / 2**20, 1)},
         }
@@ -233,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         # A meshed daemon holds more fds than a fresh plain one (UCX's sockets and event fds, the ZAP
         # thread's): there, the end must come back to what it held while busy.
         fd_base = fds_fresh if args.nodes == 1 else fds_busy
-        ok = not wrong_lines and leaked == 0 and fds_end <= fd_base and anon_end - anon_fresh < 64 << 20
+        ok = (not wrong_lines and leaked == 0 and not any(x["holds"] for x in every) and fds_end <= fd_base
+              and anon_end - anon_fresh < 64 << 20)
         print("chaos: " + ("held" if ok else "FAILED"))
         return 0 if ok else 1
     finally:

@@ -199,6 +199,13 @@ def main() -> None:
             try:
                 if role == "producer":
                     produce(runtime_dir, run, sys.argv[6].split(","), float(sys.argv[5]), grad=name == "p0")
+                elif role in ("keyed", "holder"):
+                    from . import keyed_worker
+
+                    if role == "keyed":
+                        keyed_worker.keyed_produce(runtime_dir, run, float(sys.argv[5]))
+                    else:
+                        keyed_worker.hold_and_read(runtime_dir, run)
                 else:
                     consume(runtime_dir, run, sys.argv[5], inference=int(name[1:]) % 2 == 1)
             finally:
