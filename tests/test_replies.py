@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from mmfeat.protos import ErrorCode, MmfeatError
 from mmfeat.protos.messages import REPLY_TYPES, AckReply, HelloReply, LeaseReply
@@ -47,6 +48,17 @@ def test_every_ops_reply_from_a_real_daemon_reads_as_its_type(daemon) -> None:
         assert call("ping", via=fd).epoch == hello.epoch
         assert call("stats").node == hello.node
         assert call("pool_info").pools == hello.pools
+        # Keys and lifetimes: a keyed retained lease, looked up, held, acked, evicted.
+        from mmfeat.client import Namespace
+
+        key = Namespace("replies", "1", "m", "uint8").key("k")
+        desc = c.put(torch.ones(10000), key=key, retain_ttl=60.0)
+        found = call("lookup_key", keys=[key], descriptors=True)
+        assert found.found == (True,) and found.descriptors == (desc.to_bytes(),)
+        held = call("hold", session=c.session.token, key=key, count=1)
+        assert held.descriptor is not None and held.lease.lease != desc.lease
+        call("ack", via=c.session.fd, lease=held.lease.to_wire())
+        assert call("evict", key=key).evicted is True
     # remote_get needs a second node: tests/test_remote.py reads its replies through the client.
     assert seen == set(REPLY_TYPES) - {"remote_get"}
 
