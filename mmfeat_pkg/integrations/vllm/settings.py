@@ -1,0 +1,81 @@
+"""What ``ec_connector_extra_config`` may say to the mmfeat connector, checked once at start.
+
+vLLM passes the extra config through untyped (a JSON string on the command line gives strings and
+numbers as JSON has them), so every field is checked here and a wrong one stops the engine at start
+with the field's name and what it takes, not in the middle of a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+LIFETIMES = ("retained", "counted")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """The connector's knobs. ``retained`` features stay after any number of loads until ``retain_ttl_s``
+    passed and no load holds them (or the pool needs the space); ``counted`` features are freed after
+    ``consumers`` loads, as a plain ``put`` is."""
+
+    namespace: str = ""
+    lifetime: str = "retained"
+    retain_ttl_s: float = 300.0
+    consumers: int = 1
+    load_wait_s: float = 60.0
+    runtime_dir: Optional[str] = None
+    timeout_s: Optional[float] = None
+    report_file: Optional[str] = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"mmfeat connector: unknown ec_connector_extra_config keys {unknown}; "
+                             f"it takes {sorted(f.name for f in dataclasses.fields(cls))}")
+        out = cls(
+            namespace=_text(extra, "namespace", ""),
+            lifetime=_text(extra, "lifetime", "retained"),
+            retain_ttl_s=_seconds(extra, "retain_ttl_s", 300.0),
+            consumers=_count(extra, "consumers", 1),
+            load_wait_s=_seconds(extra, "load_wait_s", 60.0),
+            runtime_dir=_text(extra, "runtime_dir", None),
+            timeout_s=_seconds(extra, "timeout_s", None),
+            report_file=_text(extra, "report_file", None),
+        )
+        if out.lifetime not in LIFETIMES:
+            raise ValueError(f"mmfeat connector: lifetime is {out.lifetime!r}; use one of {list(LIFETIMES)}")
+        return out
+
+
+def _text(extra: Mapping[str, Any], name: str, default: Optional[str]) -> Optional[str]:
+    value = extra.get(name, default)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"mmfeat connector: {name} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _seconds(extra: Mapping[str, Any], name: str, default: Optional[float]) -> Optional[float]:
+    value = extra.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"mmfeat connector: {name} must be a number of seconds, not {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"mmfeat connector: {name} must be a finite number of seconds above 0, not {value!r}")
+    return float(value)
+
+
+def _count(extra: Mapping[str, Any], name: str, default: int) -> int:
+    value = extra.get(name, default)
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise ValueError(f"mmfeat connector: {name} must be an int from 1 to 4096, not {value!r}")
+    return value

@@ -1,0 +1,173 @@
+"""The vLLM EC connector's two halves against a real mmfeatd, each half in processes of its own and
+driven in vLLM's call order (tests/vllm_roles.py), without vLLM: several consumer instances on one key,
+a loading rank that dies holding a hold, the producer gone after it saved, eviction under pressure,
+an abort before load, an ec_both instance reusing what it saved, and the daemon's books at the end."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mmfeat.client import Client, Namespace
+from mmfeat.integrations.vllm import ConnectorSettings
+
+from .vllm_roles import NS, Engine, Feature, Request, encoder_output
+
+RETAIN_S = 2.0
+
+
+def _requests(prefix: str, hashes: list[str]) -> list[Request]:
+    return [Request(f"{prefix}-{i}", [Feature(h)]) for i, h in enumerate(hashes)]
+
+
+def _settings(**kw) -> ConnectorSettings:
+    return ConnectorSettings(retain_ttl_s=RETAIN_S, **kw)
+
+
+def _produce(rt: str, hashes: list[str], **kw) -> list:
+    """An encode-only instance saves every item, then exits; what its request_finished returned."""
+    prod = Engine(rt, _settings(**kw), producer=True, consumer=False)
+    reqs = _requests("e", hashes)
+    prod.step(reqs)
+    params = prod.finish(reqs)
+    prod.close()
+    return params
+
+
+def _books_balance(daemon) -> dict:
+    """Every retained feature gone once its TTL passed and nothing holds it: the pool empty."""
+    return daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0,
+                           timeout=RETAIN_S + 15, what="the pool to empty after the retain TTL")
+
+
+def test_several_consumer_instances_load_one_saved_item_after_its_producer_exited(daemon) -> None:
+    rt = str(daemon.runtime_dir)
+    hashes = ["img-a", "img-b", "img-c"]
+    params = _produce(rt, hashes)
+    assert all(p and "mmfeat" in p[h] for p, h in zip(params, hashes)), params
+    for instance in range(2):
+        cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2)
+        reqs = _requests(f"pd{instance}", hashes)
+        meta, compute = cons.schedule(reqs)
+        assert compute == [] and sorted(meta.loads) == hashes  # every item from the pool, none encoded
+        report = cons.run(meta, compute)
+        assert report.loaded == {h: 2 for h in hashes} and not report.failed
+        assert cons.finish(reqs) == [None] * 3
+        assert cons.close() == 2 * len(hashes)  # each rank checked each item's bytes
+        assert cons.side.counters["hits"] == 3 and cons.side.counters["holds"] == 3
+    s = daemon.stats()
+    assert s["namespaces"][Namespace(**NS).id]["hits"] >= 6
+    _books_balance(daemon)
+
+
+def test_a_rank_that_dies_holding_a_hold_leaves_nothing_behind(daemon) -> None:
+    rt = str(daemon.runtime_dir)
+    _produce(rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2)
+    reqs = _requests("pd", ["img-a"])
+    meta, compute = cons.schedule(reqs)
+    report = cons.run(meta, compute, kill_rank=1)  # rank 1 dies before it loads or acks
+    assert report.loaded == {"img-a": 1}
+    # The dead rank's unit of the hold is given back when the request ends, so the TTL frees the item.
+    cons.finish(reqs)
+    assert cons.side.counters["holds_released"] == 1
+    cons.close()
+    _books_balance(daemon)
+
+
+def test_a_hold_keeps_an_item_past_its_ttl_and_the_holders_death_ends_it(daemon) -> None:
+    rt = str(daemon.runtime_dir)
+    _produce(rt, ["img-a"])
+    key = Namespace(**NS).key("img-a")
+    holder = Client(rt, map_pools=False)
+    assert holder.hold(key, count=1) is not None
+    time.sleep(RETAIN_S + 1.5)
+    with Client(rt, map_pools=False) as other:
+        assert other.has(key), "a held item went at its TTL"
+    holder.close()  # the holder's session ends: its hold with it
+    _books_balance(daemon)
+
+
+def test_an_abort_between_allocation_and_load_gives_the_hold_back(daemon) -> None:
+    rt = str(daemon.runtime_dir)
+    _produce(rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2)
+    reqs = _requests("pd", ["img-a"])
+    cons.schedule(reqs)  # the hold is taken, then the request is aborted before any rank ran
+    cons.finish(reqs)
+    assert cons.side.counters["holds_released"] == 1
+    cons.close()
+    _books_balance(daemon)
+
+
+def test_an_item_gone_between_lookup_and_hold_fails_its_request_instead_of_loading_nothing(daemon) -> None:
+    rt = str(daemon.runtime_dir)
+    _produce(rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True)
+    req = _requests("pd", ["img-a"])[0]
+    assert cons.side.ensure_cache_available(req, 0) and cons.side.has_cache_item("img-a")
+    with Client(rt, map_pools=False) as evictor:
+        assert evictor.evict(Namespace(**NS).key("img-a"))
+    cons.side.update_state_after_alloc(req, 0)
+    assert cons.side.take_unavailable_requests() == {req.request_id}
+    assert cons.side.build_connector_meta(None).loads == {}
+    cons.close()
+
+
+def test_eviction_under_pressure_takes_unheld_items_and_never_a_held_one(daemon_factory) -> None:
+    daemon = daemon_factory("--pool-mb", "4", "--arena-mb", "0")
+    rt = str(daemon.runtime_dir)
+    first = ["img-0"]
+    _produce(rt, first)
+    key0 = Namespace(**NS).key("img-0")
+    holder = Client(rt, map_pools=False)
+    assert holder.hold(key0, count=1) is not None
+    # Far more than the pool holds: the oldest unheld items go, the held one stays and reads right.
+    _produce(rt, [f"img-{i}" for i in range(1, 200)])
+    with Client(rt) as reader:
+        assert reader.has(key0)
+        assert reader.has(Namespace(**NS).key("img-199"))
+        assert torch_equal(reader.get(key=key0, copy=True), encoder_output("img-0"))
+        s = reader.stats()
+    assert s["namespaces"][Namespace(**NS).id]["evictions"] > 0
+    holder.close()
+    _books_balance(daemon)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def test_an_ec_both_instance_reuses_what_it_saved(daemon) -> None:
+    rt = str(daemon.runtime_dir)
+    both = Engine(rt, _settings(), producer=True, consumer=True)
+    first = _requests("r1", ["img-a"])
+    meta, compute = both.schedule(first)
+    assert compute == ["img-a"] and not meta.loads  # nothing saved yet: encoded here, then saved
+    both.run(meta, compute)
+    both.finish(first)
+    meta, compute = both.schedule(_requests("r2", ["img-a"]))
+    assert compute == [] and list(meta.loads) == ["img-a"]
+    both.close()
+    _books_balance(daemon)
+
+
+def test_counted_lifetime_frees_each_item_after_its_consumers(daemon) -> None:
+    rt = str(daemon.runtime_dir)
+    _produce(rt, ["img-a"], lifetime="counted", consumers=2)
+    cons = Engine(rt, _settings(lifetime="counted", consumers=2), producer=False, consumer=True, ranks=2)
+    reqs = _requests("pd", ["img-a"])
+    cons.step(reqs)
+    cons.finish(reqs)
+    cons.close()
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=10, what="counted item freed")
+
+
+@pytest.mark.parametrize("bad", [{"lifetime": "forever"}, {"retain_ttl_s": -1}, {"consumers": 0},
+                                 {"retain_ttl_s": "soon"}, {"namespce": "x"}])
+def test_a_wrong_extra_config_stops_the_engine_at_start_naming_the_field(bad) -> None:
+    with pytest.raises(ValueError, match="mmfeat connector"):
+        ConnectorSettings.from_extra_config(bad)

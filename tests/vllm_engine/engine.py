@@ -1,0 +1,67 @@
+"""One vLLM engine with the tiny Qwen2-VL, run by tests/test_vllm_engine.py in the vLLM venv.
+
+    python engine.py --model DIR --role ec_producer|ec_consumer|plain --connector mmfeat|example
+                     [--runtime-dir RT] [--store DIR] [--images 0,1] [--report FILE]
+
+Prints one JSON line: the generated tokens of each prompt, each request's ec_transfer_params, and the
+engine's start time. Each image is a seeded random 56x56 picture (4 image tokens).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timed_connectors, for vLLM's processes too
+os.environ["PYTHONPATH"] = os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--role", required=True, choices=["ec_producer", "ec_consumer", "ec_both", "plain"])
+    ap.add_argument("--connector", default="mmfeat", choices=["mmfeat", "example"])
+    ap.add_argument("--runtime-dir")
+    ap.add_argument("--store")
+    ap.add_argument("--images", default="0,1")
+    ap.add_argument("--report")
+    ap.add_argument("--retain-ttl", type=float, default=300.0)
+    args = ap.parse_args()
+
+    import numpy as np
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              seed=0)
+    if args.role != "plain":
+        if args.connector == "mmfeat":
+            extra = {"runtime_dir": args.runtime_dir, "retain_ttl_s": args.retain_ttl}
+            if args.report:
+                extra["report_file"] = args.report
+            name = "TimedMmfeatECConnector"
+        else:
+            extra, name = {"shared_storage_path": args.store}, "TimedECExampleConnector"
+        kw["ec_transfer_config"] = {"ec_connector": name, "ec_connector_module_path": "timed_connectors",
+                                    "ec_role": args.role, "ec_connector_extra_config": extra}
+    t0 = time.time()
+    llm = LLM(**kw)
+    started = time.time() - t0
+    seeds = [int(s) for s in args.images.split(",")]
+    images = [Image.fromarray((np.random.RandomState(s).rand(56, 56, 3) * 255).astype("uint8")) for s in seeds]
+    prompt = "<|im_start|>user <|vision_start|><|image_pad|><|vision_end|>w1 w2<|im_end|><|im_start|>assistant "
+    t1 = time.time()
+    outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": im}} for im in images],
+                        SamplingParams(max_tokens=8, temperature=0))
+    print("ENGINE-RESULT " + json.dumps({
+        "start_s": started, "generate_s": time.time() - t1,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "ec_params": [getattr(o, "ec_transfer_params", None) for o in outs],
+    }, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""mmfeat's SGLang delivery and receiver against SGLang's own classes, in the vLLM venv where SGLang
+0.5.23 is installed beside it (tests/vllm_engine/setup_venv.sh): the encoder's MmfeatDelivery sends one
+request's embedding to two receiving ranks, each rank's WaitingMmfeatRequest reads it out of the pool,
+and the release gives back the share of a rank that was never sent to. Prints one JSON line.
+
+    python sglang_check.py RUNTIME_DIR
+"""
+
+import asyncio
+import json
+import os
+import pickle
+import sys
+
+
+def main() -> None:
+    os.environ["MMFEAT_RUNTIME_DIR"] = sys.argv[1]
+    import torch
+    import zmq
+    from sglang.srt.disaggregation.encoder import server
+    from sglang.srt.disaggregation.encoder.receiver import EmbeddingData
+    from sglang.srt.utils.common import safe_pickle_loads
+
+    from mmfeat.integrations import sglang as ours
+
+    ctx = zmq.Context.instance()
+    pulls, endpoints = [], []
+    for _ in range(2):
+        sock = ctx.socket(zmq.PULL)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        pulls.append(sock)
+        endpoints.append(f"127.0.0.1:{port}")
+
+    embedding = torch.randn(300, 256).to(torch.bfloat16)
+    mm_data = EmbeddingData("req-1", 1, 0, [[1, 30, 40]], "image", embedding=embedding)
+    state = server.ReqState("req-1", embedding_data=mm_data)
+    state.embedding_ready.set()
+
+    class Encoder:  # the two things of SGLang's MMEncoder a delivery uses
+        send_timeout = 10
+
+        async def _wait_for_embedding(self, state):
+            return state.embedding_data
+
+    delivery = ours.MmfeatDelivery(Encoder())
+    assert isinstance(delivery, server.EncoderDelivery)
+    server.rid_to_receive_count["req-1"] = 3  # three ranks expected; only two are ever sent to
+
+    async def send() -> None:
+        for ep in endpoints:
+            await delivery.send(state, server.SendDestination.from_url(f"tcp://{ep}"))
+
+    asyncio.run(send())
+    receiver_cls = ours.WaitingMmfeatRequest
+    got = []
+    for sock in pulls:
+        parts = sock.recv_multipart(copy=False)
+        recv_obj = safe_pickle_loads(parts[0].bytes)
+        rank = receiver_cls.__new__(receiver_cls)  # the receive path alone: no encoder to register with
+        rank._extract_embedding_from_buffer(recv_obj, parts)
+        got.append(bool(torch.equal(recv_obj.embedding, embedding)))
+    c = ours.client()
+    before = c.stats()["pools"][0]["used"]
+    asyncio.run(delivery.release(state))
+    c.flush()
+    print("SGLANG-RESULT " + json.dumps({"equal": got, "used_before_release": before,
+                                         "header_bytes": len(pickle.dumps(mm_data.copy_without_embedding()))}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""vLLM's side of the EC connector framework, played by separate processes in the framework's call order
+(../shared/research/vllm-ec.md, section 1.2), for tests that need no vLLM: an engine process runs the
+connector's scheduler half on a control-only client and starts one process per worker rank, which run
+the worker half on a client of their own. The step metadata goes to the ranks pickled, as vLLM's
+executor broadcasts it, and their reports come back pickled and aggregated, as vLLM's aggregator does.
+
+An item's "encoder output" is a function of its mm_hash, so any rank can tell whether what it loaded is
+the item's own bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import multiprocessing
+import os
+import signal
+from typing import Any, Optional
+
+import torch
+
+from mmfeat.client import Client, Namespace
+from mmfeat.integrations.vllm import ConnectorSettings, StepLoads, StepReport
+from mmfeat.integrations.vllm.scheduler_side import SchedulerSide
+from mmfeat.integrations.vllm.worker_side import WorkerSide
+
+NS = dict(framework="vllm", version="test", model="tiny-qwen2-vl", dtype="bfloat16")
+
+
+def encoder_output(mm_hash: str, tokens: int = 64) -> torch.Tensor:
+    """What the encoder makes of an item: a (tokens, 256) bf16 tensor seeded by its hash (32 KiB)."""
+    seed = int.from_bytes(hashlib.sha256(mm_hash.encode()).digest()[:8], "little")
+    return torch.randn(tokens, 256, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@dataclasses.dataclass
+class Feature:
+    identifier: str
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    mm_features: list[Feature]
+    ec_transfer_params: Optional[dict[str, Any]] = None
+
+
+def _rank_main(runtime_dir: str, settings: ConnectorSettings, role: tuple[bool, bool], rank: int,
+               inbox: Any, outbox: Any) -> None:
+    """One worker rank: each step, load what the scheduler held, "encode" the rest, save (rank 0 of a
+    producer) and report. Sends ("done", rank, loaded-and-checked count) when told to stop."""
+    producer, consumer = role
+    with Client(runtime_dir, inline_threshold=0) as client:
+        worker = WorkerSide(client, Namespace(**NS, prefix=settings.namespace), settings, producer, consumer,
+                            lambda: rank, lambda: torch.device("cpu"))
+        cache: dict[str, torch.Tensor] = {}
+        checked = 0
+        while True:
+            msg = inbox.get(timeout=60)
+            if msg[0] == "stop":
+                outbox.put(("done", rank, checked))
+                return
+            if msg[0] == "die_before_ack":
+                os.kill(os.getpid(), signal.SIGKILL)
+            _, meta, compute = msg
+            worker.start_save_caches(cache, meta)
+            worker.start_load_caches(cache, meta)
+            for h in meta.loads:
+                if h in cache:
+                    assert torch.equal(cache[h], encoder_output(h)), f"rank {rank} loaded wrong bytes for {h}"
+                    checked += 1
+            for h in compute:
+                if h not in cache:
+                    cache[h] = encoder_output(h)
+                    worker.save_caches(cache, h)
+            outbox.put(("report", rank, worker.build_connector_worker_meta(), dict(worker.counters)))
+
+
+class Engine:
+    """One vLLM instance: the scheduler half here, ``ranks`` worker processes beside it."""
+
+    def __init__(self, runtime_dir: str, settings: ConnectorSettings, producer: bool, consumer: bool,
+                 ranks: int = 1) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.client = Client(runtime_dir, map_pools=False)
+        self.side = SchedulerSide(self.client, Namespace(**NS, prefix=settings.namespace), settings, producer,
+                                  consumer, ranks)
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(ranks)]
+        self.procs = [ctx.Process(target=_rank_main, args=(runtime_dir, settings, (producer, consumer), r,
+                                                           self.inboxes[r], self.outbox), daemon=True)
+                      for r in range(ranks)]
+        for p in self.procs:
+            p.start()
+        self.counters: dict[int, dict[str, int]] = {}
+
+    def schedule(self, requests: list[Request]) -> tuple[StepLoads, list[str]]:
+        """The scheduler's part of one step, as vLLM calls it: ensure, has, alloc, build."""
+        compute: list[str] = []
+        for req in requests:
+            if not self.side.ensure_cache_available(req, 0):
+                continue
+            for i, f in enumerate(req.mm_features):
+                if not self.side.has_cache_item(f.identifier):
+                    compute.append(f.identifier)
+                self.side.update_state_after_alloc(req, i)
+        return self.side.build_connector_meta(None), compute
+
+    def run(self, meta: StepLoads, compute: list[str], kill_rank: Optional[int] = None) -> StepReport:
+        """The ranks' part of one step and the scheduler's reading of their aggregated reports."""
+        for r, box in enumerate(self.inboxes):
+            box.put(("die_before_ack",) if r == kill_rank else ("step", meta, compute))
+        report = StepReport()
+        for _ in range(len(self.inboxes) - (kill_rank is not None)):
+            _, rank, part, counters = self.outbox.get(timeout=60)
+            self.counters[rank] = counters
+            if part is not None:
+                report = report.aggregate(part)
+        self.side.update_connector_output(report)
+        return report
+
+    def step(self, requests: list[Request]) -> StepReport:
+        meta, compute = self.schedule(requests)
+        return self.run(meta, compute)
+
+    def finish(self, requests: list[Request]) -> list[Optional[dict[str, Any]]]:
+        return [self.side.request_finished(r)[1] for r in requests]
+
+    def close(self) -> int:
+        """Stops the ranks; the number of loads they checked against the item's own bytes."""
+        checked = 0
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        for r in alive:
+            self.inboxes[r].put(("stop",))
+        for _ in alive:
+            msg = self.outbox.get(timeout=60)
+            if msg[0] == "done":
+                checked += msg[2]
+        for p in self.procs:
+            p.join(30)
+        self.client.close()
+        return checked
