@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, Optional, Protocol, Sequence
 
-from mmfeat.client import Descriptor, MmfeatError
+from mmfeat.client import MAX_LOOKUP_KEYS, Descriptor, MmfeatError
 
 from .metadata import StepLoads, StepReport
 from .settings import ConnectorSettings
@@ -38,6 +38,12 @@ class Request(Protocol):  # vllm.v1.request.Request, as far as we read it
     request_id: str
     mm_features: Sequence[Feature]
     ec_transfer_params: Optional[dict[str, Any]]
+
+
+def has_many(client: Any, keys: list[str]) -> list[bool]:
+    """``client.has_many`` over any number of keys: one round trip per MAX_LOOKUP_KEYS of them."""
+    return [hit for i in range(0, len(keys), MAX_LOOKUP_KEYS)
+            for hit in client.has_many(keys[i:i + MAX_LOOKUP_KEYS])]
 
 
 class SchedulerSide:
@@ -93,7 +99,7 @@ class SchedulerSide:
 
     def _lookup(self, hashes: list[str]) -> None:
         try:
-            found = self._client.has_many([self._ns.key(h) for h in hashes])
+            found = has_many(self._client, [self._ns.key(h) for h in hashes])
         except MmfeatError as e:
             # The daemon is away: nothing is in the pool, and the model encodes its items itself.
             log.warning("mmfeat: lookup failed (%s); encoding locally", e)
@@ -137,7 +143,12 @@ class SchedulerSide:
             self._awaiting[h].add(request.request_id)
             return
         try:
-            hold = self._client.hold(self._ns.key(h), count=self._ranks)
+            if self._settings.lifetime == "retained":
+                hold = self._client.hold(self._ns.key(h), count=self._ranks)
+            else:
+                # A counted item is freed by its consumers' acks: each rank's ack is one of them, so the
+                # ranks read the item's own descriptor and nothing else protects it.
+                hold = self._client.lookup(self._ns.key(h))
         except MmfeatError as e:
             log.warning("mmfeat: hold of %s failed (%s)", h, e)
             hold = None

@@ -21,6 +21,7 @@ import torch
 from mmfeat.client import MmfeatError
 
 from .metadata import StepLoads, StepReport
+from .scheduler_side import has_many
 from .settings import ConnectorSettings
 
 log = logging.getLogger("mmfeat.integrations.vllm")
@@ -50,7 +51,7 @@ class WorkerSide:
         if not cached:
             return
         try:
-            present = self._client.has_many([self._ns.key(h) for h in cached])
+            present = has_many(self._client, [self._ns.key(h) for h in cached])
         except MmfeatError as e:
             log.warning("mmfeat: lookup before saving again failed (%s)", e)
             return
