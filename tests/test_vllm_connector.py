@@ -14,7 +14,7 @@ from mmfeat.integrations.vllm import ConnectorSettings
 
 from .vllm_roles import NS, Engine, Feature, Request, encoder_output
 
-RETAIN_S = 2.0
+RETAIN_S = 120.0  # longer than any test: the ends are made by evictions, holds ending and sessions dying
 
 
 def _requests(prefix: str, hashes: list[str]) -> list[Request]:
@@ -25,9 +25,9 @@ def _settings(**kw) -> ConnectorSettings:
     return ConnectorSettings(retain_ttl_s=RETAIN_S, **kw)
 
 
-def _produce(rt: str, hashes: list[str], **kw) -> list:
+def _produce(ctx, rt: str, hashes: list[str], **kw) -> list:
     """An encode-only instance saves every item, then exits; what its request_finished returned."""
-    prod = Engine(rt, _settings(**kw), producer=True, consumer=False)
+    prod = Engine(rt, _settings(**kw), producer=True, consumer=False, ctx=ctx)
     reqs = _requests("e", hashes)
     prod.step(reqs)
     params = prod.finish(reqs)
@@ -35,19 +35,23 @@ def _produce(rt: str, hashes: list[str], **kw) -> list:
     return params
 
 
-def _books_balance(daemon) -> dict:
-    """Every retained feature gone once its TTL passed and nothing holds it: the pool empty."""
-    return daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0,
-                           timeout=RETAIN_S + 15, what="the pool to empty after the retain TTL")
+def _books_balance(daemon, hashes: list[str]) -> dict:
+    """Nothing held and nothing else live: once the items are evicted, the pool is empty and no hold,
+    lease or key is left."""
+    with Client(str(daemon.runtime_dir), map_pools=False) as c:
+        for h in hashes:
+            c.evict(Namespace(**NS).key(h))
+    return daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0
+                           and s["holds"] == 0, timeout=15, what="the books to balance")
 
 
-def test_several_consumer_instances_load_one_saved_item_after_its_producer_exited(daemon) -> None:
+def test_several_consumer_instances_load_one_saved_item_after_its_producer_exited(daemon, children) -> None:
     rt = str(daemon.runtime_dir)
     hashes = ["img-a", "img-b", "img-c"]
-    params = _produce(rt, hashes)
+    params = _produce(children, rt, hashes)
     assert all(p and "mmfeat" in p[h] for p, h in zip(params, hashes)), params
     for instance in range(2):
-        cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2)
+        cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children)
         reqs = _requests(f"pd{instance}", hashes)
         meta, compute = cons.schedule(reqs)
         assert compute == [] and sorted(meta.loads) == hashes  # every item from the pool, none encoded
@@ -58,13 +62,13 @@ def test_several_consumer_instances_load_one_saved_item_after_its_producer_exite
         assert cons.side.counters["hits"] == 3 and cons.side.counters["holds"] == 3
     s = daemon.stats()
     assert s["namespaces"][Namespace(**NS).id]["hits"] >= 6
-    _books_balance(daemon)
+    _books_balance(daemon, hashes)
 
 
-def test_a_rank_that_dies_holding_a_hold_leaves_nothing_behind(daemon) -> None:
+def test_a_rank_that_dies_holding_a_hold_leaves_nothing_behind(daemon, children) -> None:
     rt = str(daemon.runtime_dir)
-    _produce(rt, ["img-a"])
-    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2)
+    _produce(children, rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children)
     reqs = _requests("pd", ["img-a"])
     meta, compute = cons.schedule(reqs)
     report = cons.run(meta, compute, kill_rank=1)  # rank 1 dies before it loads or acks
@@ -73,38 +77,42 @@ def test_a_rank_that_dies_holding_a_hold_leaves_nothing_behind(daemon) -> None:
     cons.finish(reqs)
     assert cons.side.counters["holds_released"] == 1
     cons.close()
-    _books_balance(daemon)
+    _books_balance(daemon, ["img-a"])
 
 
 def test_a_hold_keeps_an_item_past_its_ttl_and_the_holders_death_ends_it(daemon) -> None:
     rt = str(daemon.runtime_dir)
-    _produce(rt, ["img-a"])
     key = Namespace(**NS).key("img-a")
     holder = Client(rt, map_pools=False)
-    assert holder.hold(key, count=1) is not None
-    time.sleep(RETAIN_S + 1.5)
+    with Client(rt, inline_threshold=0) as producer:
+        producer.put(encoder_output("img-a"), key=key, retain_ttl=1.0)
+        assert holder.hold(key, count=1) is not None
+    time.sleep(2.5)
     with Client(rt, map_pools=False) as other:
         assert other.has(key), "a held item went at its TTL"
-    holder.close()  # the holder's session ends: its hold with it
-    _books_balance(daemon)
+    holder.close()  # the holder's session ends: its hold with it, and the TTL has passed
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["holds"] == 0, timeout=15,
+                    what="the item freed once its holder's session ended")
 
 
-def test_an_abort_between_allocation_and_load_gives_the_hold_back(daemon) -> None:
+def test_an_abort_between_allocation_and_load_gives_the_hold_back(daemon, children) -> None:
     rt = str(daemon.runtime_dir)
-    _produce(rt, ["img-a"])
-    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2)
+    _produce(children, rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children)
     reqs = _requests("pd", ["img-a"])
     cons.schedule(reqs)  # the hold is taken, then the request is aborted before any rank ran
+    assert daemon.stats()["holds"] == 1
     cons.finish(reqs)
     assert cons.side.counters["holds_released"] == 1
+    daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="the hold given back")
     cons.close()
-    _books_balance(daemon)
+    _books_balance(daemon, ["img-a"])
 
 
-def test_an_item_gone_between_lookup_and_hold_fails_its_request_instead_of_loading_nothing(daemon) -> None:
+def test_an_item_gone_between_lookup_and_hold_fails_its_request_instead_of_loading_nothing(daemon, children) -> None:
     rt = str(daemon.runtime_dir)
-    _produce(rt, ["img-a"])
-    cons = Engine(rt, _settings(), producer=False, consumer=True)
+    _produce(children, rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ctx=children)
     req = _requests("pd", ["img-a"])[0]
     assert cons.side.ensure_cache_available(req, 0) and cons.side.has_cache_item("img-a")
     with Client(rt, map_pools=False) as evictor:
@@ -115,16 +123,16 @@ def test_an_item_gone_between_lookup_and_hold_fails_its_request_instead_of_loadi
     cons.close()
 
 
-def test_eviction_under_pressure_takes_unheld_items_and_never_a_held_one(daemon_factory) -> None:
+def test_eviction_under_pressure_takes_unheld_items_and_never_a_held_one(daemon_factory, children) -> None:
     daemon = daemon_factory("--pool-mb", "4", "--arena-mb", "0")
     rt = str(daemon.runtime_dir)
     first = ["img-0"]
-    _produce(rt, first)
+    _produce(children, rt, first)
     key0 = Namespace(**NS).key("img-0")
     holder = Client(rt, map_pools=False)
     assert holder.hold(key0, count=1) is not None
     # Far more than the pool holds: the oldest unheld items go, the held one stays and reads right.
-    _produce(rt, [f"img-{i}" for i in range(1, 200)])
+    _produce(children, rt, [f"img-{i}" for i in range(1, 200)])
     with Client(rt) as reader:
         assert reader.has(key0)
         assert reader.has(Namespace(**NS).key("img-199"))
@@ -132,7 +140,7 @@ def test_eviction_under_pressure_takes_unheld_items_and_never_a_held_one(daemon_
         s = reader.stats()
     assert s["namespaces"][Namespace(**NS).id]["evictions"] > 0
     holder.close()
-    _books_balance(daemon)
+    _books_balance(daemon, [f"img-{i}" for i in range(200)])
 
 
 def torch_equal(a, b) -> bool:
@@ -141,9 +149,9 @@ def torch_equal(a, b) -> bool:
     return bool(torch.equal(a, b))
 
 
-def test_an_ec_both_instance_reuses_what_it_saved(daemon) -> None:
+def test_an_ec_both_instance_reuses_what_it_saved(daemon, children) -> None:
     rt = str(daemon.runtime_dir)
-    both = Engine(rt, _settings(), producer=True, consumer=True)
+    both = Engine(rt, _settings(), producer=True, consumer=True, ctx=children)
     first = _requests("r1", ["img-a"])
     meta, compute = both.schedule(first)
     assert compute == ["img-a"] and not meta.loads  # nothing saved yet: encoded here, then saved
@@ -151,14 +159,15 @@ def test_an_ec_both_instance_reuses_what_it_saved(daemon) -> None:
     both.finish(first)
     meta, compute = both.schedule(_requests("r2", ["img-a"]))
     assert compute == [] and list(meta.loads) == ["img-a"]
+    both.run(meta, compute)
     both.close()
-    _books_balance(daemon)
+    _books_balance(daemon, ["img-a"])
 
 
-def test_counted_lifetime_frees_each_item_after_its_consumers(daemon) -> None:
+def test_counted_lifetime_frees_each_item_after_its_consumers(daemon, children) -> None:
     rt = str(daemon.runtime_dir)
-    _produce(rt, ["img-a"], lifetime="counted", consumers=2)
-    cons = Engine(rt, _settings(lifetime="counted", consumers=2), producer=False, consumer=True, ranks=2)
+    _produce(children, rt, ["img-a"], lifetime="counted", consumers=2)
+    cons = Engine(rt, _settings(lifetime="counted", consumers=2), producer=False, consumer=True, ranks=2, ctx=children)
     reqs = _requests("pd", ["img-a"])
     cons.step(reqs)
     cons.finish(reqs)

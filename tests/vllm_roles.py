@@ -80,8 +80,8 @@ class Engine:
     """One vLLM instance: the scheduler half here, ``ranks`` worker processes beside it."""
 
     def __init__(self, runtime_dir: str, settings: ConnectorSettings, producer: bool, consumer: bool,
-                 ranks: int = 1) -> None:
-        ctx = multiprocessing.get_context("spawn")
+                 ranks: int = 1, ctx: Any = None) -> None:
+        ctx = ctx or multiprocessing.get_context("spawn")
         self.client = Client(runtime_dir, map_pools=False)
         self.side = SchedulerSide(self.client, Namespace(**NS, prefix=settings.namespace), settings, producer,
                                   consumer, ranks)
@@ -116,6 +116,8 @@ class Engine:
             self.counters[rank] = counters
             if part is not None:
                 report = report.aggregate(part)
+        if kill_rank is not None:
+            self.procs[kill_rank].join(60)
         self.side.update_connector_output(report)
         return report
 
