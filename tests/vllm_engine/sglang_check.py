@@ -24,12 +24,11 @@ def main() -> None:
     from mmfeat.integrations import sglang as ours
 
     ctx = zmq.Context.instance()
-    pulls, endpoints = [], []
+    pulls, ports = [], []
     for _ in range(2):
         sock = ctx.socket(zmq.PULL)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        ports.append(sock.bind_to_random_port("tcp://127.0.0.1"))
         pulls.append(sock)
-        endpoints.append(f"127.0.0.1:{port}")
 
     embedding = torch.randn(300, 256).to(torch.bfloat16)
     mm_data = EmbeddingData("req-1", 1, 0, [[1, 30, 40]], "image", embedding=embedding)
@@ -47,8 +46,8 @@ def main() -> None:
     server.rid_to_receive_count["req-1"] = 3  # three ranks expected; only two are ever sent to
 
     async def send() -> None:
-        for ep in endpoints:
-            await delivery.send(state, server.SendDestination.from_url(f"tcp://{ep}"))
+        for port in ports:  # as SGLang's receivers register themselves: a host and an embedding port
+            await delivery.send(state, server.SendDestination.from_host_port("127.0.0.1", port))
 
     asyncio.run(send())
     receiver_cls = ours.WaitingMmfeatRequest

@@ -228,11 +228,21 @@ class SchedulerSide:
             return False, None
         items: dict[str, Any] = {}
         for f in request.mm_features:
-            blob = self._saved.pop(f.identifier, None)
+            blob = self._saved.pop(f.identifier, None) or self._lookup_saved(f.identifier)
             if blob is not None:
                 items[f.identifier] = {PARAMS_KEY: {"desc": base64.b64encode(blob).decode("ascii"),
                                                     "node": self._node()}}
         return False, items or None
+
+    def _lookup_saved(self, h: str) -> Optional[bytes]:
+        """The descriptor of an item saved by a step whose report has not come back: vLLM finishes an
+        encode-only request in the step that encoded it, before it reads the workers' reports."""
+        try:
+            desc = self._client.lookup(self._ns.key(h))
+        except MmfeatError as e:
+            log.info("mmfeat: lookup of saved %s: %s", h, e)
+            return None
+        return None if desc is None else desc.to_bytes()
 
     def has_pending_push_work(self) -> bool:
         return False
