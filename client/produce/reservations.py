@@ -66,7 +66,7 @@ class Reservation:
         # When a reserved lease ends at the daemon (monotonic, as seen here): from its reserve reply,
         # never from hello, whose reserve_ttl a reload may have changed since.
         self.deadline = math.inf
-        # A keyed or retained feature's reserve fields (client/keyed.py); None for a plain one.
+        # A keyed or retained feature's reserve fields (client/produce/keyed.py); None for a plain one.
         self.keyed: Optional[dict[str, Any]] = None
         # Weak: a reservation must not keep its tensors, or a dropped one would never be noticed.
         self.refs: list[weakref.ref] = []
