@@ -7,9 +7,9 @@ stats`` and other torch-free users do not pay for importing torch.
 from typing import TYPE_CHECKING, Any
 
 from mmfeat.protos import (
-    DaemonUnavailableError, Descriptor, ErrorCode, FdLimitError, MmfeatError, PeerUnavailableError,
+    MAX_KEY_BYTES, MAX_LOOKUP_KEYS, DaemonUnavailableError, Descriptor, ErrorCode, FdLimitError, MmfeatError,
+    Namespace, PeerUnavailableError,
 )
-from mmfeat.protos.keys import MAX_KEY_BYTES, MAX_LOOKUP_KEYS, Namespace
 
 if TYPE_CHECKING:
     from .client import Client

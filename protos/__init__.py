@@ -7,6 +7,7 @@ from .codec import MAX_IN_FLIGHT, MAX_REQUEST_BYTES, DecodeError, decode, encode
 from .descriptor import HANDLE_KINDS, POOL_KINDS, Descriptor, DescriptorError, TensorSpec
 from .dtypes import DTYPE_SIZES
 from .errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError, PeerUnavailableError
+from .keys import MAX_KEY_BYTES, MAX_LOOKUP_KEYS, Namespace
 from .messages import REQUEST_MODELS, FallbackReason, LeaseRef
 from .paths import control_endpoint, default_runtime_dir, fd_socket_path
 from .version import PROTOCOL_VERSION
@@ -15,6 +16,8 @@ __all__ = [
     "DTYPE_SIZES",
     "HANDLE_KINDS",
     "MAX_IN_FLIGHT",
+    "MAX_KEY_BYTES",
+    "MAX_LOOKUP_KEYS",
     "MAX_REQUEST_BYTES",
     "POOL_KINDS",
     "PROTOCOL_VERSION",
@@ -28,6 +31,7 @@ __all__ = [
     "FdLimitError",
     "LeaseRef",
     "MmfeatError",
+    "Namespace",
     "PeerUnavailableError",
     "TensorSpec",
     "control_endpoint",

@@ -270,8 +270,8 @@ def test_a_planted_back_arrow_between_the_clients_wings_is_found(tmp_path: Path)
 
 
 # What `mmfeat.client` offers a user, besides its submodules: the names some load on first use included.
-PUBLIC = {"Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "FdLimitError", "MmfeatError", "Parcel",
-          "PeerUnavailableError", "Pooled", "dumps", "loads"}
+PUBLIC = {"Client", "DaemonUnavailableError", "Descriptor", "ErrorCode", "FdLimitError", "MAX_KEY_BYTES",
+          "MAX_LOOKUP_KEYS", "MmfeatError", "Namespace", "Parcel", "PeerUnavailableError", "Pooled", "dumps", "loads"}
 
 
 def test_the_clients_public_names_stay_put() -> None:
