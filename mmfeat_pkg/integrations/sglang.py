@@ -9,8 +9,11 @@ to each rank with the descriptor's bytes as the message's second frame, where th
 raw embedding. A rank reads the descriptor into a private tensor (on its GPU when it has one, straight
 from the pool) and acks it, so the pool holds each embedding only until its last rank copied it.
 
-SGLang chooses its backend from a closed list, so selecting these takes a patch of two lines in
-SGLang (docs/integration.md, "SGLang").
+SGLang chooses its backend from a closed list, so selecting these takes a patch of a few lines in
+SGLang (docs/integration.md, "SGLang"): with ``--encoder-transfer-backend zmq_to_scheduler`` and
+``SGLANG_ENCODER_DELIVERY=mmfeat`` on both servers, the encoder makes a ``MmfeatDelivery`` where it
+makes a ``ZmqDelivery``, and each rank a ``WaitingMmfeatRequest`` where it makes a
+``WaitingZmqRequest``; everything else of that backend stays as it is.
 """
 
 from __future__ import annotations
@@ -85,11 +88,13 @@ def _make_delivery() -> type:
     import zmq.asyncio
     from sglang.srt.disaggregation.encoder import server
 
-    class MmfeatDelivery(server.EncoderDelivery):
-        """Puts the embedding once per request and pushes [header, descriptor] to each destination."""
+    class MmfeatDelivery(server.ZmqDelivery):
+        """ZMQ's delivery with the embedding in the pool: put once per request, and [header, descriptor]
+        pushed to each destination where ZMQ pushes [header, raw bytes]. SGLang's own bookkeeping of
+        the request (what ZmqDelivery.release clears) is kept as it is."""
 
-        def __init__(self, encoder: Any) -> None:
-            super().__init__(encoder)
+        def __init__(self, encoder: Any, *, cleanup_receive_state: bool = True) -> None:
+            super().__init__(encoder, cleanup_receive_state=cleanup_receive_state)
             self._book = DescriptorBook()
             self._ctx = zmq.asyncio.Context.instance()
             self._sockets: dict[str, Any] = {}
@@ -116,6 +121,7 @@ def _make_delivery() -> type:
 
         async def release(self, state: Any) -> None:
             await asyncio.to_thread(self._book.release, client(), state.req_id)
+            await super().release(state)
 
     return MmfeatDelivery
 

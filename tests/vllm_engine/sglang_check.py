@@ -42,7 +42,7 @@ def main() -> None:
             return state.embedding_data
 
     delivery = ours.MmfeatDelivery(Encoder())
-    assert isinstance(delivery, server.EncoderDelivery)
+    assert isinstance(delivery, server.ZmqDelivery)
     server.rid_to_receive_count["req-1"] = 3  # three ranks expected; only two are ever sent to
 
     async def send() -> None:
@@ -62,6 +62,7 @@ def main() -> None:
     before = c.stats()["pools"][0]["used"]
     asyncio.run(delivery.release(state))
     c.flush()
+    assert "req-1" not in server.rid_to_receive_count  # ZmqDelivery's own release ran too
     print("SGLANG-RESULT " + json.dumps({"equal": got, "used_before_release": before,
                                          "header_bytes": len(pickle.dumps(mm_data.copy_without_embedding()))}))
 
