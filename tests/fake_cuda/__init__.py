@@ -32,8 +32,8 @@ def build(libdir: Path) -> Optional[str]:
     if cc is None:
         return "no C compiler to build the fake libcuda"
     libdir.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(libdir / "libcuda.so.1"), str(SOURCE), "-ldl"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(libdir / "libcuda.so.1"), str(SOURCE), "-ldl",
+                        "-lpthread"], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         return f"the fake libcuda does not build: {r.stderr.strip()[:500]}"
     probe = "from mmfeat import cuda_driver as d; r = d.driver_unavailable_reason(); print(r or 'ok')"

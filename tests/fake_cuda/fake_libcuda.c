@@ -7,9 +7,15 @@
 //   STUB_SETACCESS_FAIL_DEV=d, STUB_HOSTREGISTER_FAIL=1; STUB_NO_RDMA_DEV=d: device d reports no GPUDirect RDMA
 //   with VMM. STUB_UNMAP_SLEEP_MS=n: cuMemUnmap takes n ms (after logging), as a driver waiting for the GPU would.
 // - STUB_LOG=FILE: where the log goes (stderr otherwise).
+// - Streams, events and their order (see the section below): work queued on a stream completes in order,
+//   a "kernel" only once the test releases it (fake_launch / fake_release, through ctypes); events,
+//   stream waits, stream memory operations and stream capture follow the driver's documented rules, and
+//   each completion is logged, so a test can read whether a wait came before the work it had to follow.
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -120,7 +126,7 @@ CUresult cuDevicePrimaryCtxGetState(int dev, unsigned* flags, int* active) {
 
 CUresult cuCtxSetCurrent(void* ctx) { fprintf(L(), "cuCtxSetCurrent(%p)\n", ctx); cur = ctx; return 0; }
 CUresult cuCtxGetCurrent(void** ctx) { *ctx = cur; return 0; }
-CUresult cuCtxSynchronize(void) { fprintf(L(), "cuCtxSynchronize()\n"); CUR(); return cur ? 0 : 201; }
+CUresult cuCtxGetDevice(int* dev) { if (!cur) return 201; *dev = (int)((uintptr_t)cur - 0x1000); return 0; }
 
 // CUmemAllocationProp: type@0, requestedHandleTypes@4, location.type@8, location.id@12,
 // win32HandleMetaData@16, allocFlags.compressionType@24, allocFlags.gpuDirectRDMACapable@25.
@@ -202,6 +208,400 @@ CUresult cuMemHostRegister_v2(void* p, size_t size, unsigned flags) {
 }
 CUresult cuMemHostRegister(void* p, size_t size, unsigned flags) { return cuMemHostRegister_v2(p, size, flags); }
 CUresult cuMemHostUnregister(void* p) { fprintf(L(), "cuMemHostUnregister(%p)\n", p); CUR(); return 0; }
+
+
+// ---- Streams, events, their order ---------------------------------------------------------------
+// A stream is a FIFO of operations; the head completes when its condition holds: a kernel once released
+// (fake_release), a wait on an event once the work that event captured is done, a wait on a 64-bit word
+// once the word satisfies it; a write of a word completes at once and stores it. Stream 0 (the NULL
+// stream) is one more FIFO. An event captures (stream, count of operations queued there) at its record;
+// it is complete when that stream has completed that many, or when never recorded. Completions are
+// logged ("  .. done op N 'tag' on stream S") as they happen: at a release, a query, a synchronize.
+// Capture: while a thread captures a stream in GLOBAL mode, a potentially unsafe call (event or stream
+// or context synchronize, event query) from any thread whose mode is not RELAXED invalidates it (the
+// call fails with 900 and the log says "!! capture invalidated"); cuStreamEndCapture then fails (901).
+#define MAXS 256
+#define MAXOPS 4096
+#define MAXE 8192
+enum { OP_KERNEL = 1, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE_VALUE };
+typedef struct {
+    int kind, released;
+    char tag[48];
+    int dep_stream, dep_seq;
+    u64* addr;
+    u64 value;
+    unsigned flags;
+} op_t;
+typedef struct {
+    int used;
+    void* ctx;
+    int nops, ndone;
+    op_t ops[MAXOPS];
+    int capturing, capture_mode, invalidated;
+} stream_t;
+typedef struct {
+    int used, recorded, stream, seq;
+    void* ctx;
+    unsigned flags;
+} event_t;
+static stream_t streams[MAXS];
+static event_t events[MAXE];
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static __thread int thread_mode = 0;  // CU_STREAM_CAPTURE_MODE_GLOBAL
+static int nglobal_captures = 0;
+
+#define SH(i) ((void*)(uintptr_t)(0x5000 + (i)))
+#define EH(i) ((void*)(uintptr_t)(0x90000 + (i)))
+
+static int sidx(void* s) {
+    if (!s || s == (void*)1 || s == (void*)2) {  // NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+        streams[0].used = 1;
+        return 0;
+    }
+    int i = (int)((uintptr_t)s - 0x5000);
+    return (i > 0 && i < MAXS && streams[i].used) ? i : -1;
+}
+static int eidx(void* e) {
+    int i = (int)((uintptr_t)e - 0x90000);
+    return (i >= 0 && i < MAXE && events[i].used) ? i : -1;
+}
+static int stream_done_upto(int s, int seq) { return streams[s].ndone >= seq; }
+static int event_done(int e) { return !events[e].recorded || stream_done_upto(events[e].stream, events[e].seq); }
+
+static int op_ready(op_t* o) {
+    switch (o->kind) {
+        case OP_KERNEL: return o->released;
+        case OP_WAIT_EVENT: return stream_done_upto(o->dep_stream, o->dep_seq);
+        case OP_WAIT_VALUE: {
+            u64 v = __atomic_load_n(o->addr, __ATOMIC_ACQUIRE);
+            switch (o->flags & 0xf) {
+                case 0: return (int64_t)(v - o->value) >= 0;  // GEQ
+                case 1: return v == o->value;                 // EQ
+                case 2: return (v & o->value) != 0;           // AND
+                default: return (v | o->value) != ~0ULL;      // NOR
+            }
+        }
+        default: return 1;
+    }
+}
+static void progress(void) {  // under mu
+    int changed = 1;
+    while (changed) {
+        changed = 0;
+        for (int s = 0; s < MAXS; s++) {
+            stream_t* st = &streams[s];
+            while (st->used && !st->capturing && st->ndone < st->nops && op_ready(&st->ops[st->ndone])) {
+                op_t* o = &st->ops[st->ndone];
+                if (o->kind == OP_WRITE_VALUE) __atomic_store_n(o->addr, o->value, __ATOMIC_RELEASE);
+                st->ndone++;
+                changed = 1;
+                fprintf(L(), "  .. done op %d '%s' on stream %d\n", st->ndone, o->tag, s);
+            }
+        }
+    }
+    pthread_cond_broadcast(&cv);
+}
+static op_t* enqueue(int s, int kind, const char* tag) {  // under mu
+    stream_t* st = &streams[s];
+    if (st->nops >= MAXOPS) return NULL;
+    op_t* o = &st->ops[st->nops++];
+    memset(o, 0, sizeof *o);
+    o->kind = kind;
+    snprintf(o->tag, sizeof o->tag, "%s", tag);
+    return o;
+}
+// A potentially unsafe call while a GLOBAL-mode capture runs: invalidates it unless this thread is RELAXED.
+static int unsafe(const char* call) {  // under mu
+    if (!nglobal_captures || thread_mode == 2) return 0;
+    for (int s = 0; s < MAXS; s++)
+        if (streams[s].capturing && streams[s].capture_mode == 0) streams[s].invalidated = 1;
+    fprintf(L(), "  !! capture invalidated by %s (thread capture mode %d)\n", call, thread_mode);
+    return 1;
+}
+static void wait_until(int (*done)(int), int arg) {  // under mu; a word another process writes needs polls
+    for (;;) {
+        progress();
+        if (done(arg)) return;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 1000000;
+        if (ts.tv_nsec >= 1000000000) { ts.tv_sec++; ts.tv_nsec -= 1000000000; }
+        pthread_cond_timedwait(&cv, &mu, &ts);
+    }
+}
+static int stream_idle(int s) { return streams[s].ndone == streams[s].nops; }
+static int ctx_idle(int c) {
+    for (int s = 0; s < MAXS; s++)
+        if (streams[s].used && (uintptr_t)streams[s].ctx == (uintptr_t)c && !stream_idle(s)) return 0;
+    return 1;
+}
+
+CUresult cuStreamCreate(void** out, unsigned flags) {
+    if (!cur) return 201;
+    pthread_mutex_lock(&mu);
+    int i = 1;
+    while (i < MAXS && streams[i].used) i++;
+    if (i == MAXS) { pthread_mutex_unlock(&mu); return 2; }
+    memset(&streams[i], 0, sizeof streams[i]);
+    streams[i].used = 1;
+    streams[i].ctx = cur;
+    *out = SH(i);
+    fprintf(L(), "cuStreamCreate() -> stream %d\n", i);
+    CUR();
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+CUresult cuStreamCreateWithPriority(void** out, unsigned flags, int prio) { return cuStreamCreate(out, flags); }
+CUresult cuStreamDestroy_v2(void* s) {
+    pthread_mutex_lock(&mu);
+    int i = sidx(s);
+    if (i > 0) streams[i].used = 0;
+    pthread_mutex_unlock(&mu);
+    return i > 0 ? 0 : 400;
+}
+CUresult cuStreamDestroy(void* s) { return cuStreamDestroy_v2(s); }
+
+CUresult cuEventCreate(void** out, unsigned flags) {
+    if (!cur) { fprintf(L(), "cuEventCreate(flags=%u) with no context current\n", flags); return 201; }
+    pthread_mutex_lock(&mu);
+    int i = 0;
+    while (i < MAXE && events[i].used) i++;
+    if (i == MAXE) { pthread_mutex_unlock(&mu); return 2; }
+    memset(&events[i], 0, sizeof events[i]);
+    events[i].used = 1;
+    events[i].ctx = cur;
+    events[i].flags = flags;
+    *out = EH(i);
+    fprintf(L(), "cuEventCreate(flags=%u) -> event %d\n", flags, i);
+    CUR();
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+CUresult cuEventDestroy_v2(void* e) {
+    pthread_mutex_lock(&mu);
+    int i = eidx(e);
+    if (i >= 0) events[i].used = 0;
+    fprintf(L(), "cuEventDestroy(event %d)\n", i);
+    pthread_mutex_unlock(&mu);
+    return i >= 0 ? 0 : 400;
+}
+CUresult cuEventDestroy(void* e) { return cuEventDestroy_v2(e); }
+CUresult cuEventRecordWithFlags(void* e, void* s, unsigned flags) {
+    pthread_mutex_lock(&mu);
+    int i = eidx(e), k = sidx(s);
+    CUresult r = 0;
+    if (i < 0 || k < 0) r = 400;
+    else {
+        void* sctx = k == 0 ? cur : streams[k].ctx;
+        fprintf(L(), "cuEventRecord(event %d, stream %d) after %d op(s)%s\n", i, k, streams[k].nops,
+                streams[k].capturing ? " [captured into the graph]" : "");
+        if (sctx != events[i].ctx) {
+            fprintf(L(), "  !! event of ctx %p recorded on a stream of ctx %p\n", events[i].ctx, sctx);
+            r = 400;
+        } else {
+            events[i].recorded = 1;
+            events[i].stream = k;
+            events[i].seq = streams[k].nops;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuEventRecord(void* e, void* s) { return cuEventRecordWithFlags(e, s, 0); }
+CUresult cuEventQuery(void* e) {
+    pthread_mutex_lock(&mu);
+    int i = eidx(e);
+    CUresult r;
+    if (i < 0) r = 400;
+    else if (unsafe("cuEventQuery")) r = 900;
+    else { progress(); r = event_done(i) ? 0 : 600; }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuEventSynchronize(void* e) {
+    pthread_mutex_lock(&mu);
+    int i = eidx(e);
+    CUresult r = 0;
+    if (i < 0) r = 400;
+    else {
+        fprintf(L(), "cuEventSynchronize(event %d)\n", i);
+        CUR();
+        if (!cur) { fprintf(L(), "  !! no context current\n"); r = 201; }
+        else if (cur != events[i].ctx) fprintf(L(), "  !! event of ctx %p synchronised with ctx %p current\n",
+                                             events[i].ctx, cur);
+        if (!r && unsafe("cuEventSynchronize")) r = 900;
+        if (!r) {
+            wait_until(event_done, i);
+            fprintf(L(), "cuEventSynchronize(event %d) returned\n", i);
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuStreamWaitEvent(void* s, void* e, unsigned flags) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s), i = eidx(e);
+    CUresult r = 0;
+    if (k < 0 || i < 0) r = 400;
+    else {
+        fprintf(L(), "cuStreamWaitEvent(stream %d, event %d)\n", k, i);
+        if (events[i].recorded) {
+            op_t* o = enqueue(k, OP_WAIT_EVENT, "wait event");
+            o->dep_stream = events[i].stream;
+            o->dep_seq = events[i].seq;
+            snprintf(o->tag, sizeof o->tag, "wait event %d", i);
+            progress();
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuStreamQuery(void* s) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    CUresult r = k < 0 ? 400 : unsafe("cuStreamQuery") ? 900 : (progress(), stream_idle(k) ? 0 : 600);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuStreamSynchronize(void* s) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    CUresult r = 0;
+    fprintf(L(), "cuStreamSynchronize(stream %d)\n", k);
+    if (k < 0) r = 400;
+    else if (unsafe("cuStreamSynchronize")) r = 900;
+    else wait_until(stream_idle, k);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuCtxSynchronize(void) {
+    pthread_mutex_lock(&mu);
+    fprintf(L(), "cuCtxSynchronize()\n");
+    CUR();
+    CUresult r = cur ? 0 : 201;
+    if (!r && unsafe("cuCtxSynchronize")) r = 900;
+    if (!r) wait_until(ctx_idle, (int)(uintptr_t)cur);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuStreamWriteValue64_v2(void* s, u64 addr, u64 value, unsigned flags) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    if (k >= 0) {
+        char tag[48];
+        snprintf(tag, 48, "write %#llx=%llu", addr, value);
+        op_t* o = enqueue(k, OP_WRITE_VALUE, tag);
+        o->addr = (u64*)(uintptr_t)addr;
+        o->value = value;
+        fprintf(L(), "cuStreamWriteValue64(stream %d, %#llx, %llu)\n", k, addr, value);
+        progress();
+    }
+    pthread_mutex_unlock(&mu);
+    return k >= 0 ? 0 : 400;
+}
+CUresult cuStreamWriteValue64(void* s, u64 addr, u64 value, unsigned flags) {
+    return cuStreamWriteValue64_v2(s, addr, value, flags);
+}
+CUresult cuStreamWaitValue64_v2(void* s, u64 addr, u64 value, unsigned flags) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    if (k >= 0) {
+        char tag[48];
+        snprintf(tag, 48, "wait %#llx=%llu", addr, value);
+        op_t* o = enqueue(k, OP_WAIT_VALUE, tag);
+        o->addr = (u64*)(uintptr_t)addr;
+        o->value = value;
+        o->flags = flags;
+        fprintf(L(), "cuStreamWaitValue64(stream %d, %#llx, %llu, flags=%u)\n", k, addr, value, flags);
+        progress();
+    }
+    pthread_mutex_unlock(&mu);
+    return k >= 0 ? 0 : 400;
+}
+CUresult cuStreamWaitValue64(void* s, u64 addr, u64 value, unsigned flags) {
+    return cuStreamWaitValue64_v2(s, addr, value, flags);
+}
+CUresult cuMemHostGetDevicePointer_v2(u64* d, void* p, unsigned flags) { *d = (u64)(uintptr_t)p; return 0; }
+CUresult cuMemHostGetDevicePointer(u64* d, void* p, unsigned flags) { return cuMemHostGetDevicePointer_v2(d, p, flags); }
+
+CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
+    int old = thread_mode;
+    thread_mode = *mode;
+    *mode = old;
+    fprintf(L(), "cuThreadExchangeStreamCaptureMode(%d -> %d)\n", old, thread_mode);
+    return 0;
+}
+CUresult cuStreamBeginCapture_v2(void* s, int mode) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    if (k > 0) {
+        streams[k].capturing = 1;
+        streams[k].capture_mode = mode;
+        streams[k].invalidated = 0;
+        if (mode == 0) nglobal_captures++;
+        fprintf(L(), "cuStreamBeginCapture(stream %d, mode %d)\n", k, mode);
+    }
+    pthread_mutex_unlock(&mu);
+    return k > 0 ? 0 : 400;
+}
+CUresult cuStreamBeginCapture(void* s, int mode) { return cuStreamBeginCapture_v2(s, mode); }
+CUresult cuStreamEndCapture(void* s, void** graph) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    CUresult r = 400;
+    if (k > 0 && streams[k].capturing) {
+        streams[k].capturing = 0;
+        if (streams[k].capture_mode == 0) nglobal_captures--;
+        streams[k].nops = streams[k].ndone;  // captured work is not run
+        r = streams[k].invalidated ? 901 : 0;
+        *graph = (void*)(uintptr_t)0x6000;
+        fprintf(L(), "cuStreamEndCapture(stream %d) -> %s\n", k, r ? "INVALIDATED" : "ok");
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuStreamIsCapturing(void* s, int* status) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    *status = k >= 0 && streams[k].capturing ? (streams[k].invalidated ? 2 : 1) : 0;
+    pthread_mutex_unlock(&mu);
+    return k >= 0 ? 0 : 400;
+}
+
+// The test's own calls (ctypes): GPU work that stays queued until the test releases it.
+int fake_launch(void* s, const char* tag) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    if (k >= 0) {
+        enqueue(k, OP_KERNEL, tag);
+        fprintf(L(), "launch '%s' on stream %d\n", tag, k);
+    }
+    pthread_mutex_unlock(&mu);
+    return k >= 0 ? 0 : -1;
+}
+int fake_release(const char* tag) {
+    pthread_mutex_lock(&mu);
+    int n = 0;
+    fprintf(L(), "release '%s'\n", tag);
+    for (int s = 0; s < MAXS; s++)
+        for (int j = streams[s].ndone; streams[s].used && j < streams[s].nops; j++)
+            if (streams[s].ops[j].kind == OP_KERNEL && !strcmp(streams[s].ops[j].tag, tag)) {
+                streams[s].ops[j].released = 1;
+                n++;
+            }
+    progress();
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+int fake_stream_pending(void* s) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    if (k >= 0) progress();
+    int n = k >= 0 ? streams[k].nops - streams[k].ndone : -1;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
 
 // cuda-bindings resolves every entry point through here: answer with this library's own symbols.
 CUresult cuGetProcAddress_v2(const char* sym, void** pfn, int ver, u64 flags, int* status) {

@@ -1,0 +1,165 @@
+"""The little of torch.cuda the client's ordering code calls, for torch's CPU build, over the fake
+libcuda's streams (tests/fake_cuda/fake_libcuda.c): streams are the fake driver's, so the events the
+client records on them, and its waits, follow the order the fake keeps. A copy to a CUDA device
+(``Tensor.to``) is queued on the current stream like the DMA it stands for, and returns an
+uninitialised CPU tensor (the views may be over fake addresses).
+A test queues GPU work that stays pending with ``launch`` and lets it finish with ``release``."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import threading
+from typing import Any, Iterator, Optional
+
+import torch
+
+from mmfeat import cuda_driver as drv
+
+_lib: Optional[ctypes.CDLL] = None
+_local = threading.local()
+_defaults: dict[int, "Stream"] = {}
+_contexts: dict[int, Any] = {}
+_copies = itertools.count()
+_lock = threading.Lock()
+
+
+def lib() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        _lib = ctypes.CDLL("libcuda.so.1")
+    return _lib
+
+
+def _context(ordinal: int) -> Any:
+    """The runtime's own reference to a device's primary context, made on the device's first use."""
+    with _lock:
+        if ordinal not in _contexts:
+            retained = drv.cu.cuDevicePrimaryCtxRetain(drv.device(ordinal))
+            _contexts[ordinal] = drv.ck("cuDevicePrimaryCtxRetain", retained)
+        return _contexts[ordinal]
+
+
+class Stream:
+    def __init__(self, device: Any = None, priority: int = 0) -> None:
+        ordinal = _ordinal(device)
+        with drv.context_current(_context(ordinal)):
+            self.handle = drv.ck("cuStreamCreate", drv.cu.cuStreamCreate(0))
+        self.cuda_stream = int(self.handle)
+        self.device_index = ordinal
+        self.device = torch.device("cuda", ordinal)
+
+    def __repr__(self) -> str:
+        return f"<fake stream {self.cuda_stream:#x} on cuda:{self.device_index}>"
+
+
+def _ordinal(device: Any) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return current_device() if index is None else index
+
+
+def current_device() -> int:
+    return getattr(_local, "device", 0)
+
+
+def set_device(d: Any) -> None:
+    _local.device = _ordinal(d)
+
+
+@contextlib.contextmanager
+def device(d: Any) -> Iterator[None]:
+    before = current_device()
+    set_device(d)
+    try:
+        yield
+    finally:
+        _local.device = before
+
+
+def current_stream(d: Any = None) -> Stream:
+    ordinal = _ordinal(d)
+    chosen = getattr(_local, "streams", {}).get(ordinal)
+    if chosen is not None:
+        return chosen
+    with _lock:
+        default = _defaults.get(ordinal)
+    if default is None:
+        default = Stream(ordinal)
+        with _lock:
+            default = _defaults.setdefault(ordinal, default)
+    return default
+
+
+@contextlib.contextmanager
+def stream(s: Stream) -> Iterator[None]:
+    if not hasattr(_local, "streams"):
+        _local.streams = {}
+    before = _local.streams.get(s.device_index)
+    _local.streams[s.device_index] = s
+    try:
+        with device(s.device_index):
+            yield
+    finally:
+        if before is None:
+            _local.streams.pop(s.device_index, None)
+        else:
+            _local.streams[s.device_index] = before
+
+
+def launch(s: Stream, tag: str) -> None:
+    """GPU work on ``s`` that stays queued until ``release(tag)``."""
+    assert lib().fake_launch(ctypes.c_void_p(s.cuda_stream), tag.encode()) == 0
+
+
+def release(tag: str) -> int:
+    return lib().fake_release(tag.encode())
+
+
+def pending(s: Stream) -> int:
+    return lib().fake_stream_pending(ctypes.c_void_p(s.cuda_stream))
+
+
+def begin_capture(s: Stream, mode: int = 0) -> None:
+    drv.ck("cuStreamBeginCapture", drv.cu.cuStreamBeginCapture(s.handle, drv.cu.CUstreamCaptureMode(mode)))
+
+
+def end_capture(s: Stream) -> str:
+    err, _ = drv.cu.cuStreamEndCapture(s.handle)
+    return "ok" if err == drv.cu.CUresult.CUDA_SUCCESS else drv._error_name(err)
+
+
+_real_to = torch.Tensor.to
+
+
+def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    target = args[0] if args else kwargs.get("device")
+    if isinstance(target, (int, str, torch.device)) and not isinstance(target, bool):
+        dev = torch.device("cuda", target) if isinstance(target, int) else torch.device(target)
+        if dev.type == "cuda":
+            tag = f"copy-{next(_copies)}"
+            s = current_stream(dev.index)
+            launch(s, tag)
+            release(tag)  # done once what was queued before it on the stream is
+            return torch.empty_like(self)  # never read: a GPU pool view here is a fake address
+    return _real_to(self, *args, **kwargs)
+
+
+def install() -> None:
+    """torch.cuda as a process with GPUs 0 and 1 would see it."""
+    cuda: Any = torch.cuda
+    cuda.is_available = lambda: True
+    cuda.is_initialized = lambda: True
+    cuda.device_count = lambda: 2
+    cuda.current_device = current_device
+    cuda.set_device = set_device
+    cuda.device = device
+    cuda.Stream = Stream
+    cuda.current_stream = current_stream
+    cuda.stream = stream
+    cuda.synchronize = lambda d=None: _context(_ordinal(d))
+    torch.Tensor.to = _to  # type: ignore[method-assign]
