@@ -102,7 +102,7 @@ class Client:
         _clients.add(self)
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
                                   inline_max, fallback, self._session_now)
-        self._reservations = Reservations(self._producer)
+        self._reservations = Reservations(self._producer, lambda *a: self._acks.run_after(*a))
         pending = PendingCopies()  # staged copies from host pools: get() adds them, ack() waits for them
         self._consumer = Consumer(self._connect, self._channel, pending, readonly)
         self._acks = Acks(self._connect, self._channel, timeout, pending)
@@ -280,12 +280,13 @@ class Client:
         keyed = check_lifetime(key, retain_ttl, consumers) if key is not None or retain_ttl is not None else None
         return self._reservations.reserve(list(layout), consumers, device, many=True, keyed=keyed)
 
-    def publish(self, reserved: TensorOrList) -> Descriptor:
+    def publish(self, reserved: TensorOrList, after: Any = None) -> Descriptor:
         """Dispatch what reserve (or reserve_many) returned, once filled: the descriptor put would give.
         From then on the tensor belongs to the consumers: do not write it. On a GPU the writes queued on
-        the device's current stream are finished first. A tensor not reserved by this client, or one
+        the device's current stream, and on ``after`` (the torch.cuda.Stream or Event the fill ran on,
+        when not the current one), are finished first. A tensor not reserved by this client, or one
         published, discarded or closed already, raises BAD_REQUEST or BAD_STATE."""
-        return self._reservations.publish(reserved)
+        return self._reservations.publish(reserved, after)
 
     def discard(self, reserved: TensorOrList) -> None:
         """Give back what reserve returned without publishing it; the tensor must not be used after."""
@@ -355,21 +356,25 @@ class Client:
         ``wait=True`` sends it to the daemon and returns its answer (remaining, freed, over_acked).
         ``after`` (a torch.cuda.Stream or Event) returns at once; a background thread adds the ack once
         the event completes (the GPU work that read the feature is done). ``flush()`` waits until the
-        daemon has applied them all.
+        daemon has applied them all. With both, the call waits for that work, then for the daemon's
+        answer. A staged get's copy (``get(device=)`` of a host-pool feature) is waited for in every case.
         """
         return self._acks.ack(desc if type(desc) is Descriptor else _as_descriptor(desc), count, after, wait)
 
-    def _ack_in_finalizer(self, desc: Descriptor) -> bool:
-        """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs); True when it was a
-        store into the lease table, False when it went (or was left) elsewhere."""
+    def _ack_in_finalizer(self, desc: Descriptor, fence: Any = None) -> bool:
+        """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs), after the GPU work
+        ``fence`` marks (client/gpu_order.py) if any; True when it was a store into the lease table,
+        False when it went (or was left) elsewhere."""
         session, closed = self._session, self._closed_table
         if session is None and closed is not None and not desc.is_inline:
+            if fence is not None and not fence.query():
+                return False  # no acker after close, and no wait here: the feature expires by ack_ttl
             # No session is opened here: a round trip inside a garbage collection, and a session nobody
             # would close. What the table cannot take (another node's feature) expires by ack_ttl.
             pid, node, epoch, table = closed
             return (pid == os.getpid() and desc.node == node and desc.epoch == epoch
                     and table.add_acks(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, 1))
-        return self._acks.ack_in_finalizer(session, desc)
+        return self._acks.ack_in_finalizer(session, desc, fence)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the daemon has applied every ack this client made; False on timeout."""

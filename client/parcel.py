@@ -27,7 +27,7 @@ from mmfeat.protos.descriptor import Descriptor, DescriptorError
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.tensor_spec import MAX_TENSORS
 
-from .gpu import dlpack
+from .gpu import dlpack, gpu_order
 from .client import Client
 from .fork_locks import renew_in_child
 
@@ -103,7 +103,9 @@ def loads(data: bytes, *, client: Optional[Client] = None, device: Any = None) -
             raise MmfeatError(ErrorCode.BAD_REQUEST, str(exc)) from None
         got = client.get(desc, device=device)
         tensors = got if isinstance(got, list) else [got]
-    lease = _Lease(client, desc, tensors)
+    # Zero-copy views of a GPU pool: kernels queued on them may still read them after they die.
+    devices = [torch.cuda.current_device()] if desc is not None and desc.kind == "cuda" and device is None else []
+    lease = _Lease(client, desc, tensors, devices)
     if desc is not None and not desc.is_inline and device is None:
         # Pool views: each gets a storage that keeps the lease, so the feature lives as long as any
         # tensor made from it, not as long as the Parcel (which `loads(data).value` drops at once).
@@ -151,9 +153,11 @@ class _Lease:
     alive; once the last of them is freed, an unacked feature is acked here and a warning says so (once
     per process), so a forgotten ack costs memory for a moment, not for ``ack_ttl``."""
 
-    def __init__(self, client: Client, desc: Optional[Descriptor], sources: list[torch.Tensor]) -> None:
+    def __init__(self, client: Client, desc: Optional[Descriptor], sources: list[torch.Tensor],
+                 devices: list[int]) -> None:
         self._client = client
         self._desc = desc
+        self._devices = devices  # GPUs whose queued work may read the views: an automatic ack waits for it
         self._sources = sources  # the views get returned: their storage keeps the pool mapped
         self._lock = threading.Lock()
         # A forked child may ack a Parcel it inherited, and exits through ack_at_exit, both under the lock.
@@ -172,6 +176,8 @@ class _Lease:
             if self.acked:
                 return
             assert self._desc is not None
+            if after is None and self._devices:
+                after = gpu_order.behind_current(self._devices)  # `with` exits right after the launches
             try:
                 self._client.ack(self._desc, count=count, after=after)
             except MmfeatError:
@@ -196,7 +202,7 @@ class _Lease:
                 return False
             self.acked = True
         assert self._desc is not None
-        return not self._client._ack_in_finalizer(self._desc)
+        return not self._client._ack_in_finalizer(self._desc, gpu_order.behind_current(self._devices))
 
     def __del__(self) -> None:
         # Runs where torch frees the last tensor's storage or the Parcel goes: any thread, and inside
@@ -211,7 +217,10 @@ class _Lease:
                           "Parcel (or use `with loads(data) as obj:`) once its tensors are used", ResourceWarning,
                           stacklevel=2)
         try:
-            self._client._ack_in_finalizer(self._desc)
+            # A tensor's death is not the GPU's: the kernels queued on it have usually not run yet. The
+            # ack follows the work queued so far on the current streams; work on other streams is the
+            # caller's to name, with ack(after=).
+            self._client._ack_in_finalizer(self._desc, gpu_order.behind_current(self._devices))
         except Exception:
             pass  # interpreter shutdown or a gone daemon: the feature expires by ack_ttl
 
@@ -256,7 +265,8 @@ class Parcel:
 
     def ack(self, after: Any = None, count: int = 1) -> None:
         """Done with the tensors (views must not be read after this). Once; again is a no-op.
-        ``after`` (a CUDA stream or event) acks once the GPU work queued there is done. ``count`` acks
+        ``after`` (a CUDA stream or event) acks once the GPU work queued there is done; without it, a GPU
+        feature's ack waits for the work queued so far on the current stream. ``count`` acks
         for that many consumers: the one rank that encodes an image for its group acks for the group."""
         self._lease.ack(after, count)
 

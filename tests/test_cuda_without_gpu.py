@@ -306,12 +306,14 @@ def test_the_acker_sleeps_on_the_event_and_acks_when_it_wakes() -> None:
     from mmfeat.client.consume.ack_thread import Acker
     from mmfeat.client.link.async_failures import AsyncFailures
 
-    class GpuWork:  # what ack(after=) hands the acker: a blocking torch.cuda.Event (no `blocking` attribute)
+    class GpuWork:  # what ack(after=) hands the acker: a fence of blocking events (client/gpu_order.py)
+        lane = (0, 7)
+
         def __init__(self) -> None:
             self.done = threading.Event()
             self.queries = 0
 
-        def synchronize(self) -> None:
+        def wait(self) -> None:
             self.done.wait(30)
 
         def query(self) -> bool:
@@ -327,7 +329,7 @@ def test_the_acker_sleeps_on_the_event_and_acks_when_it_wakes() -> None:
         assert not sent, "acked before the GPU work was done"
         work.done.set()
         assert acker.flush(30.0)
-        # Slept in synchronize() and acked when it returned: polling would add its sleep to the delay.
+        # Slept in wait() and acked when it returned: polling would add its sleep to the delay.
         assert sent == [2] and work.queries == 0, work.queries
     finally:
         work.done.set()

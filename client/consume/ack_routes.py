@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -24,6 +23,7 @@ from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError
 from mmfeat.protos.messages import MAX_CONSUMERS, AckReply
 
+from ..gpu import gpu_order
 from .acked_leases import AckedLeases
 from ..link.channel import ControlChannel
 from .pinned import PendingCopies
@@ -52,15 +52,15 @@ class Acks:
         check_ack(count, after, wait)
         if desc.kind == "inline":
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
-        staged = self._pending.take_for(desc)
-        if staged is not None:  # get(device=) of a host-pool feature: its DMA may still be reading the pool
-            if wait:
-                staged.synchronize()
-            elif after is None:
-                after = staged
+        staged = self._pending.take_for(desc)  # get(device=) of a host-pool feature: its DMA may still read the pool
+        # One fence for the caller's work and the staged copy's: either may still read the pool's bytes.
+        fence = gpu_order.after(after, staged) if after is not None else staged
+        if wait and fence is not None:
+            fence.wait()  # the caller asked to wait: for the GPU work first, then for the daemon's answer
+            fence = None
         session = self._connect()
         local = desc.node == session.node and desc.epoch == session.epoch
-        if (after is None and not wait and local
+        if (fence is None and not wait and local
                 and session.table.add_acks(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, count)):
             self._acked.remember(desc)
             return None  # the common ack: one compare-and-swap in the table, nothing built for a message
@@ -70,8 +70,8 @@ class Acks:
         if desc.node != session.node:
             fields["node"] = desc.node  # relayed to the owner's daemon by ours
         reply = None
-        if after is not None:
-            self._background().submit(fields, count, os.urandom(8), _completion_event(after))
+        if fence is not None:
+            self._background().submit(fields, count, os.urandom(8), fence)
         elif not wait:
             self._send_now(session, fields, count)
         else:
@@ -80,13 +80,17 @@ class Acks:
             self._acked.remember(desc)
         return reply
 
-    def ack_in_finalizer(self, session: Optional[Session], desc: Descriptor) -> bool:
+    def ack_in_finalizer(self, session: Optional[Session], desc: Descriptor, fence: Any = None) -> bool:
         """One ack from a finaliser, which may run wherever a garbage collection or a tensor's release
         happens, this client's own locked sections included: the table's compare-and-swap (lock-free)
         where it takes the ack, else a message from the background thread, never a lock taken here.
-        True when the ack was a store into the table (nothing left to flush)."""
+        ``fence``: GPU work that may still read the feature (gpu_order.Fence); then the ack waits for it
+        on the acker's thread. True when the ack was a store into the table (nothing left to flush)."""
         if desc.is_inline:
             return True
+        if fence is not None:
+            self._background().submit({"lease": desc.lease_ref(), "node": desc.node}, 1, os.urandom(8), fence)
+            return False
         if session is None or session.pid != os.getpid():
             # No session of this process: the background thread opens one and routes the ack. Not here: a
             # collection inside _connect (this very thread, opening a session under the connect lock) runs
@@ -101,6 +105,10 @@ class Acks:
             return True
         self._background().submit(fields, 1, os.urandom(8), None)
         return False
+
+    def run_after(self, fence: Any, action: Callable[[], None], kind: str, what: str) -> None:
+        """``action`` on the acker's threads once the GPU work ``fence`` marks is done."""
+        self._background().run_after(fence, action, kind, what)
 
     def _send_now(self, session: Session, fields: dict[str, Any], count: int) -> None:
         """The ack without waiting: in the table if it takes it, else a quiet message."""
@@ -193,48 +201,6 @@ def _table_ack(session: Session, fields: dict[str, Any], count: int) -> bool:
     if lease["epoch"] != session.epoch or "node" in fields:
         return False  # the message path: the daemon refuses it as STALE, or relays it
     return session.table.add_acks(lease["lease"], lease["gen"], lease["pool"], lease["offset"], lease["nbytes"], count)
-
-
-_side_streams: dict[int, torch.cuda.Stream] = {}
-_side_lock = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    # A thread of the parent making a side stream at the fork would hold the lock in the child for good.
-    global _side_lock
-    _side_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
-
-
-def _side_stream(device: int) -> torch.cuda.Stream:
-    with _side_lock:
-        stream = _side_streams.get(device)
-        if stream is None:
-            stream = _side_streams[device] = torch.cuda.Stream(device)
-        return stream
-
-
-def _completion_event(after: Any) -> Optional[torch.cuda.Event]:
-    """A blocking event that completes when the work queued on ``after`` so far is done (None: nothing
-    to wait for). Blocking, so that the acker thread sleeps in its synchronize() until the GPU signals:
-    torch's events busy-wait there by default, spinning a core, and polling one adds its sleep to the
-    ack's delay."""
-    if isinstance(after, torch.cuda.Stream):
-        stream = after
-    elif isinstance(after, torch.cuda.Event):
-        if after.query():
-            return None  # complete, or never recorded
-        # The caller's event was made as the caller chose: a side stream waits for it on the GPU (any
-        # device's stream may wait on an event) and a blocking event of ours follows it there.
-        stream = _side_stream(torch.cuda.current_device())
-        stream.wait_event(after)
-    else:
-        raise TypeError(f"after must be a torch.cuda.Stream or torch.cuda.Event, not {type(after).__name__}")
-    event = torch.cuda.Event(blocking=True)
-    event.record(stream)
-    return event
 
 
 def _stop_in_owner(acker: Any, pid: int) -> None:

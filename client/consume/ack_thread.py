@@ -2,10 +2,12 @@
 sends the ack once the consumer's GPU work is done; a ``wait=False`` ack whose fd channel is full (the
 daemon is behind) is handed over here too, so the caller never blocks.
 
-The GPU work is waited for in a blocking event's ``synchronize()`` (ack_routes.py records one): the thread
-sleeps in the driver until the GPU signals the event, so it neither spins a core nor polls, and the
-ack goes out as soon as the thread wakes. The thread sends on the client's fd channel, like every
-background ack.
+The GPU work is waited for in a fence's ``wait()`` (client/gpu_order.py): blocking events, so the thread
+sleeps in the driver until the GPU signals, neither spinning a core nor polling, and the ack goes out as
+soon as it wakes. One lane (a queue and its thread) per stream the work was queued on, and one for acks
+with nothing to wait for: within a stream work completes in order, so a lane waits for nothing that is
+not ahead of it, and an ack behind a long kernel delays no ack on another stream. The threads send on
+the client's fd channel, like every background ack.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 from mmfeat.protos.errors import MmfeatError
 
@@ -27,39 +29,67 @@ log = logging.getLogger("mmfeat.client")
 Send = Callable[[dict[str, Any], int, bytes], None]
 Sync = Callable[[float], bool]
 
+# Lanes beyond this share threads (by stream): a process rarely uses more streams than this.
+MAX_LANES = 16
+
 
 class Acker:
     def __init__(self, send: Send, sync: Sync, failures: AsyncFailures) -> None:
         self._send = send
         self._sync = sync
         self._failures = failures
-        self._queue: queue.Queue = queue.Queue()
+        self._lanes: dict[Hashable, tuple[queue.Queue, threading.Thread]] = {}
         self._pending = 0
-        self._cond = threading.Condition()
+        # Re-entrant: a finaliser (a Parcel's ack, a dropped reservation) may run inside this very lock.
+        self._cond = threading.Condition(threading.RLock())
         self.pid = os.getpid()  # threads do not survive fork: a child needs its own acker
-        self._thread = threading.Thread(target=self._run, name="mmfeat-acker", daemon=True)
-        self._thread.start()
+        self._lane(None)
 
-    def submit(self, fields: dict[str, Any], count: int, ack_id: bytes, event: Optional[Any]) -> None:
-        """``fields``: the ack request's lease (and owner node, for another node's feature); ``event``:
-        a blocking CUDA event that completes when the work to wait for is done, or None."""
+    def _lane(self, key: Hashable) -> queue.Queue:
+        with self._cond:
+            lane = self._lanes.get(key)
+            if lane is None:
+                if key is not None and len(self._lanes) > MAX_LANES:
+                    key = ("shared", hash(key) % MAX_LANES)
+                    lane = self._lanes.get(key)
+            if lane is None:
+                q: queue.Queue = queue.Queue()
+                name = "mmfeat-acker" if key is None else f"mmfeat-acker-{len(self._lanes)}"
+                thread = threading.Thread(target=self._run, args=(q,), name=name, daemon=True)
+                lane = self._lanes[key] = (q, thread)
+                thread.start()
+            return lane[0]
+
+    def submit(self, fields: dict[str, Any], count: int, ack_id: bytes, fence: Optional[Any]) -> None:
+        """``fields``: the ack request's lease (and owner node, for another node's feature); ``fence``:
+        what completes when the work to wait for is done (a gpu_order.Fence: ``wait()`` and ``lane``),
+        or None."""
+        self.run_after(fence, lambda: self._send(fields, count, ack_id), "ack",
+                       f"lease {fields['lease'].get('lease')}")
+
+    def run_after(self, fence: Optional[Any], action: Callable[[], None], kind: str, what: str) -> None:
+        """Run ``action`` on a lane once ``fence`` is done (at once without one); its failure is
+        recorded as ``kind`` for ``what``. Safe from a finaliser: it takes only re-entrant locks."""
         with self._cond:
             self._pending += 1
-        self._queue.put((fields, count, ack_id, event))
+        self._lane(getattr(fence, "lane", None) if fence is not None else None).put((fence, action, kind, what))
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fields, count, ack_id, event = item
+    def _run(self, q: queue.Queue) -> None:
+        from .gpu_order import Fence, relaxed
+
+        while (item := q.get()) is not None:
+            fence, action, kind, what = item
             try:
-                if event is not None:
-                    event.synchronize()  # sleeps until the GPU work that read the feature is done
-                self._send(fields, count, ack_id)
+                if fence is not None:
+                    if isinstance(fence, Fence):
+                        relaxed()  # before this thread's first wait: another thread may be capturing a graph
+                    fence.wait()  # sleeps until the GPU work that may touch the memory is done
+                action()
             except MmfeatError as exc:
                 code = exc.code.value if exc.code is not None else "UNAVAILABLE"
-                self._failures.record("ack", code, f"lease {fields['lease'].get('lease')}: {exc.message}")
+                self._failures.record(kind, code, f"{what}: {exc.message}")
             except Exception as exc:  # never let the thread die: later acks would hang flush()
-                self._failures.record("ack", type(exc).__name__, f"lease {fields['lease'].get('lease')}: {exc}",
-                                      exc_info=True)
+                self._failures.record(kind, type(exc).__name__, f"{what}: {exc}", exc_info=True)
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
@@ -83,5 +113,10 @@ class Acker:
         if not self.flush(timeout):
             log.warning("closing with %d acknowledgement(s) unsent; those leases will expire after ack_ttl",
                         self._pending)
-        self._queue.put(None)
-        self._thread.join(timeout)
+        with self._cond:
+            lanes = list(self._lanes.values())
+        for q, _ in lanes:
+            q.put(None)
+        deadline = time.monotonic() + timeout
+        for _, thread in lanes:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -13,6 +13,7 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import PoolInfo, RemoteGetReply
 
 from .. import tensors as tz
+from ..gpu import gpu_order
 from ..link.channel import ControlChannel
 from .inline_base import inline_base
 from ..link.session import Session
@@ -61,7 +62,8 @@ class Consumer:
         # A host pool's mapping without the call: session.mapping looks it up the same way.
         mapping = session.mappings.get((desc.pool, -1)) if pool.kind == "host" else None
         if mapping is None:
-            mapping = session.mapping(desc.pool)
+            # A GPU pool is mapped for the device the copy goes to, not for whichever is current.
+            mapping = session.mapping(desc.pool, _cuda_ordinal(device) if pool.kind == "cuda" else None)
         if device is None and not copy and not desc.many:
             return tz.pool_view(mapping.tensor, desc.offset, desc.tensors[0])  # the common get: one view
         if device is not None and pool.kind == "host" and feature_staging("host", device) == "pinned_async":
@@ -87,9 +89,12 @@ class Consumer:
         target = torch.device("cuda", ordinal)
         with torch.cuda.device(ordinal):
             out = [tz.pool_view(pinned, desc.offset, spec).to(target, non_blocking=True) for spec in desc.tensors]
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(ordinal))
-        self._pending.add(pending_key(desc), event)
+        fence = gpu_order.current_streams([ordinal])
+        # An earlier staged get of the same feature (another stream, another device) may still be
+        # copying: the ack waits for both.
+        key = pending_key(desc)
+        fence.absorb(self._pending.take(key))
+        self._pending.add(key, fence)
         return out if desc.many else out[0]
 
     def prefetch(self, desc: Descriptor) -> None:
@@ -132,7 +137,10 @@ class Consumer:
                                     offset=copy_ref.offset)
         out = self.get(local, copy, verify, device)
         # The caller acks the owner's descriptor, not the copy's: that ack must wait for a staged copy too.
-        self._pending.rekey(pending_key(local), pending_key(desc))
+        staged = self._pending.take(pending_key(local))
+        if staged is not None:
+            staged.absorb(self._pending.take(pending_key(desc)))
+            self._pending.add(pending_key(desc), staged)
         return out
 
     def verify(self, session: Session, desc: Descriptor) -> None:
@@ -180,6 +188,16 @@ def _into_pool(session: Session, device: Any) -> dict[str, int]:
         return {}
     pool = session.pool_on_local_device(ordinal)
     return {"into_pool": pool.pool} if pool is not None else {}
+
+
+def _cuda_ordinal(device: Any) -> Optional[int]:
+    """The CUDA ordinal ``device`` names (None: not a CUDA device, or no device given)."""
+    if device is None:
+        return None
+    target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if target.type != "cuda":
+        return None
+    return target.index if target.index is not None else torch.cuda.current_device()
 
 
 def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> Tensors:

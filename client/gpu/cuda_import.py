@@ -45,6 +45,7 @@ os.register_at_fork(after_in_child=_new_lock_in_child)
 # each attempt costs an import and its teardown, plus the producer's reserve and release around it. The
 # failure is remembered for this long; after it one put tries again (the operator may have fixed it).
 MAP_RETRY_S = 30.0
+FABRIC_HANDLE_BYTES = 64  # CUmemFabricHandle
 _failed: dict[tuple[int, str, int, int, int, bool], tuple[float, BaseException]] = {}
 _import_failures = 0
 
@@ -136,9 +137,10 @@ def _mapping_over(holder: _DeviceRange, info: PoolInfo) -> CudaMapping:
     return mapping
 
 
-def map_cuda_pool(endpoint: str, info: PoolInfo, fd: Optional[int], readonly: bool = False) -> CudaMapping:
-    """The pool described by ``info`` (from hello) mapped for the current CUDA device, with read-only
-    access where ``readonly``. Takes ownership
+def map_cuda_pool(endpoint: str, info: PoolInfo, fd: Optional[int], readonly: bool = False,
+                  device: Optional[int] = None) -> CudaMapping:
+    """The pool described by ``info`` (from hello) mapped for CUDA device ``device`` (default: the
+    current one), with read-only access where ``readonly``. Takes ownership
     of ``fd`` (a POSIX-fd pool) and closes it in every case. Raises PoolMapError, without trying, while
     a failure to map the same pool here is younger than MAP_RETRY_S."""
     global _import_failures
@@ -149,7 +151,8 @@ def map_cuda_pool(endpoint: str, info: PoolInfo, fd: Optional[int], readonly: bo
         reason = drv.driver_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"cannot map GPU pool {info.pool}: {reason}")
-        device = torch.cuda.current_device()
+        if device is None:
+            device = torch.cuda.current_device()
         # Keyed by pid too: a forked child must import the pool itself, not reuse the parent's mapping.
         key = (os.getpid(), endpoint, info.pool, info.epoch, device, readonly)
         with _lock:
@@ -205,6 +208,10 @@ def _map_uncached(info: PoolInfo, fd: Optional[int], device: int, readonly: bool
 def _import_handle(info: PoolInfo, fd: Optional[int]) -> Any:
     if info.handle == "fabric":
         raw: Any = bytes(info.fabric or b"")
+        if len(raw) != FABRIC_HANDLE_BYTES:
+            # The driver reads exactly that many bytes from the buffer: a shorter one is read past its end.
+            raise PoolMapError(f"GPU pool {info.pool}'s FABRIC handle is {len(raw)} bytes, not "
+                               f"{FABRIC_HANDLE_BYTES}: the daemon that sent it is broken or not mmfeat's")
         kind = "fabric"
     else:
         if fd is None:

@@ -10,35 +10,32 @@ idle GPU finishes within, and then sleeps in a blocking event's ``synchronize()`
 
 from __future__ import annotations
 
-import threading
 import time
+from typing import Any, Optional
 
 import torch
+
+from . import gpu_order
 
 # Long enough for a copy of a feature's size to finish while polling, short enough that a long wait
 # sleeps instead of spinning a core another process sharing the GPU needs (docs/gpu.md).
 SPIN_S = 50e-6
 
-_local = threading.local()  # an event is recorded and waited on by one thread at a time
 
-
-def _event(device: int) -> torch.cuda.Event:
-    events = getattr(_local, "events", None)
-    if events is None:
-        events = _local.events = {}
-    event = events.get(device)
-    if event is None:
-        event = events[device] = torch.cuda.Event(blocking=True)
-    return event
+def wait_for(fence: Optional[Any]) -> None:
+    """Return once the work ``fence`` (a gpu_order.Fence) marks has finished: polled for SPIN_S, then
+    slept on in the driver (its events are blocking)."""
+    if fence is None:
+        return
+    deadline = time.perf_counter() + SPIN_S
+    while not fence.query():
+        if time.perf_counter() >= deadline:
+            fence.wait()
+            return
+    fence.close()
 
 
 def wait_for_current_stream(device: torch.device) -> None:
     """Return once the work queued so far on ``device``'s current stream has finished."""
-    stream = torch.cuda.current_stream(device)
-    event = _event(stream.device_index)
-    event.record(stream)
-    deadline = time.perf_counter() + SPIN_S
-    while not event.query():
-        if time.perf_counter() >= deadline:
-            event.synchronize()  # blocking: the thread sleeps until the GPU signals
-            return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wait_for(gpu_order.current_streams([index]))

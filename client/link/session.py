@@ -169,7 +169,7 @@ class Session:
 
             fd = self.fds.get(pool_id)
             self.mappings[key] = map_cuda_pool(self.endpoint, info, os.dup(fd) if fd is not None else None,
-                                               self.readonly)
+                                               self.readonly, device)
         return self.mappings[key]
 
     def fabric_mapping(self, node: str, info: PoolInfo) -> Any:

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -27,7 +27,7 @@ from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.messages import MAX_NBYTES, PoolInfo
 from mmfeat.protos.tensor_spec import check_tensor_count, packed_strides
 
-from ..gpu import dlpack
+from ..gpu import dlpack, gpu_order
 from .. import tensors as tz
 from . import packing
 from ..link.arenas import Placement
@@ -37,10 +37,12 @@ from .keyed import KeyedPuts, publish_keyed
 from .producer import _FALLBACK_ERRORS, Producer, check_consumers
 from .put_in_flight import PutInFlight
 from ..link.session import Session
-from ..gpu.stream_wait import wait_for_current_stream
+from ..gpu.stream_wait import wait_for
 
 ShapeLike = Union[int, Sequence[int], torch.Size]
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
+# (fence, give_back, kind, what): run give_back once the fence is done.
+Later = Callable[[Any, Callable[[], None], str, str], None]
 
 _ATTR = "_mmfeat_reservation"
 OPEN, PUBLISHED, DISCARDED, CLOSED, DROPPED = "open", "published", "discarded", "closed", "dropped"
@@ -88,8 +90,10 @@ class _Lifetime:
 class Reservations:
     """A Client's open reservations. Safe to share between threads."""
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: Producer, later: Optional[Later] = None) -> None:
         self._producer = producer
+        # Runs a give-back once GPU work that may still write the space is done (the acker's threads).
+        self._later = later
         self._lock = threading.Lock()
         self._open: dict[int, Reservation] = {}
         self._closed = False
@@ -209,10 +213,12 @@ class Reservations:
 
     # --- publish and discard -------------------------------------------------------------------
 
-    def publish(self, tensors: TensorOrList) -> Descriptor:
+    def publish(self, tensors: TensorOrList, after: Any = None) -> Descriptor:
         r, given = self._take(tensors, "publish")
         p = self._producer
         if r.kind == "plain":
+            if after is not None:
+                wait_for(gpu_order.after(after))  # put finishes the current stream only
             try:
                 if r.keyed:
                     return KeyedPuts(p).put(given, r.put.many, r.put.consumers, r.keyed)
@@ -230,7 +236,7 @@ class Reservations:
                 return KeyedPuts(p).put(given, r.put.many, r.put.consumers, r.keyed)
             return p.put(given, r.put.consumers, r.put.many)
         try:
-            _ready_for_consumers(r)
+            _ready_for_consumers(r, after)
         except BaseException:
             self._give_back(r)  # an unpublished placement would hold its arena's ring
             raise
@@ -320,6 +326,11 @@ class Reservations:
             return
         r.state = DROPPED
         self._open.pop(id(r), None)
+        if self._behind_gpu(r, lambda: self._dropped_now(r)):
+            return
+        self._dropped_now(r)
+
+    def _dropped_now(self, r: Reservation) -> None:
         if r.kind == "arena" and r.placed is not None:
             r.placed.abandoned = True  # the ring takes the space back on its next placement
         elif r.kind == "lease":
@@ -330,10 +341,26 @@ class Reservations:
             # A forked child's copy of its parent's reservation: the space is the parent's, to publish or
             # give back, and the arena lock may be held for good by a parent thread that was placing.
             return
+        if not self._behind_gpu(r, lambda: self._give_back_now(r)):
+            self._give_back_now(r)
+
+    def _give_back_now(self, r: Reservation) -> None:
         if r.kind == "arena" and r.placed is not None and r.session is not None and r.session.arenas is not None:
             r.session.arenas.abandon(r.placed)
         elif r.kind == "lease":
             self._release(r, wait=True)
+
+    def _behind_gpu(self, r: Reservation, give_back: Callable[[], None]) -> bool:
+        """For GPU memory: hand ``give_back`` to the acker, to run once the work queued so far on the
+        device's current stream is done (a kernel still writing the reservation would write the next
+        feature placed there). True if handed over; never waits."""
+        if r.put.device is None or self._later is None or r.kind not in ("arena", "lease"):
+            return False
+        fence = gpu_order.behind_current([r.put.device])
+        if fence is None:
+            return False
+        self._later(fence, give_back, "release", f"reservation of {r.put.nbytes} bytes")
+        return True
 
     def _release(self, r: Reservation, wait: bool) -> None:
         session, desc = r.session, r.desc
@@ -364,12 +391,15 @@ def _expired(r: Reservation, why: str = "") -> MmfeatError:
                        "feature now. Reserve again and fill and publish within reserve_ttl")
 
 
-def _ready_for_consumers(r: Reservation) -> None:
-    """The producer's writes must be complete before the feature is visible. On a GPU that is the
-    current stream of the memory's device, synchronised here; an interprocess event that the consumer's
-    stream waits on would take this host wait out of the producer and belongs here."""
+def _ready_for_consumers(r: Reservation, after: Any) -> None:
+    """The producer's writes must be complete before the feature is visible. On a GPU that is the work
+    queued on the current stream of the memory's device and on ``after`` (the stream or event the fill
+    ran on), waited for here; an interprocess fence that the consumer's stream waits on would take this
+    host wait out of the producer and belongs here."""
     if r.put.device is not None:
-        wait_for_current_stream(torch.device("cuda", r.put.device))
+        wait_for(gpu_order.after(after, gpu_order.current_streams([r.put.device])))
+    elif after is not None:
+        wait_for(gpu_order.after(after))
 
 
 def _view(base: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -355,11 +355,89 @@ def remap_while_unmapping() -> None:
     mark("end")
 
 
+def short_fabric_handle() -> None:
+    """A FABRIC pool whose relayed handle is 10 bytes, not 64."""
+    from mmfeat.client import cuda_import
+    from mmfeat.protos.messages import PoolInfo
+
+    fake_torch_cuda(0)
+    info = PoolInfo(pool=0, epoch=1, kind="cuda", device=0, size=64 << 20, handle="fabric", fabric=b"\x01" * 10,
+                    uuid="remote:n2")
+    try:
+        cuda_import.map_cuda_pool("mesh:n2", info, None)
+        mark("mapped")
+    except RuntimeError as exc:
+        mark(f"{type(exc).__name__}: {exc}")
+
+
+def _pinned_mapping() -> Any:
+    from mmfeat.client import mapping as mapping_cache
+
+    fd = os.memfd_create("pool")
+    os.ftruncate(fd, 4 << 20)
+    return mapping_cache.map_host_pool("ep", 0, 1, fd, 4 << 20, False)
+
+
+def pin_two_devices() -> None:
+    """Staged gets from one host pool to GPU 0 and then GPU 1 (both in use here); then the mapping goes."""
+    from mmfeat.client import mapping as mapping_cache
+    from mmfeat.client.pinned import pinned_view
+
+    fake_torch_cuda(0)
+    runtime_context(0)
+    runtime_context(1)
+    m = _pinned_mapping()
+    views = [pinned_view(m, dev) for dev in (0, 1)]
+    mark(f"pinned: {sum(v is not None for v in views)}")
+    del views
+    mapping_cache._cache.clear()
+    mark("drop the mapping")
+    del m
+    gc.collect()
+    mark("end")
+
+
+def child_drops_pinned_pool() -> None:
+    """A forked child drops its copy of a pinned host mapping; then the parent drops its own."""
+    from mmfeat.client import mapping as mapping_cache
+    from mmfeat.client.pinned import pinned_view
+
+    fake_torch_cuda(0)
+    runtime_context(0)
+    m = _pinned_mapping()
+    view = pinned_view(m, 0)
+    mapping_cache._cache.clear()
+    pid = os.fork()
+    if pid == 0:
+        mark("the child drops its copy")
+        del m, view
+        gc.collect()
+        mark("the child dropped it")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    mark("the parent drops it")
+    del m, view
+    gc.collect()
+    mark("end")
+
+
+def fabric_probe_without_nvml() -> None:
+    """The daemon's FABRIC probe on a node whose NVML says nothing of a fabric."""
+    from mmfeat.daemon.pools.fabric_probe import probe_fabric
+
+    drv.nvml_fabric_state = lambda ordinal: (False, "NVML: no fabric on this node")
+    mark(f"verdict: {probe_fabric(0).reason}")
+
+
 SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_used, daemon_two_pools,
                                       map_failure_remembered, failed_map_holds_nothing, fabric_get, pin_host_pool,
                                       pool_lifetime, fabric_gets, fork_while_importing, child_drops_parents_pool,
-                                      remap_while_unmapping)}
+                                      remap_while_unmapping, short_fabric_handle, pin_two_devices,
+                                      child_drops_pinned_pool, fabric_probe_without_nvml)}
 
 if __name__ == "__main__":
+    from tests.fake_cuda.order_scenarios import ORDER
+
+    SCENARIOS.update(ORDER)
     drv.driver_unavailable_reason()
     SCENARIOS[sys.argv[1]]()

@@ -1,0 +1,120 @@
+"""GPU order on the fake driver's streams and events (tests/fake_cuda): every path that gives pool
+memory back does so only after the GPU work that may still touch it, never with a host wait on the
+caller's thread, in the context of the work's device, and without breaking another thread's capture.
+The fake keeps GPU work queued until the scenario releases it, and logs each completion."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from . import fake_cuda
+from .conftest import Daemon, start_daemon
+from .test_fabric_route import _feature
+
+
+@pytest.fixture
+def host_daemon(runtime_dir: Path) -> Iterator[Daemon]:
+    d = start_daemon(runtime_dir, "--pool-mb", "16")
+    yield d
+    rc = d.stop()
+    _, err = d.proc.communicate()
+    assert rc == 0, err
+
+
+@pytest.fixture
+def gpu_daemon(fake_libcuda: Path, runtime_dir: Path, tmp_path: Path) -> Iterator[Daemon]:
+    env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log")}
+    d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", backend="cuda_vmm", env=env)
+    yield d
+    rc = d.stop()
+    _, err = d.proc.communicate()
+    assert rc == 0, err
+
+
+def _run(fake_libcuda: Path, tmp_path: Path, d: Daemon, scenario: str, **env: str) -> str:
+    return fake_cuda.run(fake_libcuda, tmp_path / f"{scenario}.log", scenario,
+                         {"MMFEAT_RUNTIME_DIR": str(d.runtime_dir), **env})
+
+
+def _no_misuse(log: str) -> None:
+    assert "!!" not in log, log
+
+
+def test_a_parcels_gpu_view_that_dies_under_a_queued_kernel_is_acked_after_the_kernel(
+        fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, gpu_daemon, "parcel_view_dies_under_a_kernel",
+               FAKE_CUDA_SCENARIO_DESC=_feature(gpu_daemon).to_bytes().hex())
+    assert "=== views dropped with a kernel queued; still live: True" in log, log
+    assert "=== acked once the kernel is done: True" in log, log
+    _no_misuse(log)
+
+
+def test_an_ack_after_another_stream_still_waits_for_the_staged_copy(fake_libcuda, host_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, host_daemon, "staged_ack_names_another_stream")
+    assert "=== acked after an idle stream, copy queued; still live: True" in log, log
+    assert "=== acked once the copy is done: True" in log, log
+    _no_misuse(log)
+
+
+def test_an_ack_waits_for_every_staged_copy_of_the_feature(fake_libcuda, host_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, host_daemon, "two_staged_gets_one_ack")
+    assert "=== acked with the first copy queued; still live: True" in log, log
+    assert "=== acked once both copies are done: True" in log, log
+    _no_misuse(log)
+
+
+def test_the_acker_waits_in_the_context_of_the_events_device(fake_libcuda, host_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, host_daemon, "acker_on_device_1")
+    assert "=== acked: True" in log, log
+    syncs = re.findall(r"^cuEventSynchronize\(event \d+\)\n    \[current ctx (\S+)\]", log, re.M)
+    assert syncs and set(syncs) == {"0x1001"}, log
+    assert "primary ctx dev 0 CREATED" not in log, "a process that uses only GPU 1 made a context on GPU 0"
+    _no_misuse(log)
+
+
+def test_the_ackers_wait_does_not_break_another_threads_graph_capture(fake_libcuda, host_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, host_daemon, "ack_while_another_thread_captures")
+    assert "=== capture: ok; acked: True" in log, log
+    assert "capture invalidated" not in log, log
+
+
+def test_an_ack_behind_a_long_kernel_delays_no_ack_on_another_stream(fake_libcuda, host_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, host_daemon, "long_kernel_delays_no_other_ack")
+    assert "=== the short one's ack while the long kernel runs: True" in log, log
+    assert "=== the long one's ack meanwhile: False" in log, log
+    assert "=== the long one's ack after it: True" in log, log
+
+
+def test_an_ack_after_a_stream_with_wait_returns_the_daemons_answer_after_the_work(
+        fake_libcuda, host_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, host_daemon, "ack_after_and_wait")
+    assert "=== returned while the work is queued: False" in log, log
+    assert re.search(r"=== answer: \[\{'remaining': 0, 'freed': True, 'over_acked': 0\}\]", log), log
+
+
+def test_publish_after_a_side_stream_waits_for_the_fill_there(fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, gpu_daemon, "publish_after_a_side_stream")
+    assert "=== published before the fill was done: False" in log, log
+    assert "=== published after it: True" in log, log
+    _no_misuse(log)
+
+
+def test_a_dropped_or_discarded_gpu_reservation_comes_back_after_the_kernel_writing_it(
+        fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, gpu_daemon, "dropped_reservation_under_a_kernel")
+    for how in ("drop", "discard"):
+        assert f"=== {how}: given back while the kernel is queued: False" in log, log
+        assert f"=== {how}: given back after it: True" in log, log
+    _no_misuse(log)
+
+
+def test_a_get_for_device_1_maps_the_pool_for_device_1(fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, gpu_daemon, "get_for_device_1",
+               FAKE_CUDA_SCENARIO_DESC=_feature(gpu_daemon).to_bytes().hex())
+    assert "=== got (4096,)" in log, log
+    assert re.search(r"^cuMemSetAccess\(.*dev=1, ", log, re.M), log
+    assert not re.search(r"^cuDevicePrimaryCtxRetain\(dev=0\)", log, re.M), "mapped for the current device, not 1"
