@@ -75,7 +75,7 @@ class Acker:
         self._lane(getattr(fence, "lane", None) if fence is not None else None).put((fence, action, kind, what))
 
     def _run(self, q: queue.Queue) -> None:
-        from .gpu_order import Fence, relaxed
+        from ..gpu.gpu_order import Fence, relaxed
 
         while (item := q.get()) is not None:
             fence, action, kind, what = item
