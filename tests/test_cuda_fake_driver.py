@@ -205,3 +205,28 @@ def test_a_process_without_cuda_puts_and_reserves_inline_where_the_daemon_has_on
         rc = d.stop()
         _, err = d.proc.communicate()
     assert rc == 0, err
+
+
+def test_a_fabric_handle_of_the_wrong_length_is_refused_before_the_driver_reads_it(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "short_fabric_handle")
+    assert "=== PoolMapError: GPU pool 0's FABRIC handle is 10 bytes, not 64" in log, log
+    assert "cuMemImportFromShareableHandle" not in log, "the driver was handed a short buffer"
+
+
+def test_a_host_pool_pinned_for_two_gpus_waits_for_both_before_it_is_unpinned(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "pin_two_devices")
+    assert "=== pinned: 2" in log, log
+    gone = fake_cuda.section(log, "drop the mapping", "end")
+    unregister = gone.find("cuMemHostUnregister(")
+    synced = _calls_with_context(gone[:unregister], "cuCtxSynchronize")
+    assert unregister > 0 and set(synced) == {"0x1000", "0x1001"}, f"a copy to a GPU may still read the pages:\n{gone}"
+
+
+def test_a_forked_child_dropping_a_pinned_host_pool_leaves_the_registration_to_the_parent(
+        fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "child_drops_pinned_pool")
+    child = fake_cuda.section(log, "the child drops its copy", "the child dropped it")
+    assert "cuMemHostUnregister" not in child and "cuCtxSynchronize" not in child, child
+    parent = fake_cuda.section(log, "the parent drops it", "end")
+    assert parent.count("cuMemHostUnregister(") == 1, log
+

@@ -56,14 +56,18 @@ class _Registration:
         self.ptr: Optional[int] = base.data_ptr()
         self.ordinal = ordinal
         self.ctx = ctx
+        # Every device a staged copy from these pages went to: PORTABLE pins them for all of them.
+        self.devices: set[int] = {ordinal}
+        self.pid = os.getpid()  # a forked child's copy is its parent's to unregister
 
     def close(self) -> None:
-        if self.ptr is None:
+        if self.ptr is None or self.pid != os.getpid():
             return
         ptr, self.ptr = self.ptr, None  # first, so that no path can unregister twice
         try:
+            for ordinal in sorted(self.devices):  # a staged copy to any of them may still read the pages
+                drv.synchronize_if_used(ordinal)
             with drv.context_current(self.ctx):
-                drv.synchronize_if_used(self.ordinal)  # a staged copy may still be reading the pages
                 drv.cu.cuMemHostUnregister(ptr)
         finally:
             drv.release_primary_context(self.ordinal, self.ctx)
@@ -71,8 +75,8 @@ class _Registration:
 
     def __del__(self, finalizing: Any = sys.is_finalizing) -> None:
         # At exit the process's teardown frees everything, and torch and the bindings may be half gone.
-        if self.ptr is None or finalizing() or drv.cu is None:
-            return
+        if self.ptr is None or self.pid != os.getpid() or finalizing() or drv.cu is None:
+            return  # in a forked child CUDA is unusable: a driver call could fail or hang
         try:
             self.close()
         except Exception:
@@ -86,15 +90,17 @@ def pinned_view(mapping: HostMapping, ordinal: int) -> Optional[torch.Tensor]:
     with _lock:
         if mapping.pinned is None and mapping.pin_error is None:
             try:
-                mapping.pinned = _register(mapping, ordinal)
+                mapping.pinned, mapping.pin_owner = _register(mapping, ordinal)
             except (drv.CudaError, RuntimeError) as exc:
                 mapping.pin_error = str(exc)
                 log.warning("host pool %d cannot be pinned (%s); staged gets from it copy synchronously",
                             mapping.pool_id, exc)
+        if mapping.pin_owner is not None:
+            mapping.pin_owner.devices.add(ordinal)
         return mapping.pinned
 
 
-def _register(mapping: HostMapping, ordinal: int) -> torch.Tensor:
+def _register(mapping: HostMapping, ordinal: int) -> tuple[torch.Tensor, "_Registration"]:
     reason = drv.driver_unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -114,7 +120,7 @@ def _register(mapping: HostMapping, ordinal: int) -> torch.Tensor:
         raise
     owner = _Registration(base, ordinal, ctx)
     try:
-        return dlpack.uint8_tensor(base.data_ptr(), mapping.size, dlpack.KDL_CPU, 0, owner)
+        return dlpack.uint8_tensor(base.data_ptr(), mapping.size, dlpack.KDL_CPU, 0, owner), owner
     except BaseException:
         owner.close()
         raise

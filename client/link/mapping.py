@@ -29,6 +29,7 @@ class HostMapping:
     # staged get and kept as long as the mapping; pin_error: why it could not be, so it is not retried.
     pinned: Any = None
     pin_error: Optional[str] = None
+    pin_owner: Any = None  # the registration: which devices copied from the pages, for its teardown
 
 
 _lock = threading.Lock()
