@@ -230,3 +230,8 @@ def test_a_forked_child_dropping_a_pinned_host_pool_leaves_the_registration_to_t
     parent = fake_cuda.section(log, "the parent drops it", "end")
     assert parent.count("cuMemHostUnregister(") == 1, log
 
+
+def test_the_fabric_probe_asks_nvml_before_it_makes_a_context(fake_libcuda, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, "fabric_probe_without_nvml")
+    assert "=== verdict: NVML: no fabric on this node" in log, log
+    assert "cuDevicePrimaryCtxRetain" not in log, "a context was made for a verdict NVML alone gave"

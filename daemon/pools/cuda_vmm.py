@@ -76,9 +76,13 @@ class CudaVmmPool(Pool):
             else:
                 self._fd = int(shared)
                 os.set_inheritable(self._fd, False)
-        except drv.CudaError as exc:
+        except BaseException as exc:
+            # Whatever failed (an OSError from the fd too): the exported fd alone keeps the HBM alive.
             self.close()
-            raise PoolCreateError(f"cannot create a {nbytes >> 20} MiB {handle} pool on GPU {ordinal}: {exc}") from None
+            if isinstance(exc, drv.CudaError):
+                raise PoolCreateError(f"cannot create a {nbytes >> 20} MiB {handle} pool on GPU {ordinal}: "
+                                      f"{exc}") from None
+            raise
 
     def export_fd(self) -> Optional[int]:
         return self._fd
@@ -91,6 +95,7 @@ class CudaVmmPool(Pool):
             raise RuntimeError("pool is closed")
         if self._va is None:
             cu = drv.cu
+            before = drv.ck("cuCtxGetCurrent", cu.cuCtxGetCurrent())
             drv.ck("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._ctx))
             va = None
             try:
@@ -105,6 +110,7 @@ class CudaVmmPool(Pool):
             except BaseException:
                 if va is not None:
                     cu.cuMemAddressFree(va, self.size)
+                cu.cuCtxSetCurrent(before)  # a failed map leaves the thread as it found it
                 raise
             self._va = va
         return int(self._va), "VRAM", self.device

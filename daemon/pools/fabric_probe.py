@@ -49,9 +49,18 @@ def probe_fabric(ordinal: int) -> FabricVerdict:
     reason = drv.driver_unavailable_reason()
     if reason is not None:
         return FabricVerdict(False, reason)
-    checks: list[Any] = [lambda: drv.nvml_fabric_state(ordinal), drv.imex_channel_present,
-                         lambda: fabric_cycle_works(ordinal)]
     passed = []
+    # NVML and the IMEX channels need no context: asking them first spares a node without a fabric the
+    # context (time and HBM) a retain would make on every GPU at every start.
+    for check in (lambda: drv.nvml_fabric_state(ordinal), drv.imex_channel_present):
+        try:
+            ok, why = check()
+        except Exception as exc:  # a probe must give a verdict, whatever NVML does
+            ok, why = False, f"fabric probe failed: {exc}"
+        if not ok:
+            return FabricVerdict(False, why)
+        passed.append(why)
+    checks: list[Any] = [lambda: fabric_cycle_works(ordinal)]
     try:
         ctx = drv.retain_primary_context(ordinal)
     except drv.CudaError as exc:
