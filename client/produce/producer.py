@@ -312,10 +312,14 @@ class Producer:
 
 def _write(pool: torch.Tensor, offset: int, put: PutInFlight) -> None:
     tensors = put.tensors
+    if pool.is_cuda and any(t.is_cuda and t.device != pool.device for t in tensors):
+        # torch runs a cross-device copy on the source device, and only the pool's device (and its
+        # owner) was granted access to the pool's VA: bring such a tensor to the pool's device first.
+        tensors = [t.to(pool.device) if t.is_cuda and t.device != pool.device else t for t in tensors]
     packing.write_into_pool(pool, offset, tensors, put.specs)
     if pool.is_cuda or put.device is not None:
         # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the copy
         # must be complete before the descriptor exists (docs/design.md, GPU pools). The copy ran on the
         # current stream of the destination or of a source device: finish them all.
-        for dev in {t.device for t in tensors if t.is_cuda} | ({pool.device} if pool.is_cuda else set()):
+        for dev in {t.device for t in put.tensors if t.is_cuda} | ({pool.device} if pool.is_cuda else set()):
             wait_for_current_stream(dev)
