@@ -46,14 +46,17 @@ def test_a_posix_fd_export_imported_twice_in_one_process(gpu_daemon) -> None:
         assert grown < info.size, "the pool was copied into torch's allocator instead of viewed"
 
 
-def _acker_cpu_seconds() -> float:
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().strip().startswith("mmfeat-acker"):
-                with open(f"/proc/self/task/{tid}/stat") as g:
-                    fields = g.read().rsplit(")", 1)[1].split()
-                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return 0.0
+def _acker_cpu_seconds(client) -> float:
+    """CPU time of the client's acker threads, found by their native ids (CPython names OS threads
+    only from 3.14, so /proc's comm cannot find them)."""
+    acker = client._acks._acker
+    assert acker is not None, "no acker thread: the ack did not go through it"
+    total = 0.0
+    for _, thread in list(acker._lanes.values()):
+        with open(f"/proc/self/task/{thread.native_id}/stat") as g:
+            fields = g.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def test_ack_after_stream_waits_for_the_kernel_that_reads(gpu_daemon) -> None:
@@ -66,12 +69,12 @@ def test_ack_after_stream_waits_for_the_kernel_that_reads(gpu_daemon) -> None:
             torch.cuda._sleep(int(2e9))  # about a second of GPU time before the read
             total = view.sum()
         consumer.ack(desc, after=stream)
-        t0, cpu0 = time.monotonic(), _acker_cpu_seconds()
+        t0, cpu0 = time.monotonic(), _acker_cpu_seconds(consumer)
         time.sleep(0.2)
         s = gpu_daemon.stats()
         assert s["pools"][0]["leases"]["PUBLISHED"] == 1, "the lease was freed while a kernel still read it"
         assert consumer.flush(30.0)
-        waited, cpu = time.monotonic() - t0, _acker_cpu_seconds() - cpu0
+        waited, cpu = time.monotonic() - t0, _acker_cpu_seconds(consumer) - cpu0
         assert int(total.item()) == 1 << 20
         s = gpu_daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the ack after the kernel")
         print(f"ack(after=stream): lease held {waited:.2f} s until the kernel ended; "
@@ -80,14 +83,23 @@ def test_ack_after_stream_waits_for_the_kernel_that_reads(gpu_daemon) -> None:
 
 
 def test_staged_copy_is_complete_before_a_plain_ack(gpu_daemon) -> None:
+    """The consumer's copy runs on stream A behind a long kernel, the producer's overwrite on stream B:
+    only get() waiting for the copy keeps the overwrite from reaching it (one stream would order them
+    whatever the code did)."""
     torch.cuda.set_device(0)
-    with gpu_daemon.client(inline_threshold=0, fallback="error") as c:
-        for k in range(20):
+    a, b = torch.cuda.Stream(0), torch.cuda.Stream(0)
+    with gpu_daemon.client(inline_threshold=0, fallback="error") as p, gpu_daemon.client() as c:
+        for k in range(5):
             src = torch.full((4 << 20,), float(k), device="cuda:0")
-            d = c.put(src)
-            mine = c.get(d, device=0)
+            torch.cuda.synchronize()
+            d = p.put(src)
+            with torch.cuda.stream(a):
+                torch.cuda._sleep(int(1e8))
+                mine = c.get(d, device=0)
             c.ack(d, wait=True)  # frees at once: the next put may take the same range
-            c.ack(c.put(torch.full((4 << 20,), -1.0, device="cuda:0")))
+            with torch.cuda.stream(b):
+                p.ack(p.put(torch.full((4 << 20,), -1.0, device="cuda:0")))
+            torch.cuda.synchronize()
             assert torch.equal(mine, src), f"round {k}: the staged copy read a reused range"
 
 
@@ -127,7 +139,17 @@ def test_a_parcels_cuda_tensors_keep_their_feature_until_they_die(gpu_daemon) ->
             p.ack(p.put(torch.full((1 << 20,), 238.0, device="cuda:0")), wait=True)
         assert torch.equal(x, src), "a Parcel's tensor read bytes a later put wrote"
         assert gpu_daemon.stats()["leases"]["PUBLISHED"] == 1
+        # A kernel queued on x when it dies: the automatic ack must wait for it, or the producer's next
+        # puts (on another stream) overwrite the range before the kernel reads it.
+        torch.cuda._sleep(int(5e8))
+        y = x * 1
         del x
+        other = torch.cuda.Stream(0)
+        with torch.cuda.stream(other):
+            for _ in range(64):
+                p.ack(p.put(torch.full((1 << 20,), 238.0, device="cuda:0")), wait=True)
+        torch.cuda.synchronize()
+        assert torch.equal(y, src), "a kernel queued on a Parcel's dead tensor read bytes a later put wrote"
         assert c.flush()
         gpu_daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the ack once the tensor died")
 
@@ -205,15 +227,16 @@ def test_an_ack_after_gpu_work_leaves_soon_after_the_work_ends(gpu_daemon) -> No
                 stream = torch.cuda.Stream(0)
                 with torch.cuda.stream(stream):
                     torch.cuda._sleep(int(2e7))  # milliseconds of GPU time before the work ends
-                    end = torch.cuda.Event()
+                    end = torch.cuda.Event(blocking=True)
                     end.record(stream)
                 consumer.ack(desc, after=stream if kind == "stream" else end)
                 acker = consumer._acks._acker
-                while not end.query():  # this thread spins to see the end as it happens
-                    pass
+                # Both waits release the GIL: a thread spinning in Python here would hold it, and the
+                # acker, awake, would wait out the interpreter's switch interval before it could send.
+                end.synchronize()
                 t_end = time.perf_counter()
                 while acker._pending:
-                    pass
+                    time.sleep(20e-6)
                 found.append(time.perf_counter() - t_end)
             assert consumer.flush(30.0)
     for kind, found in delays.items():

@@ -37,6 +37,18 @@ def test_a_kernel_fills_a_reserved_gpu_tensor_and_publish_waits_for_it(gpu_daemo
         got = consumer.get(desc, copy=True)
         assert int((got == 7).sum()) == numel, "publish did not wait for the kernel that filled the tensor"
         consumer.ack(desc)
+        # Filled on a side stream and named with after=: the consumer's copy on the current stream is
+        # ordered behind the fill only by publish's wait.
+        side = torch.cuda.Stream(0)
+        t2 = producer.reserve((numel,), torch.uint8, device="cuda:0")
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(5e8))
+            torch.add(torch.full((numel,), 8, dtype=torch.uint8, device="cuda:0"), 1, out=t2)
+        desc2 = producer.publish(t2, after=side)
+        got = consumer.get(desc2, copy=True)
+        assert int((got == 9).sum()) == numel, "publish(after=side) did not wait for the fill on the side stream"
+        consumer.ack(desc2)
+        del t2
         dropped = producer.reserve((numel,), torch.uint8, device=0)
         del dropped, t
         gc.collect()
