@@ -26,7 +26,7 @@ from mmfeat.protos.messages import MAX_CONSUMERS, AckReply
 from ..gpu import gpu_order
 from .acked_leases import AckedLeases
 from ..link.channel import ControlChannel
-from .pinned import PendingCopies
+from .pinned import PendingCopies, pending_key
 from ..link.session import Session
 
 log = logging.getLogger("mmfeat.client")
@@ -47,6 +47,7 @@ class Acks:
         # Ordered for O(1) eviction of the oldest: a plain dict that loses its first key again and again
         # keeps dummies at its front, which every look at its oldest walks.
         self._unconfirmed: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()
+        self._closed = False
 
     def ack(self, desc: Descriptor, count: int, after: Any, wait: bool) -> Optional[dict[str, Any]]:
         check_ack(count, after, wait)
@@ -54,7 +55,12 @@ class Acks:
             return {"remaining": 0, "freed": True, "over_acked": 0} if wait and after is None else None
         staged = self._pending.take_for(desc)  # get(device=) of a host-pool feature: its DMA may still read the pool
         # One fence for the caller's work and the staged copy's: either may still read the pool's bytes.
-        fence = gpu_order.after(after, staged) if after is not None else staged
+        try:
+            fence = gpu_order.after(after, staged) if after is not None else staged
+        except TypeError:
+            if staged is not None:  # nothing was acked: a corrected ack must still wait for the copy
+                self._pending.add(pending_key(desc), staged)
+            raise
         if wait and fence is not None:
             fence.wait()  # the caller asked to wait: for the GPU work first, then for the daemon's answer
             fence = None
@@ -107,7 +113,11 @@ class Acks:
         return False
 
     def run_after(self, fence: Any, action: Callable[[], None], kind: str, what: str) -> None:
-        """``action`` on the acker's threads once the GPU work ``fence`` marks is done."""
+        """``action`` on the acker's threads once the GPU work ``fence`` marks is done; at once after
+        close (the session that held the space is gone, and no acker should start for it)."""
+        if self._closed:
+            action()
+            return
         self._background().run_after(fence, action, kind, what)
 
     def _send_now(self, session: Session, fields: dict[str, Any], count: int) -> None:
@@ -178,6 +188,7 @@ class Acks:
         if self._acker is not None and self._acker.pid == os.getpid():
             self._acker.close(self._timeout)
         self._acker = None
+        self._closed = True
 
 
 def check_ack(count: object, after: object, wait: object) -> None:

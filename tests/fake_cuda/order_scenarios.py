@@ -103,6 +103,10 @@ def staged_ack_names_another_stream() -> None:
         with torch.cuda.stream(a):
             ft.launch(a, "busy")
             c.get(desc, device=0)
+        try:
+            c.ack(desc, after="not a stream")  # acks nothing: the next ack must still wait for the copy
+        except TypeError:
+            pass
         c.ack(desc, after=b)
         mark(f"acked after an idle stream, copy queued; still live: {_stays_live(c, desc)}")
         ft.release("busy")
