@@ -101,11 +101,11 @@ class Fence:
     def record(self, stream: Any) -> "Fence":
         """Mark the work queued on ``stream`` so far (a torch stream); never waits."""
         ordinal, handle = _handle(stream)
-        if capturing(stream):
-            if ordinal not in self.devices:
-                self.devices.append(ordinal)
-            return self
-        with drv.context_current(context(ordinal)):
+        with drv.context_current(context(ordinal)):  # the legacy stream (handle 0) is the current context's
+            if capturing(stream):
+                if ordinal not in self.devices:
+                    self.devices.append(ordinal)
+                return self
             event = drv.ck("cuEventCreate", drv.cu.cuEventCreate(_EVENT_FLAGS))
             try:
                 drv.ck("cuEventRecord", drv.cu.cuEventRecord(event, handle))
