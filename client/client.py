@@ -363,7 +363,7 @@ class Client:
 
     def _ack_in_finalizer(self, desc: Descriptor, fence: Any = None) -> bool:
         """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs), after the GPU work
-        ``fence`` marks (client/gpu_order.py) if any; True when it was a store into the lease table,
+        ``fence`` marks (client/gpu/gpu_order.py) if any; True when it was a store into the lease table,
         False when it went (or was left) elsewhere."""
         session, closed = self._session, self._closed_table
         if session is None and closed is not None and not desc.is_inline:

@@ -306,7 +306,7 @@ def test_the_acker_sleeps_on_the_event_and_acks_when_it_wakes() -> None:
     from mmfeat.client.consume.ack_thread import Acker
     from mmfeat.client.link.async_failures import AsyncFailures
 
-    class GpuWork:  # what ack(after=) hands the acker: a fence of blocking events (client/gpu_order.py)
+    class GpuWork:  # what ack(after=) hands the acker: a fence of blocking events (client/gpu/gpu_order.py)
         lane = (0, 7)
 
         def __init__(self) -> None:

@@ -2,7 +2,7 @@
 sends the ack once the consumer's GPU work is done; a ``wait=False`` ack whose fd channel is full (the
 daemon is behind) is handed over here too, so the caller never blocks.
 
-The GPU work is waited for in a fence's ``wait()`` (client/gpu_order.py): blocking events, so the thread
+The GPU work is waited for in a fence's ``wait()`` (client/gpu/gpu_order.py): blocking events, so the thread
 sleeps in the driver until the GPU signals, neither spinning a core nor polling, and the ack goes out as
 soon as it wakes. One lane (a queue and its thread) per stream the work was queued on, and one for acks
 with nothing to wait for: within a stream work completes in order, so a lane waits for nothing that is

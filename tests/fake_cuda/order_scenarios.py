@@ -19,7 +19,7 @@ import torch
 from tests.fake_cuda import fake_torch as ft
 
 LOG = os.environ.get("STUB_LOG", os.devnull)
-PUBLISHED = 2  # client/lease_table.py's state of a live, published lease
+PUBLISHED = 2  # client/link/lease_table.py's state of a live, published lease
 
 
 def mark(text: str) -> None:
@@ -229,7 +229,7 @@ def publish_after_a_side_stream() -> None:
 def dropped_reservation_under_a_kernel() -> None:
     """A reserved GPU tensor with a kernel writing it on the current stream: dropped, then discarded."""
     from mmfeat.client import Client
-    from mmfeat.client.reservations import _ATTR
+    from mmfeat.client.produce.reservations import _ATTR
 
     _setup()
     with Client(timeout=20) as c:

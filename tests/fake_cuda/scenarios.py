@@ -357,7 +357,7 @@ def remap_while_unmapping() -> None:
 
 def short_fabric_handle() -> None:
     """A FABRIC pool whose relayed handle is 10 bytes, not 64."""
-    from mmfeat.client import cuda_import
+    from mmfeat.client.gpu import cuda_import
     from mmfeat.protos.messages import PoolInfo
 
     fake_torch_cuda(0)
@@ -371,7 +371,7 @@ def short_fabric_handle() -> None:
 
 
 def _pinned_mapping() -> Any:
-    from mmfeat.client import mapping as mapping_cache
+    from mmfeat.client.link import mapping as mapping_cache
 
     fd = os.memfd_create("pool")
     os.ftruncate(fd, 4 << 20)
@@ -380,8 +380,8 @@ def _pinned_mapping() -> Any:
 
 def pin_two_devices() -> None:
     """Staged gets from one host pool to GPU 0 and then GPU 1 (both in use here); then the mapping goes."""
-    from mmfeat.client import mapping as mapping_cache
-    from mmfeat.client.pinned import pinned_view
+    from mmfeat.client.link import mapping as mapping_cache
+    from mmfeat.client.consume.pinned import pinned_view
 
     fake_torch_cuda(0)
     runtime_context(0)
@@ -399,8 +399,8 @@ def pin_two_devices() -> None:
 
 def child_drops_pinned_pool() -> None:
     """A forked child drops its copy of a pinned host mapping; then the parent drops its own."""
-    from mmfeat.client import mapping as mapping_cache
-    from mmfeat.client.pinned import pinned_view
+    from mmfeat.client.link import mapping as mapping_cache
+    from mmfeat.client.consume.pinned import pinned_view
 
     fake_torch_cuda(0)
     runtime_context(0)

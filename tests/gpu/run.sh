@@ -57,6 +57,13 @@ probes="${MMFEAT_PROBES:-}"
 for d in shared/gpu ../shared/gpu; do
   [ -z "$probes" ] && [ -f "$d/probe_additions.py" ] && probes=$(cd "$d" && pwd)
 done
+if [ -n "$probes" ]; then
+  # The probes were written against the client's flat layout: a copy of them names its modules by
+  # their wings' paths (client/gpu/, client/link/, ...), so that they import what they meant.
+  mkdir -p "$work/probes" && cp "$probes"/*.py "$probes"/*.sh "$work/probes/" 2>/dev/null
+  python3 tests/gpu/wing_paths.py "$work/probes"/*.py
+  probes="$work/probes"
+fi
 
 stage "environment"
 nvidia-smi --query-gpu=name,uuid,pci.bus_id,driver_version,memory.total,memory.used,compute_mode --format=csv \
