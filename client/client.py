@@ -435,6 +435,10 @@ _silence_frombuffer_warning()
 def _check_device(device: Any) -> None:
     """Refuse a ``device`` that names no device before a get makes anything: torch's own error would come
     from the middle of the copy, as an untyped RuntimeError."""
+    if type(device) is int:
+        if device < 0:
+            raise ValueError(f"device must be a CUDA device's index (>= 0), not {device}")
+        return  # an index of a CUDA device, which torch.device() reads as one only where torch has CUDA
     try:
         torch.device(device)
     except (RuntimeError, TypeError):
