@@ -22,4 +22,7 @@ READ_OUTSIDE_SETTINGS: frozenset[str] = frozenset({
     "MMFEAT_CHAOS_DEVICE",      # tests/chaos: the device its workers use
     "MMFEAT_TEST_ONLY_FABRIC",  # mmfeat.cuda_driver: a test's stand-in for NVML's fabric answer
     "MMFEAT_TEST_ONLY_IMEX_CHANNELS",  # mmfeat.cuda_driver: a test's IMEX channel directory
+    "MMFEAT_VLLM_VENV",         # tests/test_vllm_engine.py: the vLLM venv `make test-vllm` built
+    "MMFEAT_VLLM_TIMINGS",      # tests/vllm_engine: where the timed connectors write their timings
+    "MMFEAT_VLLM_SUMMARY",      # tests/test_vllm_engine.py: where to write the connectors' comparison
 })
