@@ -6,7 +6,9 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
+
+import numpy as np
 
 from mmfeat import atomics
 from mmfeat.protos.errors import ErrorCode, MmfeatError
@@ -99,15 +101,30 @@ class DaemonCore:
         # feature takes the message path.
         self.arenas_enabled = settings.arena_mb > 0 and atomics.AVAILABLE
 
-    def sweep(self, now: float, defer_unacked: bool = False) -> int:
-        """Apply what clients wrote into the lease table; the number of words applied. Sweeper.sweep
-        says what ``defer_unacked`` leaves for the next sweep."""
-        applied = self.sweeper.sweep(now, defer_unacked)
+    def sweep(self, now: float, defer_unacked: bool = False, slots: Optional[Iterable[int]] = None) -> int:
+        """Apply what clients wrote into the lease table (``slots``: in those slots alone); the number of
+        words applied. Sweeper.sweep says what ``defer_unacked`` leaves for the next sweep."""
+        picked = None if slots is None else np.fromiter(slots, dtype=np.int64)
+        applied = self.sweeper.sweep(now, defer_unacked, picked)
         if self.table.keep_header(self.draining):
             self.counters.bad_table_words += 1
         for token in self.sweeper.take_over():
             self.cut_session(token, now)
         return applied
+
+    def sweep_lease(self, now: float, ref: LeaseRef) -> None:
+        """Sweep the one slot a request's lease names: a feature published or acked there since the last
+        sweep is known to the reply, and no other session's words are read for it."""
+        if 0 <= ref.lease < self.table.slots:
+            self.sweep(now, slots=(ref.lease,))
+
+    def sweep_session(self, now: float, token: bytes, defer_unacked: bool = False) -> None:
+        """Sweep the slots a session holds by the daemon's records (its reserved leases, its holds, its
+        arenas' blocks): words refused there may cut it, and acks there give back its quota."""
+        slots = list(self.books.slots_of(token))
+        for a in self.arenas.of_session(token):
+            slots.extend(range(a.slot_base, a.slot_base + a.slots))
+        self.sweep(now, defer_unacked, slots)
 
     def _charge(self, token: bytes) -> bool:
         """A table word refused in a slot the session holds; True once it is past max_refused_words."""

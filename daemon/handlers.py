@@ -19,6 +19,7 @@ from mmfeat.protos.handshake import ArenaGrant
 from mmfeat.protos.keys import MAX_LOOKUP_KEYS
 
 from .core import DaemonCore, Remote
+from .leases.allocator import align_up
 from .leases.keys import hold_descriptor
 from .leases.sessions import MAX_PENDING_SESSIONS
 
@@ -102,30 +103,52 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> m.LeaseReply
     """Allocate a slice for ``nbytes`` that ``consumers`` consumers will acknowledge."""
     if core.draining:
         raise MmfeatError(ErrorCode.DRAINING, "the daemon is shutting down; send this feature inline")
-    # Acks clients wrote since the last sweep may have freed the range this needs. First: a sweep may
-    # cut this very session (SPEC.md, section 9). What it leaves unadopted (as the arena op's does)
-    # holds no range this could take: an arena's space is its arena's.
-    core.sweep(now, defer_unacked=True)
-    session = core.sessions.get(req.session)
-    if session is None:
-        core.check_not_cut(req.session)
-        raise MmfeatError(ErrorCode.NOT_FOUND, "unknown session (expired, or from before a daemon restart): reconnect")
-    if not session.attached:
-        raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before reserving, so a crash frees your leases")
+    # First the session's own slots: a sweep may cut this very session (SPEC.md, section 9), and acks
+    # there give back its quota. What it leaves unadopted (as the arena op's does) holds no range this
+    # could take: an arena's space is its arena's.
+    core.sweep_session(now, req.session, defer_unacked=True)
+    _reserving(core, req.session)
     pool_id = core.pool_for(req.device)
     if req.key is not None:
-        live = core.ledger.keys.find(req.key)
+        live = _found(core, req.key, now)
         if live is not None:
             # Dedup before any byte is written: the producer gets the live feature instead of a lease.
             core.counters.dedups += 1
             core.ledger.keys.count(req.key, "dedups")
             return _lease_reply(core, live, now, live.descriptor)
+    alloc = core.ledger.allocators[pool_id]
+    if not (core.ledger.fits(pool_id, req.nbytes)
+            and core.books.admits_single(req.session, align_up(req.nbytes, alloc.alignment))):
+        # Acks other sessions wrote may have freed the room this needs (and a published feature's quota
+        # is freed by acks in slots the daemon does not list by session): the whole table, before the
+        # reserve evicts retained features or refuses.
+        core.sweep(now, defer_unacked=True)
+        _reserving(core, req.session)
     t0 = time.perf_counter()
     lease = core.ledger.reserve(req.session, pool_id, req.nbytes, req.consumers, now, key=req.key,
                                 retain_ttl=req.retain_ttl)
     if core.observe_reserve is not None:
         core.observe_reserve(time.perf_counter() - t0)
     return _lease_reply(core, lease, now)
+
+
+def _reserving(core: DaemonCore, token: bytes) -> None:
+    """Raise unless ``token`` is a session, not cut, with its fd channel attached."""
+    session = core.sessions.get(token)
+    if session is None:
+        core.check_not_cut(token)
+        raise MmfeatError(ErrorCode.NOT_FOUND, "unknown session (expired, or from before a daemon restart): reconnect")
+    if not session.attached:
+        raise MmfeatError(ErrorCode.BAD_STATE, "connect the fd channel before reserving, so a crash frees your leases")
+
+
+def _found(core: DaemonCore, key: str, now: float) -> Any:
+    """The live feature under ``key``, after a sweep of its slot (acks there may have ended it)."""
+    live = core.ledger.keys.find(key)
+    if live is None:
+        return None
+    core.sweep(now, slots=(live.lease_id,))
+    return core.ledger.keys.find(key)
 
 
 def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
@@ -135,20 +158,28 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
     if not core.arenas_enabled:
         raise MmfeatError(ErrorCode.BAD_STATE,
                           "this daemon grants no arenas (arena_mb = 0, or no libatomic); reserve instead")
-    # First: it may cut this session. Unacked publishes stay left as timer sweeps leave them: a producer
-    # ahead of its consumers asks for arenas as it goes, and adopting its burst here one by one would
-    # cost more than the burst's whole batch.
-    core.sweep(now, defer_unacked=True)
-    session = core.sessions.get(req.session)
-    if session is None:
-        core.check_not_cut(req.session)
-    if session is None or not session.attached:
-        raise MmfeatError(ErrorCode.BAD_STATE,
-                          "connect the fd channel before asking for an arena, so a crash returns it")
+    # First its own slots: it may cut this session. Unacked publishes stay left as timer sweeps leave
+    # them: a producer ahead of its consumers asks for arenas as it goes, and adopting its burst here
+    # one by one would cost more than the burst's whole batch.
+    core.sweep_session(now, req.session, defer_unacked=True)
+    _arena_holder(core, req.session)
     pool_id = core.pool_for(req.device)
+    if not core.arenas.room_for(req.session, pool_id, req.nbytes):
+        # Other sessions' acks may have freed a range or a block (a returned arena's last feature).
+        core.sweep(now, defer_unacked=True)
+        _arena_holder(core, req.session)
     a = core.arenas.grant(req.session, pool_id, req.nbytes)
     core.ledger.clear_block(a)
     return m.ArenaReply(ArenaGrant(a.arena_id, a.pool_id, a.offset, a.size, a.slot_base, a.slots))
+
+
+def _arena_holder(core: DaemonCore, token: bytes) -> None:
+    session = core.sessions.get(token)
+    if session is None:
+        core.check_not_cut(token)
+    if session is None or not session.attached:
+        raise MmfeatError(ErrorCode.BAD_STATE,
+                          "connect the fd channel before asking for an arena, so a crash returns it")
 
 
 def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> m.EmptyReply:
@@ -156,7 +187,7 @@ def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> m.E
     a = core.arenas.get(req.arena)
     if a is None or a.session != req.session:
         raise MmfeatError(ErrorCode.NOT_FOUND, f"this session holds no arena {req.arena}")
-    core.sweep(now)  # adopt what it published there first
+    core.sweep(now, slots=range(a.slot_base, a.slot_base + a.slots))  # adopt what it published there first
     core.arenas.give_back(a)
     return m.EmptyReply()
 
@@ -164,8 +195,8 @@ def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> m.E
 def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> m.LeaseReply:
     """The producer finished writing: the lease becomes readable and its ack deadline starts."""
     # So that a feature published in an arena is known, and refused here as already published: a publish
-    # naming an arena's lease must find it adopted, so this sweep leaves nothing waiting unadopted.
-    core.sweep(now)
+    # naming an arena's lease must find it adopted, so this sweep (of its slot) leaves nothing unadopted.
+    core.sweep_lease(now, req.lease)
     lease = core.ledger.publish(req.lease, req.session, now, req.descriptor)
     return _lease_reply(core, lease, now, lease.descriptor)
 
@@ -176,21 +207,21 @@ def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Union[m.AckReply, De
     if req.node is not None and req.node != core.settings.node_id:
         remote = _remote(core)
         return Deferred(lambda respond: remote.relay_ack(req.node, req.lease, req.count, req.ack_id, respond, now))
-    core.sweep(now)  # the lease may be a feature published in an arena since the last sweep
+    core.sweep_lease(now, req.lease)  # it may be a feature published in an arena since the last sweep
     result = core.ledger.ack(req.lease, req.count, now, req.ack_id)
     return m.AckReply(result.remaining, result.freed, result.over_acked, result.duplicate)
 
 
 def release(core: DaemonCore, req: m.ReleaseRequest, now: float) -> m.ReleaseReply:
     """The producer cancels a lease it never dispatched; it is freed at once."""
-    core.sweep(now)
+    core.sweep_lease(now, req.lease)
     core.ledger.release(req.lease, req.session, now)
     return m.ReleaseReply(True)
 
 
 def lookup(core: DaemonCore, req: m.LookupRequest, now: float) -> m.LeaseReply:
     """Is this lease live, with this generation and token? Consumers verify before reading."""
-    core.sweep(now)
+    core.sweep_lease(now, req.lease)
     return _lease_reply(core, core.ledger.lookup(req.lease), now)
 
 
@@ -200,8 +231,9 @@ def lookup_key(core: DaemonCore, req: m.LookupKeyRequest, now: float) -> m.Looku
         core.counters.too_large += 1
         raise MmfeatError(ErrorCode.TOO_LARGE, f"{len(req.keys)} keys in one lookup_key, over the {MAX_LOOKUP_KEYS} "
                           "a request may carry: split the list")
-    core.sweep(now)  # acks in the table may have ended some
     index = core.ledger.keys
+    # Acks in the table may have ended some: the slots of the features found, not the whole table.
+    core.sweep(now, slots=[lease.lease_id for lease in map(index.find, req.keys) if lease is not None])
     found, descs = [], []
     for key in req.keys:
         lease = index.find(key)
@@ -220,9 +252,15 @@ def hold(core: DaemonCore, req: m.HoldRequest, now: float) -> m.HoldReply:
     """A hold on a retained feature for ``count`` readers, ended by their acks or with this session."""
     if (req.key is None) == (req.lease is None):
         raise MmfeatError(ErrorCode.BAD_REQUEST, "hold: name the feature by key or by lease, exactly one of them")
-    core.sweep(now)
-    _attached(core, req.session, "holding")
     ledger = core.ledger
+    found = ledger.keys.find(req.key) if req.key is not None else None
+    slots = [s for s in (req.lease.lease if req.lease is not None else None,
+                         found.lease_id if found is not None else None) if s is not None]
+    core.sweep_session(now, req.session)  # a hold is a slot of this session's: it may cut it
+    core.sweep(now, slots=slots)
+    if ledger.live >= ledger.max_leases or not ledger.space.has_single:
+        core.sweep(now)  # other sessions' acks may have freed a slot for the hold
+    _attached(core, req.session, "holding")
     if req.key is not None:
         base = ledger.keys.find(req.key)
         if base is None:
@@ -240,7 +278,9 @@ def hold(core: DaemonCore, req: m.HoldRequest, now: float) -> m.HoldReply:
 
 def evict(core: DaemonCore, req: m.EvictRequest, now: float) -> m.EvictReply:
     """No key finds the feature from now on; a retained one is freed as soon as nothing holds it."""
-    core.sweep(now)
+    live = _found(core, req.key, now)
+    if live is not None and live.holds:
+        core.sweep(now)  # acks of its holds, in their holders' slots, may have ended them
     evicted, held = core.ledger.evict(req.key, now)
     return m.EvictReply(evicted, held)
 
@@ -262,7 +302,8 @@ def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> m.EmptyRep
 
 def ping(core: DaemonCore, req: m.EmptyRequest, now: float) -> m.PingReply:
     """Liveness; it also applies what clients wrote in the lease table, so a client's flush() (a ping on
-    its fd channel) returns once its table acks are applied."""
+    its fd channel) returns once its table acks are applied. Those are in other sessions' slots (the
+    features it read), so this sweeps the whole table."""
     core.sweep(now)
     return m.PingReply(core.epoch, core.settings.node_id, core.draining)
 

@@ -199,3 +199,50 @@ def test_a_spent_generation_never_erases_a_publish_made_meanwhile(books) -> None
     books.sweeper.sweep(51.1)
     lease = books.ledger.live_lease(slot)
     assert lease is not None and lease.gen == 3, "the publish made while a generation was spent was erased"
+
+
+def test_a_request_sweeps_what_its_reply_needs_never_other_sessions_words() -> None:
+    """A member writes words the daemon refuses into slots its session holds. Another session's reserve,
+    publish, lookup and ack, handled by the daemon's own handlers and table, sweep the slots those
+    replies depend on only: the member's words stay unread (not put back, not counted). The loop's
+    timer sweep, which reads the whole table, still finds and refuses every one."""
+    import os
+
+    from mmfeat.daemon import handlers
+    from mmfeat.daemon.config import Settings
+    from mmfeat.daemon.core import DaemonCore
+    from mmfeat.daemon.leases.sessions import PeerCred
+    from mmfeat.daemon.pools.host import HostPool
+    from mmfeat.protos import messages as m
+
+    core = DaemonCore(Settings(max_leases=SLOTS), [HostPool(0, 1 << 24)])
+    mm = mmap.mmap(core.table.fd, table_bytes(SLOTS), flags=mmap.MAP_SHARED)
+    try:
+        tokens = []
+        for name in ("member", "honest"):
+            token = handlers.hello(core, m.HelloRequest(name=name, pid=os.getpid()), 1.0).session
+            core.sessions.attach(token, PeerCred(os.getpid(), os.getuid(), os.getgid()))
+            tokens.append(token)
+        member, honest = tokens
+        refs = [handlers.reserve(core, m.ReserveRequest(session=member, nbytes=4096, consumers=1), 1.0).lease
+                for _ in range(20)]
+        # No producer may publish in a reserved lease's slot: each word is refused, once a sweep reads it.
+        forged = [(ref.lease, state_word(ref.gen + 5, PUBLISHED)) for ref in refs]
+        for slot, word in forged:
+            _U64.pack_into(mm, word_offset(SLOTS, slot, STATE), word)
+
+        def unread() -> bool:
+            return all(_U64.unpack_from(mm, word_offset(SLOTS, s, STATE))[0] == w for s, w in forged)
+
+        reply = handlers.reserve(core, m.ReserveRequest(session=honest, nbytes=4096, consumers=1), 2.0)
+        ref = m.LeaseRef(**{k: getattr(reply.lease, k) for k in ("pool", "epoch", "lease", "gen", "token", "offset",
+                                                                    "nbytes")})
+        handlers.publish(core, m.PublishRequest(session=honest, lease=ref), 2.0)
+        handlers.lookup(core, m.LookupRequest(lease=ref), 2.0)
+        assert handlers.ack(core, m.AckRequest(lease=ref, count=1), 2.0).freed
+        assert core.counters.bad_table_words == 0 and unread(), "a request swept another session's words"
+        core.sweep(3.0, defer_unacked=True)  # the loop's timer sweep
+        assert core.counters.bad_table_words == len(forged) and not unread()
+    finally:
+        mm.close()
+        core.close()

@@ -129,6 +129,18 @@ class Arenas:
                               f"an eighth of pool {pool_id} ({alloc.capacity} B); reserve them instead")
         return size
 
+    def room_for(self, session: bytes, pool_id: int, nbytes: Optional[int] = None) -> bool:
+        """grant would find room (quota, arena share, a slot block, a free range) for this arena now.
+        Raises what grant would for a size no pool state changes (TOO_LARGE)."""
+        size = self.size_to_take(pool_id, nbytes)
+        held = self._by_session.get(session, set())
+        alloc = self.allocators[pool_id]
+        quota = self.books.quota_bytes
+        return ((not quota or self.books.bytes_of(session) + size <= quota)
+                and len([a for a in held if not self._by_id[a].returned]) < self.per_session
+                and self.bytes[pool_id] + size <= alloc.capacity * ARENA_SHARE
+                and self.space.has_block and alloc.largest_free >= size)
+
     def grant(self, session: bytes, pool_id: int, nbytes: Optional[int] = None) -> Arena:
         """A new arena in ``pool_id`` for ``session`` that takes features of up to ``nbytes`` (None: the
         usual size), or the typed error that says why not."""

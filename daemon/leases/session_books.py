@@ -40,6 +40,20 @@ class SessionBooks:
             raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {held} leases outside arenas, the "
                               "max_session_leases limit; send inline, or ack and release features sooner")
 
+    def admits_single(self, session: bytes, size: int) -> bool:
+        """admit_single would let the session reserve one more single lease of ``size``; nothing counted."""
+        held = self._bytes.get(session, 0)
+        return ((not self.quota_bytes or held + size <= self.quota_bytes)
+                and not (self.max_singles and self._singles.get(session, 0) >= self.max_singles))
+
+    def bytes_of(self, session: bytes) -> int:
+        """The bytes the session holds, as max_session_mb counts them."""
+        return self._bytes.get(session, 0)
+
+    def slots_of(self, session: bytes) -> set[int]:
+        """The single slots the session's reserved leases and holds are in."""
+        return self._reserved.get(session, set()) | self._holds.get(session, set())
+
     def admit_single(self, session: bytes, size: int) -> None:
         """Raise OVER_QUOTA (and count it) unless the session may reserve one more single lease of ``size``."""
         try:

@@ -62,6 +62,11 @@ class SlotSpace:
             return self.block_start
         return None
 
+    @property
+    def has_block(self) -> bool:
+        """take_block() would return a block."""
+        return bool(self._free_blocks) or self.block_start - self.block >= self.single_end
+
     def give_block(self, base: int) -> None:
         self._free_blocks.append(base)
 

@@ -63,8 +63,12 @@ class Sweeper:
         self._defer_word = np.zeros(table.slots, dtype=np.uint64)
         self._defer_at = np.zeros(table.slots, dtype=np.float64)
 
-    def sweep(self, now: float, defer_unacked: bool = False) -> int:
+    def sweep(self, now: float, defer_unacked: bool = False, slots: Optional[np.ndarray] = None) -> int:
         """Apply every publish and ack clients wrote since the last sweep; the number of words applied.
+
+        ``slots`` (an array of slot numbers) sweeps those alone, of the ranges in use: a request sweeps
+        what its reply depends on, not other sessions' words. The rest of the table keeps what it holds,
+        and what timer sweeps left there stays left, for the next sweep that reads it.
 
         With ``defer_unacked`` (the loop's timer sweeps), a feature published in an arena and not yet
         acked by all is left for later sweeps, for up to ``defer_limit()`` seconds from the first that
@@ -75,57 +79,69 @@ class Sweeper:
         then all the same. Sweeps before a reply (stats, lookup, ...) adopt everything: what they answer
         stays exact."""
         self.ledger.counters.sweeps += 1
+        self._settled = set()
+        ranges = self.ledger.space.ranges()
+        if slots is None:
+            parts: list = [slice(lo, hi) for lo, hi in ranges]
+        else:
+            slots = np.unique(np.asarray(slots, dtype=np.int64))
+            inside = np.zeros(len(slots), dtype=bool)
+            for lo, hi in ranges:
+                inside |= (slots >= lo) & (slots < hi)
+            parts = [slots[inside]] if inside.any() else []
+        return sum(self._sweep_part(part, now, defer_unacked) for part in parts)
+
+    def _sweep_part(self, part, now: float, defer_unacked: bool) -> int:
+        """Sweep ``part`` of the table: a slice of slots, or an array of slot numbers."""
         table = self.table
-        changed = 0
-        settled = self._settled = set()
+        settled = self._settled
         defer_word, defer_at, limit = self._defer_word, self._defer_at, self.defer_limit()
-        for lo, hi in self.ledger.space.ranges():
-            # ACKS before STATE: an ack seen here was written after its feature's publish (the consumer
-            # had the descriptor), so the STATE read after it sees that publish too.
-            acks = table.acks[lo:hi].copy()
-            fence_acquire()
-            states = table.states[lo:hi].copy()
-            fence_acquire()
-            # Nothing written in the range (a server's idle client): two memcmps instead of the ten
-            # array calls below, each of which is slow when the caches are cold.
-            if (states.tobytes() == table.seen_state[lo:hi].tobytes()
-                    and acks.tobytes() == table.seen_acks[lo:hi].tobytes()):
-                continue
-            published = np.flatnonzero(states != table.seen_state[lo:hi])
-            rest = self._end_acked(lo, self._refuse_unheld(lo, published, states), states)
-            slots, words = rest + lo, states[rest]
-            # When a sweep first saw each word: an earlier one that left it, or this one.
-            again = defer_word[slots] == words
-            first_seen = np.where(again, defer_at[slots], now)
-            defer_word[published + lo] = 0  # each is ended in the batch, refused, handled below, or left again
-            if defer_unacked and len(rest):
-                # Left again: a fresh publish (no live lease in its slot) within the limit. seen_state
-                # keeps its old word, so the next sweep looks again; its words are not new ones.
-                keep = ((words & 3 == PUBLISHED) & (self.ledger.gate[slots] != LIVE_GATE)
-                        & (now - first_seen < limit))
-                defer_word[slots[keep]], defer_at[slots[keep]] = words[keep], first_seen[keep]
-                changed -= int((keep & again).sum())
-                rest, slots, first_seen = rest[~keep], slots[~keep], first_seen[~keep]
-            for i, published_at in zip(rest.tolist(), first_seen.tolist()):
-                slot, word = lo + i, int(states[i])
-                if slot in settled or (self._over and self._owner(slot) in self._over):
-                    continue  # an over-limit session's word waits for the cut, which frees its slot
-                self._on_state(slot, word, now, published_at)
-            # After the publishes, whose handling read their ACKS words afresh: this sweep's older copy
-            # of those is skipped (the next sweep compares them again), and of those settled early too.
-            stale = acks != table.seen_acks[lo:hi]
-            stale[published] = False
-            for slot in settled:
-                if lo <= slot < hi:
-                    stale[slot - lo] = False
-            changed_acks = np.flatnonzero(stale)
-            live = self.ledger.gate[changed_acks + lo] == LIVE_GATE
-            self._stray_acks(changed_acks[~live] + lo, acks[changed_acks[~live]])
-            for i in changed_acks[live].tolist():
-                if not (self._over and self._owner(lo + i) in self._over):
-                    self._on_acks(lo + i, int(acks[i]), now)
-            changed += len(published) + int(stale.sum())
-        return changed
+        # ACKS before STATE: an ack seen here was written after its feature's publish (the consumer
+        # had the descriptor), so the STATE read after it sees that publish too.
+        acks = table.acks[part].copy()
+        fence_acquire()
+        states = table.states[part].copy()
+        fence_acquire()
+        # Nothing written in the range (a server's idle client): two memcmps instead of the ten
+        # array calls below, each of which is slow when the caches are cold.
+        if (states.tobytes() == table.seen_state[part].tobytes()
+                and acks.tobytes() == table.seen_acks[part].tobytes()):
+            return 0
+        ids = np.arange(part.start, part.stop) if isinstance(part, slice) else part  # index -> slot
+        changed = 0
+        published = np.flatnonzero(states != table.seen_state[part])
+        rest = self._end_acked(ids, self._refuse_unheld(ids, published, states), states)
+        slots, words = ids[rest], states[rest]
+        # When a sweep first saw each word: an earlier one that left it, or this one.
+        again = defer_word[slots] == words
+        first_seen = np.where(again, defer_at[slots], now)
+        defer_word[ids[published]] = 0  # each is ended in the batch, refused, handled below, or left again
+        if defer_unacked and len(rest):
+            # Left again: a fresh publish (no live lease in its slot) within the limit. seen_state
+            # keeps its old word, so the next sweep looks again; its words are not new ones.
+            keep = ((words & 3 == PUBLISHED) & (self.ledger.gate[slots] != LIVE_GATE)
+                    & (now - first_seen < limit))
+            defer_word[slots[keep]], defer_at[slots[keep]] = words[keep], first_seen[keep]
+            changed -= int((keep & again).sum())
+            rest, slots, first_seen = rest[~keep], slots[~keep], first_seen[~keep]
+        for i, slot, published_at in zip(rest.tolist(), slots.tolist(), first_seen.tolist()):
+            if slot in settled or (self._over and self._owner(slot) in self._over):
+                continue  # an over-limit session's word waits for the cut, which frees its slot
+            self._on_state(slot, int(states[i]), now, published_at)
+        # After the publishes, whose handling read their ACKS words afresh: this sweep's older copy
+        # of those is skipped (the next sweep compares them again), and of those settled early too.
+        stale = acks != table.seen_acks[part]
+        stale[published] = False
+        if settled:
+            stale[np.isin(ids, np.fromiter(settled, dtype=np.int64, count=len(settled)))] = False
+        changed_acks = np.flatnonzero(stale)
+        live = self.ledger.gate[ids[changed_acks]] == LIVE_GATE
+        self._stray_acks(ids[changed_acks[~live]], acks[changed_acks[~live]])
+        for i in changed_acks[live].tolist():
+            slot = int(ids[i])
+            if not (self._over and self._owner(slot) in self._over):
+                self._on_acks(slot, int(acks[i]), now)
+        return changed + len(published) + int(stale.sum())
 
     def defer_limit(self) -> float:
         """How long timer sweeps leave an unacked publish: DEFER_MAX_S, and well inside ``ack_ttl`` (which
@@ -145,15 +161,15 @@ class Sweeper:
         arena = self.ledger.arenas.of_slot(slot)
         return arena.session if arena is not None else None
 
-    def _refuse_unheld(self, lo: int, changed: np.ndarray, states: np.ndarray) -> np.ndarray:
-        """Put back, as one batch, the changed STATE words (indices from slot ``lo``) of slots nobody
+    def _refuse_unheld(self, ids: np.ndarray, changed: np.ndarray, states: np.ndarray) -> np.ndarray:
+        """Put back, as one batch, the changed STATE words (indices into ``ids``, the slots swept) of slots nobody
         holds: no live lease there, and no arena that takes features. Only the daemon writes those (a
         consumer's DONE needs a live feature, a producer's publish an arena it holds), so every such word
         is refused and a plain store is enough. The indices left, of held slots, for the checks."""
         if not len(changed):
             return changed
         ledger = self.ledger
-        slots = changed + lo
+        slots = ids[changed]
         unheld = ledger.unheld(slots)
         if not unheld.any():
             return changed
@@ -179,8 +195,8 @@ class Sweeper:
         self.ledger.counters.stray_table_acks += int(((words[up] & ACK_COUNT_MASK) - (seen[up] & ACK_COUNT_MASK)).sum())
         self.table.seen_acks[slots] = words
 
-    def _end_acked(self, lo: int, changed: np.ndarray, states: np.ndarray) -> np.ndarray:
-        """End, as one batch, the features among ``changed`` (indices from slot ``lo``) that their
+    def _end_acked(self, ids: np.ndarray, changed: np.ndarray, states: np.ndarray) -> np.ndarray:
+        """End, as one batch, the features among ``changed`` (indices into ``ids``, the slots swept) that their
         producers published and all their consumers acked since the last sweep; the indices left for
         ``_on_state``. Each is checked as ``_on_state`` would: a slot of an arena that takes features,
         no live lease in it, a new generation, its entry inside the arena, and its ack word naming that
@@ -189,7 +205,7 @@ class Sweeper:
         if not len(changed):
             return changed
         ledger, table = self.ledger, self.table
-        slots = changed + lo
+        slots = ids[changed]
         words = states[changed]
         gens = words >> 2
         arena = ledger.arenas.blocks[slots // ledger.space.block]
