@@ -106,8 +106,11 @@ class Acker:
         return self._sync(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
-        """End the thread once it has sent what was submitted before."""
-        self._queue.put(None)
+        """End every lane's thread once it has sent what was submitted to it before."""
+        with self._cond:
+            lanes = list(self._lanes.values())
+        for q, _ in lanes:
+            q.put(None)
 
     def close(self, timeout: float) -> None:
         if not self.flush(timeout):
