@@ -20,7 +20,7 @@ from mmfeat.protos.keys import MAX_LOOKUP_KEYS
 
 from .core import DaemonCore, Remote
 from .leases.allocator import align_up
-from .leases.keys import hold_descriptor
+from .leases.keys import dedups, hold_descriptor
 from .leases.sessions import MAX_PENDING_SESSIONS
 
 log = logging.getLogger("mmfeatd")
@@ -111,7 +111,7 @@ def reserve(core: DaemonCore, req: m.ReserveRequest, now: float) -> m.LeaseReply
     pool_id = core.pool_for(req.device)
     if req.key is not None:
         live = _found(core, req.key, now)
-        if live is not None:
+        if live is not None and dedups(live, req.retain_ttl):
             # Dedup before any byte is written: the producer gets the live feature instead of a lease.
             core.counters.dedups += 1
             core.ledger.keys.count(req.key, "dedups")

@@ -93,6 +93,13 @@ class KeyIndex:
         return entry
 
 
+def dedups(live: Lease, retain_ttl: Optional[float]) -> bool:
+    """Whether a put under the key of ``live`` is answered with ``live`` instead of a lease of its own:
+    only when both are retained. A counted feature's consumer count protects its own consumers alone, so
+    a second put's consumers would be acked off the first's count (and read it freed)."""
+    return live.retain_ttl is not None and retain_ttl is not None
+
+
 def checked_descriptor(data: Optional[bytes], lease: Lease, epoch: int) -> bytes:
     """``data`` if it is a pool descriptor of exactly this lease (what lookups will answer); BAD_REQUEST
     otherwise, since a consumer would read what it names."""

@@ -24,7 +24,7 @@ from .allocator import Allocator, align_up
 from .arenas import BLOCK_SIZE, Arena, Arenas
 from .counters import Counters
 from .deadlines import Deadlines
-from .keys import KeyIndex, checked_descriptor
+from .keys import KeyIndex, checked_descriptor, dedups
 from .retention import Retention
 from .lease import END_CODE, END_REASONS, EndReason, FreeObserver, Lease, LeaseState, QuickObserver
 from .lease_table import LeaseTable
@@ -207,11 +207,15 @@ class Ledger(Retention):
         if lease.key is not None:
             descriptor = checked_descriptor(descriptor, lease, self.epoch)
             live = self.keys.find(lease.key)
-            if live is not None:
+            if live is not None and dedups(live, lease.retain_ttl):
                 self.counters.dedups += 1
                 self.keys.count(lease.key, "dedups")
                 self._free(lease, EndReason.DEDUPED, now)
                 return live
+            if live is not None:
+                # A counted feature's consumers are counted on its own lease: it is published under no
+                # key, and the key keeps naming the feature it names.
+                lease.key = descriptor = None
         elif descriptor is not None:
             raise MmfeatError(ErrorCode.BAD_REQUEST, f"lease {lease.lease_id} has no key: publish it without a "
                               "descriptor (only keyed features are looked up)")
