@@ -24,7 +24,11 @@ def key_problem(key: Any) -> str:
     """Why ``key`` is not a key; "" when it is one."""
     if type(key) is not str:
         return f"a key is a str, not {type(key).__name__}"
-    size = len(key.encode("utf-8", "surrogatepass"))
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        # A lone surrogate: no frame can carry it, and no other process could spell the key.
+        return f"key {key[:80]!r} is not valid UTF-8 (it holds a lone surrogate): make names of text or hex digits"
     if size > MAX_KEY_BYTES:
         return (f"key is {size} bytes of utf-8, over the {MAX_KEY_BYTES} a key may have: hash a longer "
                 "identifier into the name")
@@ -73,10 +77,13 @@ class Namespace:
         for name in ("framework", "version", "model", "dtype", "prefix"):
             if type(getattr(self, name)) is not str:
                 raise TypeError(f"Namespace.{name} must be a str, not {type(getattr(self, name)).__name__}")
+            if "\0" in getattr(self, name):
+                # The id hashes the fields joined by NUL: a NUL inside one would let two namespaces share it.
+                raise ValueError(f"Namespace.{name} must not contain a NUL character")
 
     @property
     def id(self) -> str:
-        # NUL-separated: no field can contain the separator of a str made from other fields.
+        # NUL-separated, and no field holds a NUL (__post_init__): two namespaces never join alike.
         fields = "\0".join((self.framework, self.version, self.model, self.dtype, self.prefix))
         return hashlib.sha256(fields.encode("utf-8", "surrogatepass")).hexdigest()[:NAMESPACE_CHARS]
 
