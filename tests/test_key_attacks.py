@@ -4,12 +4,15 @@ books after each (SPEC.md, section 3, "Keys and lifetimes"; section 9)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from mmfeat.client import ErrorCode, MmfeatError, Namespace
+from mmfeat.client import Client, ErrorCode, MmfeatError, Namespace
 from mmfeat.protos.lease_table import DONE, PUBLISHED, STATE, state_word
 
+from .conftest import start_daemon
 from .test_keys import books_balance
 from .test_table_attacks import HostileTable
 
@@ -93,3 +96,85 @@ def test_namespace_fields_with_nul_are_refused_so_no_two_namespaces_share_an_id(
         Namespace("a\0b", "c", "m", "d")
     with pytest.raises(ValueError):
         Namespace("a", "b", "m", "d", prefix="p\0")
+
+
+def test_a_scheduler_across_a_restart_misses_once_then_holds_on_the_new_daemon(runtime_dir) -> None:
+    """The connector's scheduler saw the key (has), the daemon restarted, then it holds: that hold
+    misses (the key is gone with the epoch), and the same client holds on the new daemon after."""
+    key = NS.key("across")
+    d = start_daemon(runtime_dir, "--pool-mb", "16")
+    scheduler = Client(runtime_dir, map_pools=False, timeout=5.0)
+    try:
+        with Client(runtime_dir) as p:
+            p.put(torch.ones(4096), key=key, retain_ttl=300.0)
+        assert scheduler.has_many([key]) == [True]
+        assert d.stop() == 0
+        d.proc.communicate()
+        d = start_daemon(runtime_dir, "--pool-mb", "16")
+        assert scheduler.hold(key, count=2) is None
+        with Client(runtime_dir) as p:
+            p.put(torch.full((4096,), 3.0), key=key, retain_ttl=300.0)
+            assert scheduler.has(key)
+            h = scheduler.hold(key, count=1)
+            assert h is not None and d.stats()["holds"] == 1
+            assert torch.equal(p.get(h, copy=True), torch.full((4096,), 3.0))
+            p.ack(h)
+            p.flush()
+        assert d.stats()["holds"] == 0 and scheduler.evict(key)
+        books_balance(d)
+    finally:
+        scheduler.close()
+        d.stop()
+
+
+def test_a_holds_descriptor_acked_past_its_count_ends_that_hold_only(daemon) -> None:
+    """Acks beyond a hold's count (a rank retrying, a forged copy) end no other hold and never the
+    feature while another hold lives; acks of the feature's own descriptor change nothing."""
+    key = NS.key("acked-often")
+    with daemon.client() as c, daemon.client(map_pools=False) as scheduler:
+        d = c.put(torch.ones(4096), key=key, retain_ttl=300.0)
+        h1, h2 = scheduler.hold(key, count=1), scheduler.hold(key, count=1)
+        assert h1.lease != h2.lease
+        c.ack(h1)
+        for _ in range(3):
+            with pytest.raises(MmfeatError) as e:
+                c.request("ack", lease=h1.lease_ref(), count=1)
+            assert e.value.code in (ErrorCode.NOT_FOUND, ErrorCode.STALE)
+        forged = dataclasses.replace(h2, token=bytes(16))
+        with pytest.raises(MmfeatError) as e:
+            c.request("ack", lease=forged.lease_ref(), count=4096)
+        assert e.value.code is ErrorCode.FORBIDDEN
+        for _ in range(5):
+            c.ack(d)
+        assert scheduler.evict(key)  # held by h2: its bytes stay
+        c.flush()
+        assert daemon.stats()["holds"] == 1
+        assert torch.equal(c.get(h2, copy=True), torch.ones(4096))
+        c.ack(h2)
+        c.flush()
+    books_balance(daemon)
+
+
+def test_keys_at_the_limits(daemon) -> None:
+    """128 keys of 256 bytes each (multi-byte names) in one lookup fit a frame; 129 are TOO_LARGE from
+    the client and from the daemon alike; a retain_ttl the client would refuse is refused on the wire."""
+    stem = NS.key("x")[:-1]
+    names = [("é" * 200)[: (256 - len(stem) - 3) // 2] + f"{i:03d}" for i in range(129)]
+    keys = [stem + n for n in names]
+    assert all(len(k.encode()) in (255, 256) for k in keys)
+    with daemon.client() as c:
+        c.put(torch.ones(4096), key=keys[127], retain_ttl=300.0)
+        assert c.has_many(keys[:128]) == [False] * 127 + [True]
+        with pytest.raises(MmfeatError) as e:
+            c.has_many(keys)
+        assert e.value.code is ErrorCode.TOO_LARGE
+        with pytest.raises(MmfeatError) as e:
+            c.request("lookup_key", keys=keys)
+        assert e.value.code in (ErrorCode.TOO_LARGE, ErrorCode.BAD_REQUEST)
+        session = c.request("hello")["session"]
+        for ttl in (0, -1.0, float("nan"), float("inf"), 1e12):
+            with pytest.raises(MmfeatError) as e:
+                c.request("reserve", session=session, nbytes=4096, retain_ttl=ttl, key=NS.key("ttl"))
+            assert e.value.code is ErrorCode.BAD_REQUEST
+        assert c.evict(keys[127])
+    books_balance(daemon)
