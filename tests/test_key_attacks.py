@@ -17,6 +17,7 @@ from .test_keys import books_balance
 from .test_table_attacks import HostileTable
 
 NS = Namespace(framework="vllm", version="0.32.0", model="Qwen/Qwen2-VL", dtype="bfloat16")
+MIB = 1 << 20
 
 
 def test_two_counted_puts_under_one_key_each_keep_their_consumers(daemon) -> None:
@@ -178,3 +179,48 @@ def test_keys_at_the_limits(daemon) -> None:
             assert e.value.code is ErrorCode.BAD_REQUEST
         assert c.evict(keys[127])
     books_balance(daemon)
+
+
+def test_a_producer_at_max_session_leases_evicts_its_own_oldest_unheld_retained_features(daemon_factory) -> None:
+    """Retained features are a cache: a producer whose retained features fill its max_session_leases has
+    its own oldest unheld ones evicted for its next put, which stays in the pool, never a held one."""
+    d = daemon_factory("--pool-mb", "16", "--max-session-leases", "4")
+    keys = [NS.key(f"own{i}") for i in range(7)]
+    with d.client(fallback="error") as producer, d.client(map_pools=False) as scheduler:
+        for i, k in enumerate(keys[:4]):
+            producer.put(torch.full((4096,), float(i)), key=k, retain_ttl=300.0)
+        h = scheduler.hold(keys[0], count=1)
+        for i, k in enumerate(keys[4:], 4):
+            assert not producer.put(torch.full((4096,), float(i)), key=k, retain_ttl=300.0).is_inline
+        assert producer.has_many(keys) == [True, False, False, False, True, True, True]
+        assert d.stats()["counters"]["evictions"] == 3
+        assert torch.equal(producer.get(h, copy=True), torch.zeros(4096))
+        producer.ack(h)
+        producer.flush()
+        assert all(producer.evict(k) for k in (keys[0], *keys[4:]))
+    books_balance(d)
+
+
+def test_a_holder_that_holds_every_key_is_bounded_by_max_session_leases(daemon_factory) -> None:
+    """A member of the group holds all it can: its holds are capped by max_session_leases (holds hold no
+    bytes of their own, so max_session_mb does not cap what they keep), and its end ends every hold."""
+    d = daemon_factory("--pool-mb", "16", "--max-session-leases", "4")
+    keys = [NS.key(f"hog{i}") for i in range(6)]
+    for half in (keys[:3], keys[3:]):
+        with d.client(fallback="error") as producer:
+            for k in half:
+                producer.put(torch.full((MIB // 4,), float(keys.index(k))), key=k, retain_ttl=300.0)
+    hog = d.client(map_pools=False)
+    try:
+        holds = [hog.hold(k, count=4096) for k in keys[:4]]
+        assert all(h is not None for h in holds)
+        with pytest.raises(MmfeatError) as e:
+            hog.hold(keys[4], count=1)
+        assert e.value.code is ErrorCode.OVER_QUOTA and "max_session_leases" in str(e.value)
+    finally:
+        hog.close()
+    s = d.wait_for(lambda s: s["holds"] == 0, timeout=30, what="the hog's holds to end")
+    assert s["counters"]["holds_reclaimed"] == 4
+    with d.client() as c:
+        assert [c.evict(k) for k in keys] == [True] * 6
+    books_balance(d)

@@ -119,7 +119,10 @@ class Ledger(Retention):
             raise MmfeatError(ErrorCode.POOL_FULL,
                               f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
         if quota:
-            self.books.admit_single(session, align_up(nbytes, alloc.alignment))
+            size = align_up(nbytes, alloc.alignment)
+            if not self.books.admits_single(session, size):
+                self.evict_own(session, size, now)
+            self.books.admit_single(session, size)
         lease_id = self.space.take()
         if lease_id is None:
             self.counters.pool_full += 1

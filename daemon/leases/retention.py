@@ -47,6 +47,8 @@ class Retention:
             raise MmfeatError(ErrorCode.BAD_STATE, "that descriptor is a hold: hold the feature itself (its key)")
         if base.state is not LeaseState.PUBLISHED or base.doomed is not None:
             raise MmfeatError(ErrorCode.NOT_FOUND, f"lease {base.lease_id} is not published, or was evicted")
+        if not self.books.admits_single(session, 0):
+            self.evict_own(session, 0, now, keep=base)
         try:
             self.books.check_single(session)
         except MmfeatError:
@@ -126,6 +128,22 @@ class Retention:
             short_of_slots = self.live >= self.max_leases or not self.space.has_single
             if pool_id is not None and lease.pool_id != pool_id and not short_of_slots:
                 continue  # its range would not help this pool
+            self.counters.evictions += 1
+            self.keys.count(lease.key, "evictions")
+            self._free(lease, EndReason.EVICTED, now)
+            n += 1
+        return n
+
+    def evict_own(self, session: bytes, size: int, now: float, keep: Optional[Lease] = None) -> int:
+        """Free ``session``'s own retained features nothing holds, oldest first, until its quota admits a
+        lease of ``size`` bytes; the number freed. Retained features are a cache: the producer's own
+        cache must not turn its next put inline, as the pool's need for space does not."""
+        n = 0
+        for lease in self.keys.evictable():
+            if self.books.admits_single(session, size):
+                break
+            if lease.session != session or lease is keep:
+                continue
             self.counters.evictions += 1
             self.keys.count(lease.key, "evictions")
             self._free(lease, EndReason.EVICTED, now)
