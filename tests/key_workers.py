@@ -35,3 +35,20 @@ def reader(runtime_dir: str, hold: bytes, out_q: Any) -> None:
         c.ack(hold)
         c.flush()
     out_q.put(float(t.sum()))
+
+
+def racing_producer(runtime_dir: str, keys: list[str], value: float, go: Any, out_q: Any) -> None:
+    """Put one retained feature per key, all at once with other producers of the same keys (``go``
+    starts them together), half by reserve and publish; report each descriptor and what it reads."""
+    with Client(runtime_dir, fallback="error") as c:
+        go.wait(60)
+        out = []
+        for i, k in enumerate(keys):
+            if i % 2:
+                r = c.reserve((4096,), torch.float32, key=k, retain_ttl=300.0)
+                r.fill_(value)
+                d = c.publish(r)
+            else:
+                d = c.put(torch.full((4096,), value), key=k, retain_ttl=300.0)
+            out.append((d.to_bytes(), float(c.get(d, copy=True)[0])))
+    out_q.put(out)

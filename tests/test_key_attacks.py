@@ -12,6 +12,7 @@ import torch
 from mmfeat.client import Client, ErrorCode, MmfeatError, Namespace
 from mmfeat.protos.lease_table import DONE, PUBLISHED, STATE, state_word
 
+from . import key_workers
 from .conftest import start_daemon
 from .test_keys import books_balance
 from .test_table_attacks import HostileTable
@@ -224,3 +225,32 @@ def test_a_holder_that_holds_every_key_is_bounded_by_max_session_leases(daemon_f
     with d.client() as c:
         assert [c.evict(k) for k in keys] == [True] * 6
     books_balance(d)
+
+
+def test_producers_in_four_processes_racing_on_the_same_keys_make_one_feature_per_key(daemon, children) -> None:
+    """Each key ends with exactly one feature, every producer was handed that feature's descriptor, whose
+    bytes are one whole put's (never a mix), and nothing else is left in the pool."""
+    keys = [NS.key(f"race{i}") for i in range(24)]
+    go, q = children.Event(), children.Queue()
+    procs = [children.Process(target=key_workers.racing_producer, args=(str(daemon.runtime_dir), keys, float(v), go, q))
+             for v in range(1, 5)]
+    for p in procs:
+        p.start()
+    go.set()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    with daemon.client() as c:
+        for i, k in enumerate(keys):
+            live = c.lookup(k)
+            assert {r[i][0] for r in results} == {live.to_bytes()}
+            t = c.get(live, copy=True)
+            assert len({r[i][1] for r in results}) == 1 and torch.equal(t, torch.full((4096,), t[0].item()))
+        s = c.stats()
+        assert s["leases"]["PUBLISHED"] == len(keys) and s["namespaces"][NS.id]["keys"] == len(keys)
+        # At least three puts per key were answered with the live feature (a reserve under a live key
+        # counts once more: the client then puts, which asks again).
+        assert s["counters"]["dedups"] >= 3 * len(keys)
+        assert all(c.evict(k) for k in keys)
+    books_balance(daemon)
