@@ -254,3 +254,33 @@ def test_producers_in_four_processes_racing_on_the_same_keys_make_one_feature_pe
         assert s["counters"]["dedups"] >= 3 * len(keys)
         assert all(c.evict(k) for k in keys)
     books_balance(daemon)
+
+
+def test_a_zero_copy_view_read_under_a_hold_survives_an_evict_and_the_pools_reuse(daemon) -> None:
+    with daemon.client() as c, daemon.client(map_pools=False) as scheduler:
+        key = NS.key("viewed")
+        c.put(torch.ones(65536), key=key, retain_ttl=300.0)
+        h = scheduler.hold(key, count=1)
+        view = c.get(h)
+        assert c.evict(key)  # held: its bytes stay
+        c.put(torch.full((65536,), 9.0), key=NS.key("next"), retain_ttl=300.0)
+        assert torch.equal(view, torch.ones(65536))
+        del view
+        c.ack(h)
+        assert c.evict(NS.key("next"))
+    books_balance(daemon)
+
+
+@pytest.mark.xfail(strict=True, reason="a limit (reliability.md, What does not hold): a zero-copy view of a retained "
+                   "feature read without a hold is not protected; its range is reused once it is evicted")
+def test_a_zero_copy_view_read_by_key_without_a_hold_survives_an_evict(daemon) -> None:
+    with daemon.client() as c:
+        key = NS.key("unheld-view")
+        c.put(torch.ones(65536), key=key, retain_ttl=300.0)
+        view = c.get(key=key)
+        assert c.evict(key)
+        c.put(torch.full((65536,), 9.0), key=NS.key("over"), retain_ttl=300.0)
+        try:
+            assert torch.equal(view, torch.ones(65536))
+        finally:
+            c.evict(NS.key("over"))
