@@ -138,6 +138,8 @@ class Retention:
         """Free ``session``'s own retained features nothing holds, oldest first, until its quota admits a
         lease of ``size`` bytes; the number freed. Retained features are a cache: the producer's own
         cache must not turn its next put inline, as the pool's need for space does not."""
+        if self.books.quota_bytes and size > self.books.quota_bytes:
+            return 0  # no eviction makes room for it: its refusal says so
         n = 0
         for lease in self.keys.evictable():
             if self.books.admits_single(session, size):
