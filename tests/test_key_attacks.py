@@ -284,3 +284,15 @@ def test_a_zero_copy_view_read_by_key_without_a_hold_survives_an_evict(daemon) -
             assert torch.equal(view, torch.ones(65536))
         finally:
             c.evict(NS.key("over"))
+
+
+def test_a_put_larger_than_the_whole_session_quota_evicts_nothing_of_its_producer(daemon_factory) -> None:
+    d = daemon_factory("--pool-mb", "16", "--max-session-mb", "1")
+    keys = [NS.key(f"small{i}") for i in range(3)]
+    with d.client() as producer:
+        for k in keys:
+            producer.put(torch.ones(4096), key=k, retain_ttl=300.0)
+        assert producer.put(torch.ones(MIB), key=NS.key("huge"), retain_ttl=300.0).is_inline
+        assert producer.fallbacks["over_quota"] == 1 and producer.has_many(keys) == [True] * 3
+        assert all(producer.evict(k) for k in keys)
+    books_balance(d)
