@@ -12,7 +12,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver, collect_ec_item_metadata
 
-from mmfeat.client import Client, Namespace
+from mmfeat.client import Client, MmfeatError, Namespace
 
 from .metadata import StepLoads, StepReport
 from .scheduler_side import SchedulerSide
@@ -74,6 +74,14 @@ class MmfeatECConnector(ECConnectorBase):
             self._worker = WorkerSide(client, self._ns, self._settings, self.is_producer, self.is_consumer,
                                       _tp_rank, _device)
         self._client = client
+        if role != ECConnectorRole.SCHEDULER:
+            # Map the pool now, not in the first save or load: vLLM's CPU worker never calls
+            # start_worker_services. A daemon that is away is no reason to stop the engine: saves and
+            # loads then fail over (consumers encode the items themselves).
+            try:
+                client.connect()
+            except MmfeatError as e:
+                log.warning("mmfeat EC connector: no daemon yet (%s); saves and loads will retry", e)
         log.info("mmfeat EC connector: %s, %s, namespace %s, lifetime %s", role.name.lower(),
                  config.ec_role, self._ns.id, self._settings.lifetime)
 
