@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mmfeat.protos.descriptor import Descriptor
-from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, FdLimitError, MmfeatError
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.keys import check_key, check_keys
 from mmfeat.protos.messages import MAX_CONSUMERS, MAX_RETAIN_TTL_S, FallbackReason, HoldReply, LeaseReply, \
     LookupKeyReply
@@ -25,7 +25,7 @@ from mmfeat.protos.messages import MAX_CONSUMERS, MAX_RETAIN_TTL_S, FallbackReas
 from ..link.channel import ControlChannel
 from ..link.session import Session
 from . import packing
-from .producer import _FALLBACK_ERRORS, Producer, _write
+from .producer import Producer, _write
 from .put_in_flight import PutInFlight
 
 
@@ -66,17 +66,10 @@ class KeyedPuts:
         writing: list[Session] = []
         try:
             return self._in_pool(put, device, keyed, writing)
-        except FdLimitError as exc:
-            return p._fallback_or_raise(put, FallbackReason.FD_LIMIT, exc)
-        except DaemonUnavailableError as exc:
-            p._fallbacks.mark_down()
-            return p._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
         except MmfeatError as exc:
-            reason = _FALLBACK_ERRORS.get(exc.code)
-            if reason is None:
-                raise
-            # The pool had no room even after evicting what nothing held: inline, and no key finds it.
-            return p._fallback_or_raise(put, reason, exc)
+            # As put's: a pool with no room even after evicting what nothing held means inline, and no
+            # key finds that feature.
+            return p.fall_back(put, exc)
         finally:
             for s in writing:
                 s.end_write()

@@ -149,17 +149,8 @@ class Producer:
                 return desc
             asked_at = time.monotonic()
             session, reply = self._reserve(session, pool, put, writing)
-        except FdLimitError as exc:  # the daemon may be fine: no probing, only a pause
-            self._fd_short = (time.monotonic() + _FD_SHORT_S, exc)
-            return self._fallback_or_raise(put, FallbackReason.FD_LIMIT, exc)
-        except DaemonUnavailableError as exc:
-            self._fallbacks.mark_down()
-            return self._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
         except MmfeatError as exc:
-            reason = _FALLBACK_ERRORS.get(exc.code)
-            if reason is None:
-                raise
-            return self._fallback_or_raise(put, reason, exc)
+            return self.fall_back(put, exc)
         lease = reply.lease
         desc = put.descriptor(session, self._channel.endpoint, lease.pool, lease.lease, lease.gen, lease.token,
                               lease.offset)
@@ -290,6 +281,20 @@ class Producer:
             session.fd.call("release", lease=desc.lease_ref())
         except MmfeatError:
             pass  # it expires after reserve_ttl anyway
+
+    def fall_back(self, put: PutInFlight, exc: MmfeatError) -> Descriptor:
+        """The inline fallback (or, with fallback="error", the raise) that a failure of the pool path calls
+        for; an error no fallback answers is raised."""
+        if isinstance(exc, FdLimitError):  # the daemon may be fine: no probing, only a pause
+            self._fd_short = (time.monotonic() + _FD_SHORT_S, exc)
+            return self._fallback_or_raise(put, FallbackReason.FD_LIMIT, exc)
+        if isinstance(exc, DaemonUnavailableError):
+            self._fallbacks.mark_down()
+            return self._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
+        reason = _FALLBACK_ERRORS.get(exc.code)
+        if reason is None:
+            raise exc
+        return self._fallback_or_raise(put, reason, exc)
 
     def _fallback_or_raise(self, put: PutInFlight, reason: FallbackReason, exc: Exception) -> Descriptor:
         if self.fallback == "error":
