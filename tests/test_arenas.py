@@ -263,6 +263,28 @@ def test_a_producer_asks_for_its_next_arena_before_the_first_fills(daemon_factor
     d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
 
 
+def test_a_burst_asks_ahead_for_every_next_arena_while_the_full_ones_are_still_read(daemon_factory) -> None:
+    """A producer ahead of its consumer fills arena after arena, and the full ones stay in its set until
+    their features end. Each next arena is still asked for once the current one is half full, so no put
+    of the burst finds every arena full and reserves (two requests, where the arena's is one for a ring)."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arenas-per-session", "8")
+    with d.client(inline_threshold=0, fallback="error") as c:
+        held = []
+        for k in range(15 * 5):  # 64 KiB each, 15 to an arena: five arenas' worth, none acked
+            held.append(c.put(torch.full((16 * 1024,), float(k))))
+            # The put that passed half asked without waiting; the one after reads the grant. Waiting for
+            # the daemon's answer here takes the machine's speed out of it: what is tested is the asking.
+            assert c.session.fd.sync(10.0)
+        s = d.stats()
+        assert s["counters"]["reserves"] == 0, "a put of the burst found every arena full and reserved"
+        assert s["counters"]["arena_publishes"] == 75 and s["counters"]["arenas_granted"] >= 5
+        for k, desc in enumerate(held):
+            assert torch.equal(c.get(desc), torch.full((16 * 1024,), float(k)))
+            c.ack(desc)
+        assert c.flush()
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
+
+
 def test_a_feature_over_half_an_arena_goes_to_an_arena_of_its_size_class(daemon_factory) -> None:
     """A feature over half the usual arena costs no message either: the producer asks once for an arena
     of its size class (a power of two at least twice it), and the next ones of that class go there. One

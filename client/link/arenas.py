@@ -182,6 +182,18 @@ class ProducerArena:
         return any(not p.published and not p.abandoned for p in self._ring)
 
 
+def _spare(low: ProducerArena, fitting: list[ProducerArena]) -> bool:
+    """Whether an arena of ``fitting`` other than ``low`` is under its low water. Arenas a burst filled
+    stay in the set until their features end: counting them as room would let the next arena be asked
+    for only once the last one is full, and the feature that finds it full reserve meanwhile."""
+    for a in fitting:
+        if a is not low:
+            a.reclaim()  # what its consumers finished since a put last looked there counts as room
+            if not a.low():
+                return True
+    return False
+
+
 class ArenaSet:
     """The arenas of one session, by pool: they live in ``table`` and are asked for and returned on
     the session's fd channel. Safe to share between threads."""
@@ -233,7 +245,7 @@ class ArenaSet:
         p = first.place(nbytes)
         if p is not None and first.used > first.size * _LOW_WATER:
             try:
-                self._ask_ahead(pool, device, nbytes, arenas)
+                self._ask_ahead(pool, device, nbytes, first, arenas)
             except BaseException:  # the daemon is gone: the caller falls back, and this space comes back
                 _drop(p)
                 raise
@@ -262,7 +274,7 @@ class ArenaSet:
                 if arena is not arenas[0]:  # keep the arena that had room first next time
                     arenas.remove(arena)
                     arenas.insert(0, arena)
-                if arena.low() and len(fitting) == 1:  # the next one, before this one fills
+                if arena.low() and not _spare(arena, fitting):  # the next one, before this one fills
                     try:
                         self._request(pool, device, large, wait=False)
                     except BaseException:  # as in _place_first: the put falls back, its space comes back
@@ -272,13 +284,11 @@ class ArenaSet:
         self._request(pool, device, large, wait=False)
         return None
 
-    def _ask_ahead(self, pool: int, device: Optional[int], nbytes: int, arenas: list[ProducerArena]) -> None:
-        """Ask for the next arena of ``nbytes``'s class while the only one that takes it runs low."""
-        fitting = 0
-        for a in arenas:
-            if nbytes <= a.size * MAX_FEATURE_FRACTION:
-                fitting += 1
-        if fitting == 1:
+    def _ask_ahead(self, pool: int, device: Optional[int], nbytes: int, low: ProducerArena,
+                   arenas: list[ProducerArena]) -> None:
+        """Ask for the next arena of ``nbytes``'s class while ``low``, which took this feature, runs low
+        and no other arena that takes the class has room to spare."""
+        if not _spare(low, [a for a in arenas if nbytes <= a.size * MAX_FEATURE_FRACTION]):
             large = nbytes if nbytes > self._usual[pool] * MAX_FEATURE_FRACTION else None
             self._request(pool, device, large, wait=False)
 
