@@ -158,14 +158,15 @@ def arena(core: DaemonCore, req: m.ArenaRequest, now: float) -> m.ArenaReply:
     if not core.arenas_enabled:
         raise MmfeatError(ErrorCode.BAD_STATE,
                           "this daemon grants no arenas (arena_mb = 0, or no libatomic); reserve instead")
-    # First its own slots: it may cut this session. Unacked publishes stay left as timer sweeps leave
-    # them: a producer ahead of its consumers asks for arenas as it goes, and adopting its burst here
-    # one by one would cost more than the burst's whole batch.
-    core.sweep_session(now, req.session, defer_unacked=True)
+    # No sweep first: a grant depends on no table word while there is room, and a producer ahead of its
+    # consumers asks for an arena every few dozen features, each ask costing a cache-cold sweep of all
+    # its arenas' blocks (most of what a burst cost the daemon). A session whose words would cut it is
+    # cut by the timer's next sweep, which gives back this arena with the others.
     _arena_holder(core, req.session)
     pool_id = core.pool_for(req.device)
     if not core.arenas.room_for(req.session, pool_id, req.nbytes):
-        # Other sessions' acks may have freed a range or a block (a returned arena's last feature).
+        # Acks may have freed a range or a block (a returned arena's last feature), and a sweep may cut
+        # this session: the whole table, unacked publishes left as timer sweeps leave them.
         core.sweep(now, defer_unacked=True)
         _arena_holder(core, req.session)
     a = core.arenas.grant(req.session, pool_id, req.nbytes)
