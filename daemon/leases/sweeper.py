@@ -47,6 +47,15 @@ DEFER_MAX_S = 60.0
 _CAS_TRIES = 8
 
 
+def _distinct(slots: np.ndarray) -> np.ndarray:
+    """``slots`` sorted, each once (as np.unique, which imports numpy.ma on its first call: tens of
+    milliseconds inside the first request that sweeps by slot)."""
+    slots = np.sort(slots)
+    if len(slots) > 1:
+        slots = slots[np.concatenate(([True], slots[1:] != slots[:-1]))]
+    return slots
+
+
 class Sweeper:
     def __init__(self, table: LeaseTable, ledger: Ledger) -> None:
         self.table = table
@@ -84,7 +93,7 @@ class Sweeper:
         if slots is None:
             parts: list = [slice(lo, hi) for lo, hi in ranges]
         else:
-            slots = np.unique(np.asarray(slots, dtype=np.int64))
+            slots = _distinct(np.asarray(slots, dtype=np.int64))
             inside = np.zeros(len(slots), dtype=bool)
             for lo, hi in ranges:
                 inside |= (slots >= lo) & (slots < hi)
