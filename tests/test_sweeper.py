@@ -246,3 +246,42 @@ def test_a_request_sweeps_what_its_reply_needs_never_other_sessions_words() -> N
     finally:
         mm.close()
         core.close()
+
+
+def test_an_arena_grant_with_room_sweeps_nothing() -> None:
+    """A producer ahead of its consumers asks for an arena every few dozen features: a grant the session
+    and the pool have room for reads no table word (a sweep of the session's blocks each time was most of
+    what such a burst cost the daemon). Words its session wrote meanwhile are still read by later sweeps,
+    which is what may cut it."""
+    import os
+
+    from mmfeat.daemon import handlers
+    from mmfeat.daemon.config import Settings
+    from mmfeat.daemon.core import DaemonCore
+    from mmfeat.daemon.leases.sessions import PeerCred
+    from mmfeat.daemon.pools.host import HostPool
+    from mmfeat.protos import messages as m
+
+    core = DaemonCore(Settings(max_leases=4 * SLOTS, arena_slots=16, arenas_per_session=3, arena_mb=1),
+                      [HostPool(0, 1 << 25)])
+    mm = mmap.mmap(core.table.fd, table_bytes(4 * SLOTS), flags=mmap.MAP_SHARED)
+    try:
+        token = handlers.hello(core, m.HelloRequest(name="producer", pid=os.getpid()), 1.0).session
+        core.sessions.attach(token, PeerCred(os.getpid(), os.getuid(), os.getgid()))
+        first = handlers.arena(core, m.ArenaRequest(session=token), 1.0).arena
+        forged = state_word(99, PUBLISHED)  # refused once read: outside the arena's range
+        _U64.pack_into(mm, word_offset(4 * SLOTS, first.slot_base, OFFSET), 1 << 40)
+        _U64.pack_into(mm, word_offset(4 * SLOTS, first.slot_base, STATE), forged)
+        sweeps = core.counters.sweeps
+        handlers.arena(core, m.ArenaRequest(session=token), 2.0)
+        assert core.counters.sweeps == sweeps, "an arena grant with room swept the table"
+        assert _U64.unpack_from(mm, word_offset(4 * SLOTS, first.slot_base, STATE))[0] == forged
+        handlers.arena(core, m.ArenaRequest(session=token), 2.0)
+        with pytest.raises(Exception):  # the session's limit: the grant short of room sweeps, then refuses
+            handlers.arena(core, m.ArenaRequest(session=token), 2.0)
+        assert core.counters.sweeps == sweeps + 1
+        core.sweep(3.0)  # as stats sweeps: nothing left for later
+        assert core.counters.bad_table_words == 1
+    finally:
+        mm.close()
+        core.close()
