@@ -97,6 +97,69 @@ def test_the_last_ack_hands_the_space_back_before_the_daemon_sweeps(daemon) -> N
     assert daemon.pool()["used"] == 0
 
 
+def test_a_ring_whose_oldest_ack_lags_keeps_placing_in_its_arena(daemon_factory) -> None:
+    """A producer with a few features in flight whose consumer acks late (a background acker) finds
+    room in the arena it uses: its ring goes back to the arena's start only once the start holds what is
+    in flight, so a lagging ack does not fill a ring wrapped into one feature's room and send the
+    producer to a second arena (or a reserve) with this one nearly empty."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1")
+    with d.client(inline_threshold=0, fallback="error") as c:
+        x = [torch.full((16 * 1024,), float(k)) for k in range(6)]  # 64 KiB each, 16 to the arena
+        a, b = c.put(x[0]), c.put(x[1])
+        c.ack(a)  # the oldest ends; b is still being read, and its consumer's ack lags
+        later = [c.put(t) for t in x[2:]]
+        s = d.stats()
+        assert s["counters"]["reserves"] == 0 and s["counters"]["arenas_granted"] == 1, s["counters"]
+        assert len({desc.offset for desc in [b, *later]}) == 5
+        for k, desc in enumerate([b, *later], start=1):
+            assert torch.equal(c.get(desc), x[k])
+            c.ack(desc)
+        assert c.flush()
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arena to go back")
+
+
+def test_a_producer_short_of_slots_asks_for_a_sweep_and_keeps_its_arena(daemon_factory) -> None:
+    """A slot comes back only once the daemon's sweep wrote FREE. A producer whose arena is down to a
+    quarter of its slots, with as many waiting for FREE, pings the daemon (quiet, on its fd channel)
+    instead of running out and taking another arena for features that fit this one; once."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arena-slots", "16")
+    with d.client(inline_threshold=0, timeout=5.0, fallback="error") as c:
+        c.ack(c.put(torch.zeros(1024)))
+        before = d.stats()["counters"]
+        d.proc.send_signal(signal.SIGSTOP)  # no timer sweep hands a slot back meanwhile
+        try:
+            for k in range(14):  # each acked at once: its space is back, its slot waits for FREE
+                c.ack(c.put(torch.full((1024,), float(k))))
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        after = d.stats()["counters"]
+        assert after["requests"] - before["requests"] == 2, "one ping for slots, then this stats"
+        assert after["arenas_granted"] == before["arenas_granted"] == 1 and after["reserves"] == 0
+        arena = c.session.arenas._arenas[0][0]
+        arena.reclaim()
+        assert len(arena._free_slots) == 16, "the ping's sweep wrote FREE in every finished feature's slot"
+        assert c.flush()
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arena to go back")
+
+
+def test_a_burst_of_small_features_asks_ahead_by_slots(daemon_factory) -> None:
+    """Small features run an arena out of slots long before its bytes: the next arena is asked for
+    once half the slots hold live features, so the burst reserves nothing at the turnover."""
+    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arena-slots", "16", "--arenas-per-session", "8")
+    with d.client(inline_threshold=0, fallback="error") as c:
+        held = []
+        for k in range(16 * 4):  # 4 KiB each: four arenas' slots, a sixteenth of their bytes
+            held.append(c.put(torch.full((1024,), float(k))))
+            assert c.session.fd.sync(10.0)  # as in the burst test: the machine's speed taken out of it
+        s = d.stats()["counters"]
+        assert s["reserves"] == 0 and s["arena_publishes"] == 64 and s["arenas_granted"] >= 4, s
+        for k, desc in enumerate(held):
+            assert torch.equal(c.get(desc), torch.full((1024,), float(k)))
+            c.ack(desc)
+        assert c.flush()
+    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arenas to go back")
+
+
 def test_group_acks_cache_hits_and_over_acks_in_the_table(daemon) -> None:
     with daemon.client(inline_threshold=0) as c:
         d = c.put(torch.ones(4096), consumers=4)

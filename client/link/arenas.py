@@ -100,6 +100,16 @@ class ProducerArena:
         self.used = 0
         self.last_used = time.monotonic()
         self.retired = 0  # slots left out for good: see place()
+        self._slots = grant.slots
+        # The most this ring has had in flight lately (bytes): it goes back to the arena's start only
+        # once the start holds that much (see _fit). Decays by 1/256 a put.
+        self._peak = 0
+        # Slots come back only at the daemon's sweep (FREE). Once a quarter of them are left and as many
+        # wait for FREE, a ping asks for a sweep now, once until they are back: the timer's sweeps meet a
+        # steady flow, but a flow that starts after an idle second runs through an arena's slots before
+        # the first of them (and each arena it then takes is held for IDLE_S).
+        self.sweep_wanted = False
+        self._nudged = False
 
     def reclaim(self) -> None:
         """Take back the space and slots of the oldest features that are over."""
@@ -111,6 +121,8 @@ class ProducerArena:
                 return
         while done and state_word(done[0].slot) != done[0].done_word:
             self._free_slots.append(done.popleft().slot)
+        if self._nudged and len(self._free_slots) > self._slots // 2:
+            self._nudged = False
         while ring:
             p = ring[0]
             if p.abandoned:
@@ -158,7 +170,10 @@ class ProducerArena:
                       gen << 2 | PUBLISHED, gen << 2 | DONE)  # state_word(gen, ...): gen <= GEN_MASK
         self._ring.append(p)
         self.used += size
+        self._peak = max(self.used, self._peak - (self._peak >> 8))
         self.last_used = time.monotonic()
+        if len(free) < self._slots // 4 and len(self._done) >= self._slots // 4 and not self._nudged:
+            self.sweep_wanted = self._nudged = True
         return p
 
     def _fit(self, size: int) -> Optional[int]:
@@ -167,15 +182,22 @@ class ProducerArena:
             return 0 if size <= self.size else None
         head, tail = ring[-1].end, ring[0].start
         if head > tail:  # one stretch in use, [tail, head): room at the start, or after it
-            # The start first: the features in flight then cycle through the lowest addresses, which
-            # stay in the CPU cache, instead of through the whole arena.
-            if size <= tail:
+            # Back to the start once it holds what is in flight and this feature: the features in flight
+            # then cycle through low addresses, which stay in the CPU cache, instead of through the whole
+            # arena. Not sooner: once wrapped, the ring has only [head, tail) until its oldest feature
+            # ends, and a ring wrapped into the first feature's room alone fills whenever an ack lags
+            # (a consumer's background acker), sending the producer to another arena with this one empty.
+            ahead = head + size <= self.size
+            if size <= tail and (not ahead or tail >= self._peak + size):
                 return 0
-            return head if head + size <= self.size else None
+            return head if ahead else None
         return head if head + size <= tail else None  # wrapped: room only in [head, tail)
 
     def low(self) -> bool:
-        return self.used > self.size * _LOW_WATER
+        """Past half its bytes, or half its slots under live features (a burst of small features runs out
+        of slots first)."""
+        return (self.used > self.size * _LOW_WATER
+                or len(self._free_slots) + len(self._done) < self._slots * _LOW_WATER)
 
     def writing(self) -> bool:
         """Whether a put is still writing a feature here (placed, not yet published or abandoned)."""
@@ -220,11 +242,12 @@ class ArenaSet:
             if self._pending:
                 self._collect(pool)
             arenas = self._arenas.get(pool)
-            if arenas:
-                p = self._place_first(pool, device, nbytes, arenas)
-                if p is not None:
-                    return p
-            return self._place_slow(pool, device, nbytes, arenas)
+            p = self._place_first(pool, device, nbytes, arenas) if arenas else None
+            if p is None:
+                p = self._place_slow(pool, device, nbytes, arenas)
+            if p is not None and p.arena.sweep_wanted:
+                self._ask_for_sweep(p.arena)
+            return p
 
     def place_now(self, pool: int, nbytes: int) -> Optional[Placement]:
         """place() of a host feature where it waits for nothing: in the arena that took the last feature,
@@ -233,7 +256,19 @@ class ArenaSet:
             return None
         with self._lock:
             arenas = self._arenas.get(pool)
-            return self._place_first(pool, None, nbytes, arenas) if arenas else None
+            p = self._place_first(pool, None, nbytes, arenas) if arenas else None
+            if p is not None and p.arena.sweep_wanted:
+                self._ask_for_sweep(p.arena)
+            return p
+
+    def _ask_for_sweep(self, arena: ProducerArena) -> None:
+        """A ping on the fd channel, without waiting for room or a reply: the daemon sweeps, and the
+        slots of this arena's finished features come back (ProducerArena.sweep_wanted)."""
+        arena.sweep_wanted = False
+        try:
+            self._fd.try_send("ping")
+        except DaemonUnavailableError:
+            pass  # the session is over: this put finds out at its publish, as any other would
 
     def _place_first(self, pool: int, device: Optional[int], nbytes: int,
                      arenas: list[ProducerArena]) -> Optional[Placement]:
@@ -243,7 +278,7 @@ class ArenaSet:
         if nbytes > first.size * MAX_FEATURE_FRACTION:
             return None
         p = first.place(nbytes)
-        if p is not None and first.used > first.size * _LOW_WATER:
+        if p is not None and first.low():
             try:
                 self._ask_ahead(pool, device, nbytes, first, arenas)
             except BaseException:  # the daemon is gone: the caller falls back, and this space comes back
