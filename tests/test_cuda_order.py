@@ -118,3 +118,20 @@ def test_a_get_for_device_1_maps_the_pool_for_device_1(fake_libcuda, gpu_daemon,
     assert "=== got (4096,)" in log, log
     assert re.search(r"^cuMemSetAccess\(.*dev=1, ", log, re.M), log
     assert not re.search(r"^cuDevicePrimaryCtxRetain\(dev=0\)", log, re.M), "mapped for the current device, not 1"
+
+
+@pytest.mark.parametrize("where", ["while_another_thread_captures", "in_a_capturing_thread"])
+def test_a_gpu_pool_unmapped_by_a_collection_breaks_no_graph_capture(fake_libcuda, gpu_daemon, tmp_path,
+                                                                     where) -> None:
+    """The unmap synchronises the GPU first, and a collection runs wherever it happens: in a thread that
+    captures a graph, the unmap waits for a thread of its own; elsewhere it runs with the thread in
+    relaxed capture mode, so another thread's global-mode capture is not invalidated either way."""
+    log = _run(fake_libcuda, tmp_path, gpu_daemon, f"pool_unmapped_{where}",
+               FAKE_CUDA_SCENARIO_DESC=_feature(gpu_daemon).to_bytes().hex())
+    assert "=== capture: ok" in log, log
+    assert "capture invalidated" not in log, log
+    if where == "in_a_capturing_thread":
+        assert "=== unmapped after it: True" in log, log
+    else:
+        assert "=== unmapped: True" in log, log
+    _no_misuse(log)

@@ -22,7 +22,7 @@ import torch
 from mmfeat import cuda_driver as drv
 from mmfeat.protos.descriptor import Descriptor
 
-from ..gpu import dlpack
+from ..gpu import dlpack, teardown
 from ..fork_locks import renew_in_child
 from ..link.mapping import HostMapping
 
@@ -65,22 +65,41 @@ class _Registration:
             return
         ptr, self.ptr = self.ptr, None  # first, so that no path can unregister twice
         try:
-            for ordinal in sorted(self.devices):  # a staged copy to any of them may still read the pages
-                drv.synchronize_if_used(ordinal)
-            with drv.context_current(self.ctx):
-                drv.cu.cuMemHostUnregister(ptr)
-        finally:
+            _settle(self.devices)
+        except BaseException:
             drv.release_primary_context(self.ordinal, self.ctx)
             self.base = None
+            raise
+        _unregister(ptr, self.ordinal, self.ctx, self.base)
+        self.base = None
 
     def __del__(self, finalizing: Any = sys.is_finalizing) -> None:
         # At exit the process's teardown frees everything, and torch and the bindings may be half gone.
         if self.ptr is None or self.pid != os.getpid() or finalizing() or drv.cu is None:
             return  # in a forked child CUDA is unusable: a driver call could fail or hang
+        ptr, self.ptr = self.ptr, None
+        devices, ordinal, ctx, base = set(self.devices), self.ordinal, self.ctx, self.base
         try:
-            self.close()
+            # As a GPU pool's unmap: a collection here must not break a graph capture (teardown.py). The
+            # pages stay mapped until the unregister: ``base`` goes with it.
+            teardown.release(devices, lambda: _settle(devices), lambda: _unregister(ptr, ordinal, ctx, base))
         except Exception:
             pass  # a garbage collection cannot report it; the process exit unpins the pages
+
+
+def _settle(devices: set[int]) -> None:
+    for ordinal in sorted(devices):  # a staged copy to any of them may still read the pages
+        drv.synchronize_if_used(ordinal)
+
+
+def _unregister(ptr: int, ordinal: int, ctx: Any, base: Optional[torch.Tensor]) -> None:
+    """Unpin the pages (``base`` keeps them mapped until then) and give back the context reference."""
+    try:
+        with drv.context_current(ctx):
+            drv.cu.cuMemHostUnregister(ptr)
+    finally:
+        drv.release_primary_context(ordinal, ctx)
+        del base
 
 
 def pinned_view(mapping: HostMapping, ordinal: int) -> Optional[torch.Tensor]:

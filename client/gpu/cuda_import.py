@@ -24,7 +24,7 @@ import torch
 
 from mmfeat import cuda_driver as drv
 from mmfeat.protos.messages import PoolInfo
-from . import dlpack
+from . import dlpack, teardown
 
 _lock = threading.Lock()
 # (pid, endpoint, pool, epoch, device, readonly) -> the mapped range, alive while anything uses it.
@@ -93,11 +93,24 @@ def _unmap(va: Any, size: int, devices: list[int], ctx: Any, pid: int) -> None:
         # work in a forked child anyway.
         return
     try:
+        _settle(devices, ctx)
+    except BaseException:
+        drv.release_primary_context(devices[0], ctx)
+        raise
+    _free(va, size, devices, ctx)
+
+
+def _settle(devices: list[int], ctx: Any) -> None:
+    with drv.context_current(ctx):
+        for ordinal in devices:
+            # As PyTorch does before it unmaps VMM memory; a GPU this process never used (the pool's
+            # owner, granted access) has no work, and a synchronise would create a context.
+            drv.synchronize_if_used(ordinal)
+
+
+def _free(va: Any, size: int, devices: list[int], ctx: Any) -> None:
+    try:
         with drv.context_current(ctx):
-            for ordinal in devices:
-                # As PyTorch does before it unmaps VMM memory; a GPU this process never used (the pool's
-                # owner, granted access) has no work, and a synchronise would create a context.
-                drv.synchronize_if_used(ordinal)
             drv.cu.cuMemUnmap(va, size)
             drv.cu.cuMemAddressFree(va, size)
     finally:
@@ -108,10 +121,12 @@ def _unmap_quietly(va: Any, size: int, devices: list[int], ctx: Any, pid: int,
                    finalizing: Any = sys.is_finalizing) -> None:
     # Torch and the driver bindings may be half gone while the interpreter shuts down: calling them then
     # is what can crash.
-    if finalizing() or drv.cu is None:
+    if finalizing() or drv.cu is None or pid != os.getpid():
         return
     try:
-        _unmap(va, size, devices, ctx, pid)
+        # A collection may run in a thread that captures a CUDA graph, or while another thread does:
+        # teardown.release keeps the synchronise from breaking either capture.
+        teardown.release(devices, lambda: _settle(devices, ctx), lambda: _free(va, size, devices, ctx))
     except Exception:
         pass  # a garbage collection cannot report it; the process exit frees the range
 

@@ -273,7 +273,61 @@ def get_for_device_1() -> None:
         mark(f"got {tuple(out.shape)}")
 
 
-ORDER = {f.__name__: f for f in (parcel_view_dies_under_a_kernel, staged_ack_names_another_stream,
+def _drop_pool_view(c: Any) -> None:
+    """A GPU pool's last view dies and the client closes: the range's finaliser unmaps it."""
+    view = c.get(_desc(), verify=False)
+    c.ack(_desc())
+    c.close()
+    del view
+    gc.collect()
+
+
+def pool_unmapped_while_another_thread_captures() -> None:
+    """A collection in this thread unmaps a GPU pool while another thread captures in global mode."""
+    from mmfeat.client import Client
+
+    _setup()
+    torch.cuda.current_stream(0)  # this process uses GPU 0: the unmap synchronises it
+    begun, dropped = threading.Event(), threading.Event()
+    result: list[str] = []
+
+    def capture() -> None:
+        graph = torch.cuda.Stream(0)
+        ft.begin_capture(graph)
+        begun.set()
+        dropped.wait(20)
+        result.append(ft.end_capture(graph))
+
+    t = threading.Thread(target=capture)
+    t.start()
+    begun.wait(20)
+    _drop_pool_view(Client(timeout=20))
+    mark(f"unmapped: {'cuMemUnmap(' in open(LOG).read()}")
+    dropped.set()
+    t.join(20)
+    mark(f"capture: {result[0]}")
+
+
+def pool_unmapped_in_a_capturing_thread() -> None:
+    """A collection unmaps a GPU pool in the very thread that captures on its current stream."""
+    from mmfeat.client import Client
+
+    _setup()
+    graph = torch.cuda.Stream(0)
+    c = Client(timeout=20)
+    with torch.cuda.stream(graph):
+        ft.begin_capture(graph)
+        _drop_pool_view(c)
+        mark(f"unmapped during the capture: {'cuMemUnmap(' in open(LOG).read()}")
+        mark(f"capture: {ft.end_capture(graph)}")
+    deadline = time.monotonic() + 20
+    while "cuMemUnmap(" not in open(LOG).read() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mark(f"unmapped after it: {'cuMemUnmap(' in open(LOG).read()}")
+
+
+ORDER = {f.__name__: f for f in (pool_unmapped_while_another_thread_captures, pool_unmapped_in_a_capturing_thread,
+                                  parcel_view_dies_under_a_kernel, staged_ack_names_another_stream,
                                   two_staged_gets_one_ack, acker_on_device_1, ack_while_another_thread_captures,
                                   long_kernel_delays_no_other_ack, ack_after_and_wait, publish_after_a_side_stream,
                                   dropped_reservation_under_a_kernel, get_for_device_1)}
