@@ -321,6 +321,13 @@ def _write(pool: torch.Tensor, offset: int, put: PutInFlight) -> None:
         # torch runs a cross-device copy on the source device, and only the pool's device (and its
         # owner) was granted access to the pool's VA: bring such a tensor to the pool's device first.
         tensors = [t.to(pool.device) if t.is_cuda and t.device != pool.device else t for t in tensors]
+    crossing = {t.device for t in tensors if t.is_cuda} if not pool.is_cuda else (
+        {pool.device} if any(not t.is_cuda for t in tensors) else set())
+    for dev in crossing:
+        # A copy between host and GPU memory through pageable pages is synchronous, and the driver first
+        # waits for the work queued on the stream, spinning a core through it (the context's default
+        # schedule): the wait for that work sleeps here instead, and the driver's finds nothing queued.
+        wait_for_current_stream(dev)
     packing.write_into_pool(pool, offset, tensors, put.specs)
     if pool.is_cuda or put.device is not None:
         # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the copy

@@ -193,17 +193,22 @@ def test_the_daemon_logs_the_fabric_verdict_on_a_multinode_setting(runtime_dir) 
 
 def test_a_put_and_a_staged_get_behind_a_long_kernel_sleep_instead_of_spinning(gpu_daemon) -> None:
     """Both must wait for the GPU (the bytes exist before the descriptor; a staged copy is complete when
-    get returns), and a wait that spans other work on the GPU must not burn a core (stream_wait.py)."""
+    get returns), and a wait that spans other work on the GPU must not burn a core (stream_wait.py), a
+    put of a host tensor into the GPU pool (torch's synchronous copy) included."""
     torch.cuda.set_device(0)
     with gpu_daemon.client(inline_threshold=0, fallback="error") as c:
         x = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
         c.ack(c.put(x))  # the mapping and the arena, outside the measurement
-        for step in ("put", "staged get"):
+        x_host = x.cpu()  # pageable: torch copies it synchronously
+        for step in ("put", "put from host memory", "staged get"):
             desc = c.put(x) if step == "staged get" else None
             torch.cuda._sleep(int(1e9))  # about half a second of GPU time queued first
             t0, cpu0 = time.monotonic(), time.thread_time()
             if step == "put":
                 desc = c.put(x)
+                got = c.get(desc)
+            elif step == "put from host memory":  # torch's synchronous copy from pageable pages
+                desc = c.put(x_host)
                 got = c.get(desc)
             else:
                 got = c.get(desc, device=0)
