@@ -218,6 +218,25 @@ def rdma_capable(ordinal: int) -> bool:
     return bool(attribute(device(ordinal), attr))
 
 
+def rdma_writes_need_flush(ordinal: int) -> bool:
+    """Whether a NIC's GPUDirect RDMA writes into this device's memory need cuFlushGPUDirectRDMAWrites
+    before kernels on every device see them (they are ordered for all only at ALL_DEVICES), and the
+    device can flush from the host."""
+    attrs = cu.CUdevice_attribute
+    ordering = attribute(device(ordinal), attrs.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING)
+    options = attribute(device(ordinal), attrs.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS)
+    all_devices = int(cu.CUGPUDirectRDMAWritesOrdering.CU_GPU_DIRECT_RDMA_WRITES_ORDERING_ALL_DEVICES)
+    host = int(cu.CUflushGPUDirectRDMAWritesOptions.CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST)
+    return int(ordering) < all_devices and bool(int(options) & host)
+
+
+def flush_rdma_writes() -> None:
+    """Block until GPUDirect RDMA writes to the current context are visible to every device."""
+    ck("cuFlushGPUDirectRDMAWrites", cu.cuFlushGPUDirectRDMAWrites(
+        cu.CUflushGPUDirectRDMAWritesTarget.CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+        cu.CUflushGPUDirectRDMAWritesScope.CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_ALL_DEVICES))
+
+
 def granularity(prop: Any) -> int:
     flags = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
     return int(ck("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, flags)))

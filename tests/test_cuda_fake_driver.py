@@ -71,6 +71,24 @@ def test_pools_ask_for_gpudirect_rdma_where_the_device_supports_it(fake_libcuda,
     assert "=== pool 0 on GPU 0: gpu_direct_rdma=True" in log and "=== pool 1 on GPU 1: gpu_direct_rdma=False" in log
 
 
+@pytest.mark.parametrize("ordering", ["0", "100", "200"], ids=["none", "owner", "all devices"])
+def test_pulled_bytes_are_flushed_to_every_gpu_unless_the_device_orders_them(fake_libcuda, tmp_path,
+                                                                             ordering) -> None:
+    """A NIC's GPUDirect RDMA writes into a pool are visible to kernels on every GPU only where the device
+    orders them for all (GPU_DIRECT_RDMA_WRITES_ORDERING = ALL_DEVICES): elsewhere each pulled feature is
+    flushed to all devices, in the pool's context, before it is handed out. A pool no NIC can write
+    (not RDMA capable) needs none."""
+    log = _run(fake_libcuda, tmp_path, "daemon_two_pools", STUB_NO_RDMA_DEV="1", STUB_RDMA_ORDERING=ordering)
+    pulls = fake_cuda.section(log, "pulled into pool 0, 0", "close pool 0")
+    flushes = _calls_with_context(pulls, "cuFlushGPUDirectRDMAWrites")
+    if ordering == "200":
+        assert flushes == [], pulls
+    else:
+        assert flushes == ["0x1000", "0x1000"], pulls  # pool 0's context, once a pull; none for pool 1
+        assert "cuFlushGPUDirectRDMAWrites(target=0, scope=200)" in pulls
+    assert len(re.findall(r"^cuDeviceGetAttribute\(attr=118, dev=0\)", log, re.M)) == 1  # asked once
+
+
 def test_stats_say_which_gpu_pools_are_rdma_capable(fake_libcuda, runtime_dir, tmp_path) -> None:
     env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log"), "STUB_NO_RDMA_DEV": "1"}
     d = start_daemon(runtime_dir, "--devices", "0,1", "--pool-mb", "16", backend="cuda_vmm", env=env)

@@ -284,6 +284,7 @@ class RemoteFeatures:
 
     def _ready(self, copy: _Copy, now: float) -> None:
         """The copy holds the feature's bytes: published here, handed to everyone waiting for it."""
+        self.core.pools[copy.local.pool_id].remote_writes_landed()  # before anyone reads them
         self.core.ledger.publish(_ref(self.core, copy.local), self.session, now)
         copy.state = "ready"
         reply = self._copy_reply(copy)

@@ -36,6 +36,10 @@ class Pool(ABC):
         NIXL READs; None if this backend has none (its features cannot be pulled)."""
         return None
 
+    def remote_writes_landed(self) -> None:
+        """A NIC finished writing a pulled feature into this pool: make its bytes visible to every GPU
+        that may read them before anyone is told. Host memory needs nothing."""
+
     @abstractmethod
     def close(self) -> None:
         """Release the memory and every fd; idempotent."""

@@ -57,6 +57,7 @@ class CudaVmmPool(Pool):
         self._fabric: Optional[bytes] = None
         self._va: Any = None  # the daemon's own mapping, made only for NIXL (map_for_pulls)
         self._ctx: Any = None  # this pool's reference to its GPU's primary context
+        self._flush_rdma: Optional[bool] = None  # remote_writes_landed: whether NIC writes need a flush
         try:
             self.uuid = drv.device_uuid(ordinal)
             self._ctx = drv.retain_primary_context(ordinal)
@@ -117,6 +118,18 @@ class CudaVmmPool(Pool):
 
     def fabric_handle(self) -> Optional[bytes]:
         return self._fabric
+
+    def remote_writes_landed(self) -> None:
+        """GPUDirect RDMA writes are ordered for kernels on every GPU only where the device says so
+        (GPU_DIRECT_RDMA_WRITES_ORDERING = ALL_DEVICES); elsewhere, as NCCL does after a receive, flush
+        them to all devices: a consumer on another GPU of the node reads the pool through its own mapping.
+        Asked of the device once."""
+        if self._flush_rdma is None:
+            with drv.context_current(self._ctx):
+                self._flush_rdma = self.rdma and drv.rdma_writes_need_flush(self.device)
+        if self._flush_rdma:
+            with drv.context_current(self._ctx):
+                drv.flush_rdma_writes()
 
     def close(self) -> None:
         # Physical memory is freed once every handle is released and every exported fd closed;

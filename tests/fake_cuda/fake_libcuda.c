@@ -27,6 +27,7 @@ typedef int CUresult;
 typedef unsigned long long u64;
 
 #define ATTR_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED 110
+#define ATTR_GPU_DIRECT_RDMA_WRITES_ORDERING 118
 #define CTX(dev) ((void*)(uintptr_t)(0x1000 + (dev)))
 
 static __thread void* cur = 0;
@@ -82,7 +83,15 @@ CUresult cuDeviceGet(int* d, int o) {
 
 CUresult cuDeviceGetAttribute(int* pi, int attr, int dev) {
     *pi = (attr == ATTR_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED && envi("STUB_NO_RDMA_DEV") == dev) ? 0 : 1;
+    // GPU_DIRECT_RDMA_WRITES_ORDERING: NONE (0) unless STUB_RDMA_ORDERING says OWNER (100) or ALL_DEVICES (200)
+    if (attr == ATTR_GPU_DIRECT_RDMA_WRITES_ORDERING) *pi = envi("STUB_RDMA_ORDERING") > 0 ? envi("STUB_RDMA_ORDERING") : 0;
     fprintf(L(), "cuDeviceGetAttribute(attr=%d, dev=%d)\n", attr, dev);
+    return 0;
+}
+
+CUresult cuFlushGPUDirectRDMAWrites(int target, int scope) {
+    fprintf(L(), "cuFlushGPUDirectRDMAWrites(target=%d, scope=%d)\n", target, scope);
+    CUR();
     return 0;
 }
 

@@ -132,6 +132,10 @@ def daemon_two_pools() -> None:
     for p in pools:
         p.map_for_pulls()
     for p in pools:
+        for k in range(2):  # a NIC wrote two pulled features into it
+            mark(f"pulled into pool {p.pool_id}, {k}")
+            p.remote_writes_landed()
+    for p in pools:
         mark(f"close pool {p.pool_id}")
         p.close()
     mark("end")
