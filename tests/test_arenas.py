@@ -118,30 +118,6 @@ def test_a_ring_whose_oldest_ack_lags_keeps_placing_in_its_arena(daemon_factory)
     d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arena to go back")
 
 
-def test_a_producer_short_of_slots_asks_for_a_sweep_and_keeps_its_arena(daemon_factory) -> None:
-    """A slot comes back only once the daemon's sweep wrote FREE. A producer whose arena is down to a
-    quarter of its slots, with as many waiting for FREE, pings the daemon (quiet, on its fd channel)
-    instead of running out and taking another arena for features that fit this one; once."""
-    d = daemon_factory("--pool-mb", "64", "--arena-mb", "1", "--arena-slots", "16")
-    with d.client(inline_threshold=0, timeout=5.0, fallback="error") as c:
-        c.ack(c.put(torch.zeros(1024)))
-        before = d.stats()["counters"]
-        d.proc.send_signal(signal.SIGSTOP)  # no timer sweep hands a slot back meanwhile
-        try:
-            for k in range(14):  # each acked at once: its space is back, its slot waits for FREE
-                c.ack(c.put(torch.full((1024,), float(k))))
-        finally:
-            d.proc.send_signal(signal.SIGCONT)
-        after = d.stats()["counters"]
-        assert after["requests"] - before["requests"] == 2, "one ping for slots, then this stats"
-        assert after["arenas_granted"] == before["arenas_granted"] == 1 and after["reserves"] == 0
-        arena = c.session.arenas._arenas[0][0]
-        arena.reclaim()
-        assert len(arena._free_slots) == 16, "the ping's sweep wrote FREE in every finished feature's slot"
-        assert c.flush()
-    d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the arena to go back")
-
-
 def test_a_burst_of_small_features_asks_ahead_by_slots(daemon_factory) -> None:
     """Small features run an arena out of slots long before its bytes: the next arena is asked for
     once half the slots hold live features, so the burst reserves nothing at the turnover."""

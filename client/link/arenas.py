@@ -104,12 +104,6 @@ class ProducerArena:
         # The most this ring has had in flight lately (bytes): it goes back to the arena's start only
         # once the start holds that much (see _fit). Decays by 1/256 a put.
         self._peak = 0
-        # Slots come back only at the daemon's sweep (FREE). Once a quarter of them are left and as many
-        # wait for FREE, a ping asks for a sweep now, once until they are back: the timer's sweeps meet a
-        # steady flow, but a flow that starts after an idle second runs through an arena's slots before
-        # the first of them (and each arena it then takes is held for IDLE_S).
-        self.sweep_wanted = False
-        self._nudged = False
 
     def reclaim(self) -> None:
         """Take back the space and slots of the oldest features that are over."""
@@ -121,8 +115,6 @@ class ProducerArena:
                 return
         while done and state_word(done[0].slot) != done[0].done_word:
             self._free_slots.append(done.popleft().slot)
-        if self._nudged and len(self._free_slots) > self._slots // 2:
-            self._nudged = False
         while ring:
             p = ring[0]
             if p.abandoned:
@@ -172,8 +164,6 @@ class ProducerArena:
         self.used += size
         self._peak = max(self.used, self._peak - (self._peak >> 8))
         self.last_used = time.monotonic()
-        if len(free) < self._slots // 4 and len(self._done) >= self._slots // 4 and not self._nudged:
-            self.sweep_wanted = self._nudged = True
         return p
 
     def _fit(self, size: int) -> Optional[int]:
@@ -245,8 +235,6 @@ class ArenaSet:
             p = self._place_first(pool, device, nbytes, arenas) if arenas else None
             if p is None:
                 p = self._place_slow(pool, device, nbytes, arenas)
-            if p is not None and p.arena.sweep_wanted:
-                self._ask_for_sweep(p.arena)
             return p
 
     def place_now(self, pool: int, nbytes: int) -> Optional[Placement]:
@@ -257,18 +245,7 @@ class ArenaSet:
         with self._lock:
             arenas = self._arenas.get(pool)
             p = self._place_first(pool, None, nbytes, arenas) if arenas else None
-            if p is not None and p.arena.sweep_wanted:
-                self._ask_for_sweep(p.arena)
             return p
-
-    def _ask_for_sweep(self, arena: ProducerArena) -> None:
-        """A ping on the fd channel, without waiting for room or a reply: the daemon sweeps, and the
-        slots of this arena's finished features come back (ProducerArena.sweep_wanted)."""
-        arena.sweep_wanted = False
-        try:
-            self._fd.try_send("ping")
-        except DaemonUnavailableError:
-            pass  # the session is over: this put finds out at its publish, as any other would
 
     def _place_first(self, pool: int, device: Optional[int], nbytes: int,
                      arenas: list[ProducerArena]) -> Optional[Placement]:
