@@ -93,13 +93,13 @@ def _settle(devices: set[int]) -> None:
 
 
 def _unregister(ptr: int, ordinal: int, ctx: Any, base: Optional[torch.Tensor]) -> None:
-    """Unpin the pages (``base`` keeps them mapped until then) and give back the context reference."""
+    """Unpin the pages and give back the context reference. ``base`` is only held: passed by whoever
+    unregisters later, it keeps the pages mapped until this has run."""
     try:
         with drv.context_current(ctx):
             drv.cu.cuMemHostUnregister(ptr)
     finally:
         drv.release_primary_context(ordinal, ctx)
-        del base
 
 
 def pinned_view(mapping: HostMapping, ordinal: int) -> Optional[torch.Tensor]:

@@ -35,14 +35,13 @@ Job = tuple[Callable[[], None], Callable[[], None]]
 
 _queue: "queue.SimpleQueue[Job]" = queue.SimpleQueue()  # put() is safe inside a finaliser
 _thread: Optional[threading.Thread] = None
-_pid = os.getpid()
 _start_lock = threading.RLock()  # re-entrant: a collection inside release() may release again
 
 
 def _new_in_child() -> None:
     # The parent's thread does not exist in a forked child, and its queue belongs to that thread.
-    global _queue, _thread, _pid, _start_lock
-    _queue, _thread, _pid, _start_lock = queue.SimpleQueue(), None, os.getpid(), threading.RLock()
+    global _queue, _thread, _start_lock
+    _queue, _thread, _start_lock = queue.SimpleQueue(), None, threading.RLock()
 
 
 os.register_at_fork(after_in_child=_new_in_child)
@@ -57,9 +56,14 @@ def release(devices: Iterable[int], settle: Callable[[], None], then: Callable[[
     previous = _exchange(drv.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
     try:
         settle()
-        then()
+    except drv.CudaError as exc:
+        if exc.name not in _CAPTURE_ERRORS:
+            raise
+        _later(settle, then)  # a driver that refuses it while another thread captures: once that is over
+        return
     finally:
         _exchange(previous)
+    then()
 
 
 def _capturing_here(devices: Iterable[int]) -> bool:

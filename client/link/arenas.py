@@ -232,10 +232,11 @@ class ArenaSet:
             if self._pending:
                 self._collect(pool)
             arenas = self._arenas.get(pool)
-            p = self._place_first(pool, device, nbytes, arenas) if arenas else None
-            if p is None:
-                p = self._place_slow(pool, device, nbytes, arenas)
-            return p
+            if arenas:
+                p = self._place_first(pool, device, nbytes, arenas)
+                if p is not None:
+                    return p
+            return self._place_slow(pool, device, nbytes, arenas)
 
     def place_now(self, pool: int, nbytes: int) -> Optional[Placement]:
         """place() of a host feature where it waits for nothing: in the arena that took the last feature,
@@ -244,8 +245,7 @@ class ArenaSet:
             return None
         with self._lock:
             arenas = self._arenas.get(pool)
-            p = self._place_first(pool, None, nbytes, arenas) if arenas else None
-            return p
+            return self._place_first(pool, None, nbytes, arenas) if arenas else None
 
     def _place_first(self, pool: int, device: Optional[int], nbytes: int,
                      arenas: list[ProducerArena]) -> Optional[Placement]:

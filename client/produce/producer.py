@@ -321,8 +321,10 @@ def _write(pool: torch.Tensor, offset: int, put: PutInFlight) -> None:
         # torch runs a cross-device copy on the source device, and only the pool's device (and its
         # owner) was granted access to the pool's VA: bring such a tensor to the pool's device first.
         tensors = [t.to(pool.device) if t.is_cuda and t.device != pool.device else t for t in tensors]
-    crossing = {t.device for t in tensors if t.is_cuda} if not pool.is_cuda else (
-        {pool.device} if any(not t.is_cuda for t in tensors) else set())
+    if pool.is_cuda:
+        crossing = {pool.device} if any(not t.is_cuda for t in tensors) else set()
+    else:
+        crossing = {t.device for t in tensors if t.is_cuda}
     for dev in crossing:
         # A copy between host and GPU memory through pageable pages is synchronous, and the driver first
         # waits for the work queued on the stream, spinning a core through it (the context's default
