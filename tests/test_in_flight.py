@@ -82,7 +82,10 @@ def test_the_client_keeps_its_pipelined_requests_within_the_limit(daemon) -> Non
         channel = c._channel
         worst, errors = [0], []
 
+        go = threading.Event()  # the storm starts behind a ping, so that pings meet it however threads run
+
         def storm() -> None:
+            go.wait(30)
             try:
                 for _ in range(2000):
                     c.prefetch(remote)
@@ -96,6 +99,7 @@ def test_the_client_keeps_its_pipelined_requests_within_the_limit(daemon) -> Non
             t.start()
         pings = 0
         while any(t.is_alive() for t in threads):
+            go.set()
             try:
                 c.ping()
             except DaemonUnavailableError as exc:
