@@ -37,6 +37,9 @@ HELP: dict[str, str] = {
     "arena_mb": "MiB of each producer arena (at most a sixteenth of the pool); 0: no arenas, every feature reserves",
     "arena_slots": "features one arena holds at most at a time (lease slots per arena)",
     "arenas_per_session": "arenas one producer may hold at a time",
+    "gpu_publish": "auto: producers publish a GPU feature behind their stream's write, with no host wait (a "
+                   "lease table READY word the consumers' streams wait on), where the device has stream memory "
+                   "operations and this daemon runs no mesh; host_wait: they wait for the write first",
     "max_clients": "client processes at most (fd channels); 0: as many as the fd limit allows, 4 fds each",
     "control_memory_mb": "MiB the daemon may grow by, plus 64 KiB per connection, before it resets its control socket",
     "max_session_mb": "MiB one session's live leases may hold (a stuck producer cannot fill the pool); 0: no limit",
@@ -102,6 +105,7 @@ class Settings(BaseModel):
     arena_mb: int = Field(64, ge=0, le=1 << 20)
     arena_slots: int = Field(256, ge=1, le=1 << 16)
     arenas_per_session: int = Field(4, ge=1, le=1024)
+    gpu_publish: Literal["auto", "host_wait"] = "auto"
     max_clients: int = Field(0, ge=0, le=1 << 20)
     control_memory_mb: int = Field(256, ge=16, le=1 << 20)
     allowed_uids: list[int] = Field(default_factory=list)

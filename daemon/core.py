@@ -92,6 +92,11 @@ class DaemonCore:
             self.table,
             [quick_observer] if quick_observer is not None else [],
         )
+        self.ledger.gpu_pools = frozenset(p.pool_id for p in pools if p.kind == "cuda")
+        # How producers publish GPU features (hello, stats): behind their stream's write where nothing
+        # reads the pool but clients whose streams wait on READY. A mesh's pulls read the bytes with
+        # NIXL, which waits on no stream, so a daemon with one asks for the host wait.
+        self.gpu_publish = "ready_word" if settings.gpu_publish == "auto" and not settings.listen else "host_wait"
         self.sweeper = Sweeper(self.table, self.ledger)
         self.sweeper.charge = self._charge
         # Set by the server: closes a cut session's fd channel (without ending the session again).
@@ -249,6 +254,7 @@ class DaemonCore:
             "epoch": self.epoch,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "draining": self.draining,
+            "gpu_publish": self.gpu_publish,
             "clients": self.sessions.attached_count(),
             "sessions": len(self.sessions),
             "leases": self.ledger.count_by_state(),

@@ -93,6 +93,7 @@ def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> m.HelloReply:
         table_slots=core.table.slots,
         # Producers may ask for arenas and ack in the lease table (SPEC.md, section 5).
         arenas=core.arenas_enabled,
+        gpu_publish=core.gpu_publish,
         # CLOCK_MONOTONIC here: a client on the same kernel sees the same clock and may then send
         # request deadlines (SPEC.md, section 2).
         clock=now,
@@ -198,7 +199,7 @@ def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> m.LeaseReply
     # So that a feature published in an arena is known, and refused here as already published: a publish
     # naming an arena's lease must find it adopted, so this sweep (of its slot) leaves nothing unadopted.
     core.sweep_lease(now, req.lease)
-    lease = core.ledger.publish(req.lease, req.session, now, req.descriptor)
+    lease = core.ledger.publish(req.lease, req.session, now, req.descriptor, req.stream_ready)
     return _lease_reply(core, lease, now, lease.descriptor)
 
 

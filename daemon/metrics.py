@@ -24,6 +24,7 @@ _COUNTERS = {
     "releases": "Leases released by their producer",
     "expired": "Leases freed because reserve_ttl or ack_ttl passed",
     "reclaimed_on_disconnect": "RESERVED leases freed because their producer disconnected",
+    "unready_ended": "Published features that ended before their producer's GPU had written them (READY behind)",
     "pool_full": "Reserves refused because the pool was full",
     "too_large": "Reserves refused because the feature is larger than the pool",
     "bad_requests": "Requests refused as malformed",

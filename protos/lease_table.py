@@ -1,10 +1,11 @@
 """The lease table's layout, shared by the daemon and every client. SPEC.md, section 5.
 
-A 64-byte header, then three regions: the STATE word of every slot, the ACKS word of every slot, and
-a 48-byte entry per slot with the rest. The two columns are dense so that the daemon's sweep reads
-16 bytes per slot, not a cache line (payload copies of many MiB evict the table from the caches
-between sweeps). Every word is a little-endian uint64 at an 8-byte-aligned offset, so each is read and
-written whole; ``word_offset`` says where.
+A 64-byte header, then four regions: the STATE word of every slot, the ACKS word of every slot, the
+READY word of every slot, and a 48-byte entry per slot with the rest. The STATE and ACKS columns are
+dense so that the daemon's sweep reads 16 bytes per slot, not a cache line (payload copies of many MiB
+evict the table from the caches between sweeps); READY is a column of its own, which GPU streams
+write and wait on and the sweep never reads. Every word is a little-endian uint64 at an 8-byte-aligned
+offset, so each is read and written whole; ``word_offset`` says where.
 
 Words of a slot:
 
@@ -22,6 +23,13 @@ Words of a slot:
   written before ``STATE`` names its generation.
 - ``TOKEN``, ``TOKEN + 1``: the feature's 16-byte token, which ack, release and lookup messages
   must present.
+- ``READY``: the generation whose bytes are complete. A feature of generation ``g`` is ready once
+  ``READY - g`` (mod 2**64, read as signed) is not negative: the comparison a GPU stream's
+  ``cuStreamWaitValue64(GEQ)`` makes. A producer that waited for its write stores ``g`` before its
+  STATE store (the daemon does, for a reserved lease, when the publish arrives); one that publishes
+  without waiting has its GPU stream write ``g`` behind the write. The daemon stores the slot's
+  generation before every FREE it writes, so no stream waits forever on a feature that ended. It
+  starts as all ones: ready for no generation.
 
 Header words: magic, epoch, slots, entry bytes, flags (``FLAG_DRAINING``: producers stop using
 their arenas), then zeros.
@@ -31,12 +39,14 @@ from __future__ import annotations
 
 import struct
 
-MAGIC = b"MMFTABL4"
+MAGIC = b"MMFTABL5"
 HEADER = struct.Struct("<8sQQQQ")  # magic, epoch, slots, entry bytes, flags; zero-padded to HEADER_BYTES
 HEADER_BYTES = 64
 HEADER_FLAGS_WORD = 4  # index of the flags word among the header's words
 FLAG_DRAINING = 1
 STATE, ACKS, POOL, OFFSET, NBYTES, CONSUMERS, TOKEN = range(7)
+READY = 8  # a column of its own, not an entry word (TOKEN + 1 is the entry's last)
+NOT_READY = (1 << 64) - 1  # READY's first value: ready for no generation below 2**63
 ENTRY_WORDS = 6  # POOL, OFFSET, NBYTES, CONSUMERS, TOKEN, TOKEN + 1
 ENTRY_BYTES = 8 * ENTRY_WORDS
 FREE, RESERVED, PUBLISHED, DONE = 0, 1, 2, 3
@@ -46,8 +56,11 @@ ACK_GEN_MASK = 0xFFFF_FFFF
 ACK_COUNT_MASK = 0xFFFF_FFFF
 
 
+COLUMN_BYTES = 24  # STATE, ACKS and READY: 8 bytes each per slot
+
+
 def table_bytes(slots: int) -> int:
-    return HEADER_BYTES + slots * (16 + ENTRY_BYTES)
+    return HEADER_BYTES + slots * (COLUMN_BYTES + ENTRY_BYTES)
 
 
 def word_offset(slots: int, slot: int, word: int) -> int:
@@ -56,7 +69,14 @@ def word_offset(slots: int, slot: int, word: int) -> int:
         return HEADER_BYTES + 8 * slot
     if word == ACKS:
         return HEADER_BYTES + 8 * (slots + slot)
-    return HEADER_BYTES + 16 * slots + ENTRY_BYTES * slot + 8 * (word - POOL)
+    if word == READY:
+        return HEADER_BYTES + 8 * (2 * slots + slot)
+    return HEADER_BYTES + COLUMN_BYTES * slots + ENTRY_BYTES * slot + 8 * (word - POOL)
+
+
+def is_ready(ready: int, gen: int) -> bool:
+    """Whether a READY word says generation ``gen``'s bytes are complete (the GPU's GEQ comparison)."""
+    return (ready - (gen & GEN_MASK)) & (1 << 64) - 1 < 1 << 63
 
 
 def state_word(gen: int, state: int) -> int:

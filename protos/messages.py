@@ -80,6 +80,8 @@ class PublishRequest(_Message):
     lease: LeaseRef
     # The descriptor of a keyed lease, kept for lookups by key (required for one, refused for others).
     descriptor: Optional[KeptDescriptor] = None
+    # The producer's GPU stream writes the slot's READY word behind its write: the daemon leaves it.
+    stream_ready: bool = False
 
 
 NodeName = Annotated[str, Field(min_length=1, max_length=128)]

@@ -270,9 +270,11 @@ class HelloReply(_Reply):
     max_request_bytes: int
     table_slots: int
     arenas: bool
+    gpu_publish: str
     clock: float
     _WIRE = {"session": bytes, "epoch": int, "node": str, "endpoint": str, "pools": list, "reserve_ttl": _NUM,
-             "ack_ttl": _NUM, "max_request_bytes": int, "table_slots": int, "arenas": bool, "clock": _NUM}
+             "ack_ttl": _NUM, "max_request_bytes": int, "table_slots": int, "arenas": bool, "gpu_publish": str,
+             "clock": _NUM}
     _ITEMS = {"pools": PoolInfo}
 
 
@@ -341,6 +343,7 @@ class StatsReply(_Reply):
     epoch: int
     uptime_s: float
     draining: bool
+    gpu_publish: str
     clients: int
     sessions: int
     leases: dict
@@ -353,7 +356,8 @@ class StatsReply(_Reply):
     # Keyed features by namespace (SPEC.md, "Keys and lifetimes"), and the holds live now.
     namespaces: Optional[dict] = None
     holds: Optional[int] = None
-    _WIRE = {"node": str, "pid": int, "epoch": int, "uptime_s": _NUM, "draining": bool, "clients": int,
+    _WIRE = {"node": str, "pid": int, "epoch": int, "uptime_s": _NUM, "draining": bool, "gpu_publish": str,
+             "clients": int,
              "sessions": int, "leases": dict, "timers": int, "swept_slots": int, "pools": list, "counters": dict,
              "limits": dict, "mesh": (dict, type(None)), "namespaces": dict, "holds": int}
     _OPTIONAL = frozenset({"namespaces", "holds"})

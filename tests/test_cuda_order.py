@@ -96,13 +96,6 @@ def test_an_ack_after_a_stream_with_wait_returns_the_daemons_answer_after_the_wo
     assert re.search(r"=== answer: \[\{'remaining': 0, 'freed': True, 'over_acked': 0\}\]", log), log
 
 
-def test_publish_after_a_side_stream_waits_for_the_fill_there(fake_libcuda, gpu_daemon, tmp_path) -> None:
-    log = _run(fake_libcuda, tmp_path, gpu_daemon, "publish_after_a_side_stream")
-    assert "=== published before the fill was done: False" in log, log
-    assert "=== published after it: True" in log, log
-    _no_misuse(log)
-
-
 def test_a_dropped_or_discarded_gpu_reservation_comes_back_after_the_kernel_writing_it(
         fake_libcuda, gpu_daemon, tmp_path) -> None:
     log = _run(fake_libcuda, tmp_path, gpu_daemon, "dropped_reservation_under_a_kernel")
@@ -135,3 +128,74 @@ def test_a_gpu_pool_unmapped_by_a_collection_breaks_no_graph_capture(fake_libcud
     else:
         assert "=== unmapped: True" in log, log
     _no_misuse(log)
+
+
+@pytest.fixture
+def host_wait_daemon(fake_libcuda: Path, runtime_dir: Path, tmp_path: Path) -> Iterator[Daemon]:
+    env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log"),
+           "MMFEAT_GPU_PUBLISH": "host_wait"}
+    d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", backend="cuda_vmm", env=env)
+    yield d
+    rc = d.stop()
+    _, err = d.proc.communicate()
+    assert rc == 0, err
+
+
+def _ready_run(fake_libcuda: Path, tmp_path: Path, d: Daemon, scenario: str, **env: str) -> tuple[str, str]:
+    """The scenario's log and its second process's."""
+    other = tmp_path / "consumer.log"
+    log = _run(fake_libcuda, tmp_path, d, scenario, FAKE_CUDA_CONSUMER_LOG=str(other), **env)
+    return log, other.read_text() if other.exists() else ""
+
+
+@pytest.mark.parametrize("size", [1 << 20, 1 << 16], ids=["reserved lease", "arena"])
+def test_a_gpu_feature_is_published_behind_its_fill_and_read_behind_it_on_the_gpu(
+        fake_libcuda, gpu_daemon, tmp_path, size) -> None:
+    log, consumer = _ready_run(fake_libcuda, tmp_path, gpu_daemon, "publish_behind_the_fill", FAKE_CUDA_SIZE=str(size))
+    assert "=== published before the fill was done: True" in log, log
+    assert "=== ready before the fill: False" in log, log
+    assert "=== ready after the fill: True" in log, log
+    assert "=== consumer exited 0" in log, consumer
+    # The READY store is the producer stream's, behind the fill: no host wait, no store of its own.
+    fill_done = log.index(".. done op 1 'fill'")
+    assert re.search(r"\.\. done op \d+ 'write 0x[0-9a-f]+=\d+'", log[fill_done:]), log
+    assert "cuEventSynchronize" not in log.split("=== published before")[0], log
+    assert "=== the consumer had its view before the fill: True" in log, log
+    assert "waits queued on the stream: 1" in consumer, consumer
+    assert re.search(r"^cuStreamWaitValue64\(stream \d+, 0x[0-9a-f]+, \d+, flags=0\)", consumer, re.M), consumer
+    assert "=== the stream went on: True; ready: True" in consumer, consumer
+    assert "=== lookup: live" in consumer, consumer
+    _no_misuse(log)
+    _no_misuse(consumer)
+
+
+def test_a_consumer_whose_gpu_cannot_wait_on_the_word_waits_on_the_host(fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log, consumer = _ready_run(fake_libcuda, tmp_path, gpu_daemon, "publish_behind_the_fill",
+                               FAKE_CUDA_CONSUMER_NO_MEM_OPS="1")
+    assert "=== published before the fill was done: True" in log, log
+    assert "=== the consumer had its view before the fill: False" in log, log
+    assert "=== consumer exited 0" in log, consumer
+    assert "waits queued on the stream: 0" in consumer, consumer
+    assert "cuStreamWaitValue64" not in consumer, consumer
+
+
+@pytest.mark.parametrize("why", ["the daemon asks for it", "the device has no stream memory operations"])
+def test_a_producer_waits_for_its_fill_where_ready_words_are_not_used(
+        fake_libcuda, request, tmp_path, why) -> None:
+    d = request.getfixturevalue("host_wait_daemon" if why == "the daemon asks for it" else "gpu_daemon")
+    env = {} if why == "the daemon asks for it" else {"STUB_NO_STREAM_MEM_OPS": "1"}
+    log, _ = _ready_run(fake_libcuda, tmp_path, d, "publish_behind_the_fill", **env)
+    assert "=== published before the fill was done: False" in log, log
+    assert "=== published after it: True; ready then: True" in log, log
+    assert "cuStreamWriteValue64" not in log, log
+    _no_misuse(log)
+
+
+def test_a_stream_waiting_on_a_dead_producers_feature_goes_on_and_the_feature_ends(
+        fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log, producer = _ready_run(fake_libcuda, tmp_path, gpu_daemon, "producer_dies_before_its_gpu_writes")
+    assert "cuStreamWriteValue64" in producer, producer
+    assert "waits queued on the stream: 1" in log, log
+    assert "=== the stream went on after the producer died: True" in log, log
+    assert re.search(r"=== a later get: (STALE|NOT_FOUND)", log), log
+    assert "=== unready_ended 1" in log, log

@@ -56,8 +56,16 @@ def test_shared_layouts_are_documented_as_the_code_defines_them() -> None:
 
     shared = SPEC.split("## 5. ", 1)[1].split("\n## 6. ", 1)[0]
     assert f"`{lease_table.MAGIC.decode()}`" in shared
-    assert f"`{lease_table.HEADER_BYTES} + {16 + lease_table.ENTRY_BYTES} × table_slots`" in shared
-    assert lease_table.table_bytes(10) == lease_table.HEADER_BYTES + 10 * (16 + lease_table.ENTRY_BYTES)
+    per_slot = lease_table.COLUMN_BYTES + lease_table.ENTRY_BYTES
+    assert f"`{lease_table.HEADER_BYTES} + {per_slot} × table_slots`" in shared
+    assert lease_table.table_bytes(10) == lease_table.HEADER_BYTES + 10 * (24 + lease_table.ENTRY_BYTES)
+    for column, at in (("STATE", 0), ("ACKS", 8), ("READY", 16)):
+        offset = lease_table.word_offset(10, 0, getattr(lease_table, column))
+        assert offset == lease_table.HEADER_BYTES + at * 10
+        assert f"The `{column}` column at byte `64{f' + {at} × table_slots' if at else ''}`" in shared, column
+    assert lease_table.word_offset(10, 0, lease_table.POOL) == lease_table.HEADER_BYTES + 24 * 10
+    assert "The entries at byte `64 + 24 × table_slots`" in shared
+    assert lease_table.NOT_READY == 2**64 - 1 and "2^64 - 1, ready for no generation" in shared
     words = ["STATE", "ACKS", "POOL", "OFFSET", "NBYTES", "CONSUMERS", "TOKEN"]
     assert [getattr(lease_table, w) for w in words] == list(range(len(words)))
     for w in words:

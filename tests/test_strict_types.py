@@ -116,10 +116,11 @@ def test_a_float_field_takes_an_int(send) -> None:
     assert reply["ok"] or reply["error"]["code"] != "BAD_REQUEST", reply
 
 
+_V = PROTOCOL_VERSION
 ENVELOPE = [
-    ("v", 4.0, ErrorCode.BAD_REQUEST), ("v", True, ErrorCode.BAD_REQUEST), ("v", "4", ErrorCode.BAD_REQUEST),
-    ("v", NAN, ErrorCode.BAD_REQUEST), ("v", [4], ErrorCode.BAD_REQUEST), ("v", b"\x04", ErrorCode.BAD_REQUEST),
-    ("v", 5, ErrorCode.UNSUPPORTED_VERSION), ("v", -4, ErrorCode.UNSUPPORTED_VERSION),
+    ("v", float(_V), ErrorCode.BAD_REQUEST), ("v", True, ErrorCode.BAD_REQUEST), ("v", str(_V), ErrorCode.BAD_REQUEST),
+    ("v", NAN, ErrorCode.BAD_REQUEST), ("v", [_V], ErrorCode.BAD_REQUEST), ("v", bytes([_V]), ErrorCode.BAD_REQUEST),
+    ("v", _V + 1, ErrorCode.UNSUPPORTED_VERSION), ("v", -_V, ErrorCode.UNSUPPORTED_VERSION),
     ("v", (1 << 64) - 1, ErrorCode.UNSUPPORTED_VERSION), ("v", None, ErrorCode.UNSUPPORTED_VERSION),
     ("id", 7.0, ErrorCode.BAD_REQUEST), ("id", True, ErrorCode.BAD_REQUEST), ("id", NAN, ErrorCode.BAD_REQUEST),
     ("id", b"7", ErrorCode.BAD_REQUEST), ("id", [7], ErrorCode.BAD_REQUEST), ("id", "x" * 65, ErrorCode.BAD_REQUEST),
@@ -175,7 +176,7 @@ def test_fd_channel_is_as_strict(strict_daemon) -> None:
         assert reply["error"]["code"] == "UNSUPPORTED_VERSION", (v, reply)
     with strict_daemon.client() as c:
         session = c.session
-        session.fd.send_frame(_frame(v=4.0))
+        session.fd.send_frame(_frame(v=float(_V)))
         session.fd.send_frame(_frame(op="ack", lease=LEASE, count=1.0, quiet=True))
         session.fd.send_frame(_frame(deadline=NAN))
         assert session.fd.sync(5.0)

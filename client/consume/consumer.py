@@ -13,7 +13,7 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.messages import PoolInfo, RemoteGetReply
 
 from .. import tensors as tz
-from ..gpu import gpu_order
+from ..gpu import gpu_order, ready_word
 from ..link.channel import ControlChannel
 from .inline_base import inline_base
 from ..link.session import Session
@@ -64,6 +64,8 @@ class Consumer:
         if mapping is None:
             # A GPU pool is mapped for the device the copy goes to, not for whichever is current.
             mapping = session.mapping(desc.pool, _cuda_ordinal(device) if pool.kind == "cuda" else None)
+            if pool.kind == "cuda" and not session.table.is_ready(desc.lease, desc.gen):
+                self._behind_ready(session, desc, mapping.device)
         if device is None and not copy and not desc.many:
             return tz.pool_view(mapping.tensor, desc.offset, desc.tensors[0])  # the common get: one view
         if device is not None and pool.kind == "host" and feature_staging("host", device) == "pinned_async":
@@ -76,6 +78,15 @@ class Consumer:
             # The lease may have ended while we copied; then the copy may hold someone else's bytes.
             self.verify(session, desc)
         return out
+
+    def _behind_ready(self, session: Session, desc: Descriptor, ordinal: int) -> None:
+        """A GPU feature its producer published behind its stream's write, not yet written: whatever is
+        queued on ``ordinal``'s current stream from here (the caller's kernels on the view, or the
+        copy this get makes) waits on the GPU for its READY word; where the driver cannot, this host
+        does (client/gpu/ready_word.py)."""
+        table = session.table
+        if not ready_word.wait_before(table, torch.cuda.current_stream(ordinal), desc.lease, desc.gen):
+            ready_word.wait_on_host(table, desc.lease, desc.gen, self._channel.timeout)
 
     def _stage(self, mapping: HostMapping, desc: Descriptor, device: Any) -> Optional[Tensors]:
         """A host-pool feature copied into a GPU's memory from the pool's pinned pages, on that device's

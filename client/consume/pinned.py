@@ -65,12 +65,12 @@ class _Registration:
             return
         ptr, self.ptr = self.ptr, None  # first, so that no path can unregister twice
         try:
-            _settle(self.devices)
+            teardown.settle(self.devices)
         except BaseException:
             drv.release_primary_context(self.ordinal, self.ctx)
             self.base = None
             raise
-        _unregister(ptr, self.ordinal, self.ctx, self.base)
+        teardown.unregister_host(ptr, self.ordinal, self.ctx, self.base)
         self.base = None
 
     def __del__(self, finalizing: Any = sys.is_finalizing) -> None:
@@ -82,24 +82,10 @@ class _Registration:
         try:
             # As a GPU pool's unmap: a collection here must not break a graph capture (teardown.py). The
             # pages stay mapped until the unregister: ``base`` goes with it.
-            teardown.release(devices, lambda: _settle(devices), lambda: _unregister(ptr, ordinal, ctx, base))
+            teardown.release(devices, lambda: teardown.settle(devices),
+                             lambda: teardown.unregister_host(ptr, ordinal, ctx, base))
         except Exception:
             pass  # a garbage collection cannot report it; the process exit unpins the pages
-
-
-def _settle(devices: set[int]) -> None:
-    for ordinal in sorted(devices):  # a staged copy to any of them may still read the pages
-        drv.synchronize_if_used(ordinal)
-
-
-def _unregister(ptr: int, ordinal: int, ctx: Any, base: Optional[torch.Tensor]) -> None:
-    """Unpin the pages and give back the context reference. ``base`` is only held: passed by whoever
-    unregisters later, it keeps the pages mapped until this has run."""
-    try:
-        with drv.context_current(ctx):
-            drv.cu.cuMemHostUnregister(ptr)
-    finally:
-        drv.release_primary_context(ordinal, ctx)
 
 
 def pinned_view(mapping: HostMapping, ordinal: int) -> Optional[torch.Tensor]:

@@ -27,7 +27,9 @@ _NON_BLOCKING = 0x1
 
 _lock = threading.Lock()
 _contexts: dict[tuple[int, int], Any] = {}  # (pid, ordinal) -> the primary context, retained once
-_side: dict[tuple[int, int], Any] = {}  # (pid, ordinal) -> a driver stream that follows callers' events
+# (pid, ordinal, use) -> a driver stream of ours: "follow" follows callers' events for acks, "publish"
+# writes READY words behind a reservation's fill (two, so that neither waits behind the other's work).
+_side: dict[tuple[int, int, str], Any] = {}
 _relaxed = threading.local()
 
 
@@ -184,8 +186,8 @@ class _SideStream:
         self.cuda_stream = int(handle)
 
 
-def _side_stream(ordinal: int) -> _SideStream:
-    key = (os.getpid(), ordinal)
+def _side_stream(ordinal: int, use: str = "follow") -> _SideStream:
+    key = (os.getpid(), ordinal, use)
     with _lock:
         side = _side.get(key)
     if side is None:
@@ -196,6 +198,20 @@ def _side_stream(ordinal: int) -> _SideStream:
                 with drv.context_current(ctx):
                     handle = drv.ck("cuStreamCreate", drv.cu.cuStreamCreate(_NON_BLOCKING))
                 side = _side[key] = _SideStream(ordinal, handle)
+    return side
+
+
+def joined(fence: Fence, ordinal: int) -> Optional[_SideStream]:
+    """A stream of ours on device ``ordinal`` that waits, on the GPU, for all of ``fence``'s work (the
+    fence is then closed): what is queued on it next runs behind that work, and the caller's streams
+    gain no dependency. None where the fence must synchronise a device whole (no event marks its work)."""
+    if fence.devices:
+        return None
+    side = _side_stream(ordinal, "publish")
+    with drv.context_current(context(ordinal)):
+        for _, event in fence.events:
+            drv.ck("cuStreamWaitEvent", drv.cu.cuStreamWaitEvent(side.handle, event, 0))
+    fence.close()
     return side
 
 

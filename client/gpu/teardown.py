@@ -66,6 +66,24 @@ def release(devices: Iterable[int], settle: Callable[[], None], then: Callable[[
     then()
 
 
+def settle(devices: Iterable[int]) -> None:
+    """Synchronise each of ``devices`` this process used: GPU work on any of them may still touch host
+    pages about to be unpinned."""
+    for ordinal in sorted(set(devices)):
+        drv.synchronize_if_used(ordinal)
+
+
+def unregister_host(ptr: int, ordinal: int, ctx: object, keep: object = None) -> None:
+    """Unpin the host pages at ``ptr`` and give back the context reference they were pinned in. ``keep``
+    is only held: passed by whoever unpins later, it keeps the pages mapped until this has run."""
+    try:
+        with drv.context_current(ctx):
+            drv.cu.cuMemHostUnregister(ptr)
+    finally:
+        drv.release_primary_context(ordinal, ctx)
+    del keep
+
+
 def _capturing_here(devices: Iterable[int]) -> bool:
     """Whether this thread's current stream on one of ``devices`` (those it has used) is being captured."""
     import torch

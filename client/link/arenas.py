@@ -304,9 +304,10 @@ class ArenaSet:
             large = nbytes if nbytes > self._usual[pool] * MAX_FEATURE_FRACTION else None
             self._request(pool, device, large, wait=False)
 
-    def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes) -> None:
-        """Make a placed feature visible: its lease-table entry, then its STATE word."""
-        self._table.publish(p.slot, p.gen, p.arena.pool, p.offset, nbytes, consumers, token)
+    def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes, ready: bool = True) -> None:
+        """Make a placed feature visible: its lease-table entry, then its STATE word. ``ready`` False:
+        its GPU stream writes the slot's READY word behind the write."""
+        self._table.publish(p.slot, p.gen, p.arena.pool, p.offset, nbytes, consumers, token, ready)
         # Not under the lock: a KeyboardInterrupt while waiting for it would leave a feature that STATE shows
         # published counted as being written, and its ring would stop there for good. One attribute store
         # is atomic; made after the STATE store, it is all reclaim needs.

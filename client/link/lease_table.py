@@ -13,13 +13,13 @@ import os
 import struct
 import threading
 import weakref
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from mmfeat.atomics import FENCE_NEEDED, Words, fence_acquire
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
     ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, ENTRY_BYTES, FLAG_DRAINING, FREE, GEN_MASK, HEADER_FLAGS_WORD,
-    LIVE_STATES, POOL, PUBLISHED, STATE, ack_word, state_word, table_bytes, word_offset,
+    LIVE_STATES, POOL, PUBLISHED, READY, STATE, ack_word, is_ready, state_word, table_bytes, word_offset,
 )
 
 STATE_FREE = FREE
@@ -46,7 +46,10 @@ class LeaseTableView:
         self._words = Words(mm, 0, table_bytes(slots) // 8) if writable else None
         self._states = word_offset(slots, 0, STATE)
         self._acks = word_offset(slots, 0, ACKS)
+        self._ready = word_offset(slots, 0, READY)
         self._entries = word_offset(slots, 0, POOL)
+        # The table as GPU streams see it (client/gpu/ready_word.py), made on a GPU path's first use.
+        self.gpu: Any = None
         # Acquire load of the word at a byte offset the caller checked; eight per feature, so bound once.
         # Neither refers back to this view: a dropped view is unmapped at once, not at the next GC.
         self._load: Callable[[int], int] = (self._words.load_at if self._words is not None
@@ -130,13 +133,17 @@ class LeaseTableView:
                 return True
         return False
 
-    def publish(self, slot: int, gen: int, pool: int, offset: int, nbytes: int, consumers: int, token: bytes) -> None:
+    def publish(self, slot: int, gen: int, pool: int, offset: int, nbytes: int, consumers: int, token: bytes,
+                ready: bool = True) -> None:
         """Publish a feature written in the caller's arena: its words, then STATE with a release store
-        (ordered after the payload writes and these words)."""
+        (ordered after the payload writes and these words). ``ready`` False: a GPU stream writes READY
+        behind the write (client/gpu/ready_word.py); else it is stored here, before STATE."""
         assert self._words is not None
         # Plain stores: the release store of STATE below orders every earlier store of this thread.
         _ENTRY.pack_into(self._mm, self._entries + ENTRY_BYTES * slot, pool, offset, nbytes, consumers, token)
         _U64.pack_into(self._mm, self._acks + 8 * slot, ack_word(gen))
+        if ready:
+            _U64.pack_into(self._mm, self._ready + 8 * slot, gen & GEN_MASK)
         if self._states_q is not None:
             self._states_q[slot] = state_word(gen, PUBLISHED)  # a plain store is a release store here
         else:
@@ -146,6 +153,27 @@ class LeaseTableView:
         """The STATE word of a slot the caller checked is in range (its own arena's, one the daemon
         granted)."""
         return self._load(self._states + 8 * slot)
+
+    def is_ready(self, slot: int, gen: int) -> bool:
+        """Whether the slot's READY word says generation ``gen``'s bytes are complete; ``slot`` in range."""
+        return is_ready(self._load(self._ready + 8 * slot), gen)
+
+    def mark_ready(self, slot: int, gen: int) -> None:
+        """Store ``gen`` in a reserved lease's READY word (a release store, after the payload's writes),
+        so that its consumers need not wait for the daemon to handle the pipelined publish that also
+        stores it. Only where the table is mapped writable; ``slot`` is the daemon's grant."""
+        if self._words is not None and 0 <= slot < self.slots:
+            self._words.store_at(self._ready + 8 * slot, gen & GEN_MASK)
+
+    def ready_offset(self, slot: int) -> int:
+        """Where the slot's READY word is, in bytes from the start of the mapping."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(slot)
+        return self._ready + 8 * slot
+
+    @property
+    def mm(self) -> mmap.mmap:
+        return self._mm
 
     def _ack_word(self, slot: int) -> int:
         return self._load(self._acks + 8 * slot)

@@ -42,6 +42,8 @@ class Session:
         self.epoch = hello.epoch
         self.node = hello.node
         self.reserve_ttl = float(hello.reserve_ttl)
+        # "ready_word": GPU features may be published behind their stream's write (client/gpu/ready_word.py).
+        self.gpu_publish = hello.gpu_publish
         self.endpoint = endpoint
         self.pools: dict[int, PoolInfo] = {p.pool: p for p in hello.pools}
         self.mappings: dict[tuple[int, int], Any] = {}  # (pool id, device) -> HostMapping or CudaMapping
@@ -113,8 +115,11 @@ class Session:
         """False once the daemon closed the fd channel (it exited or restarted)."""
         return self.fd.alive()
 
-    def publish(self, lease: dict[str, Any]) -> None:
-        self.fd.send("publish", lease=lease)
+    def publish(self, lease: dict[str, Any], stream_ready: bool = False) -> None:
+        if stream_ready:
+            self.fd.send("publish", lease=lease, stream_ready=True)
+        else:
+            self.fd.send("publish", lease=lease)
 
     def _on_unclaimed(self, reply: dict[str, Any]) -> None:
         if "arena" in reply:

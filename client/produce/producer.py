@@ -22,6 +22,7 @@ from .fallbacks import FallbackTracker
 from ..policy import feature_pool
 from .put_in_flight import PutInFlight, new_token
 from ..link.session import Session
+from ..gpu import ready_word
 from ..gpu.stream_wait import wait_for_current_stream
 
 _FALLBACK_ERRORS = {
@@ -160,16 +161,19 @@ class Producer:
             except (RuntimeError, OSError) as exc:  # CudaError too: no IMEX channel, no peer access, ...
                 self._release_quietly(session, desc)
                 return self._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
-            _write(pool_tensor, desc.offset, put)
+            by_stream = _write(pool_tensor, desc.offset, put, _ready_by_stream(session, pool_tensor, desc.lease,
+                                                                               desc.gen))
             life = reply.expires_in if reply.expires_in is not None else session.reserve_ttl
             if time.monotonic() - asked_at >= life / 2:
                 # The write took half the lease's life (a reserve_ttl reloaded very short): the lease may
                 # end before a pipelined publish lands, and its range go to another feature.
-                return self._publish_late(session, desc)
+                return self._publish_late(session, desc, by_stream)
             # On the fd channel: in the daemon's socket buffer when this returns, so it is handled even
             # if this process dies now. Nothing waits for it (a consumer's table check and lookup accept
             # a RESERVED lease, and its ack counts early); a failure is logged when its reply is read.
-            session.publish(desc.lease_ref())
+            if not by_stream:
+                session.table.mark_ready(desc.lease, desc.gen)
+            session.publish(desc.lease_ref(), by_stream)
         except BaseException:
             self._release_quietly(session, desc)
             raise
@@ -187,7 +191,8 @@ class Producer:
         try:
             if pool_tensor is None:
                 pool_tensor = self._pool_tensor(session, desc.pool, put.device)
-            _write(pool_tensor, desc.offset, put)
+            by_stream = _write(pool_tensor, desc.offset, put, _ready_by_stream(session, pool_tensor, placed.slot,
+                                                                               placed.gen))
         except (RuntimeError, OSError):
             arenas.abandon(placed)
             if pool_tensor is None:  # no mapping: the reserve path meets the same failure and falls back
@@ -196,8 +201,9 @@ class Producer:
         except BaseException:  # anything else, an interrupt included: the slot and its range come back
             arenas.abandon(placed)
             raise
-        # The payload is complete (and, on a GPU, synchronised): the STATE store may make it visible.
-        arenas.publish(placed, put.nbytes, put.consumers, token)
+        # The payload is complete (or, on a GPU, its READY word queued behind it): the STATE store may
+        # make it visible.
+        arenas.publish(placed, put.nbytes, put.consumers, token, ready=not by_stream)
         return desc
 
     def _target(self, session: Session, device: Optional[int]) -> tuple[PoolInfo, Optional[torch.Tensor]]:
@@ -264,10 +270,10 @@ class Producer:
         fields["session"] = session.token
         return session, LeaseReply.from_wire(self._channel.call("reserve", **fields))
 
-    def _publish_late(self, session: Session, desc: Descriptor) -> Descriptor:
+    def _publish_late(self, session: Session, desc: Descriptor, by_stream: bool = False) -> Descriptor:
         """Publish and wait for the daemon's word: a lease that ended meanwhile is a typed refusal."""
         try:
-            session.fd.call("publish", lease=desc.lease_ref())
+            session.fd.call("publish", lease=desc.lease_ref(), **({"stream_ready": True} if by_stream else {}))
         except MmfeatError as exc:
             if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.STALE):
                 raise
@@ -315,7 +321,18 @@ class Producer:
         return put.inline()
 
 
-def _write(pool: torch.Tensor, offset: int, put: PutInFlight) -> None:
+def _ready_by_stream(session: Session, pool: torch.Tensor, slot: int, gen: int) -> Optional[tuple[Any, int, int]]:
+    """What ``_write`` needs to publish behind the GPU's write instead of waiting for it: the table, slot
+    and generation, where the daemon asks for READY words and the pool is a GPU's; None otherwise."""
+    if pool.is_cuda and session.gpu_publish == "ready_word" and session.table.writable:
+        return session.table, slot, gen
+    return None
+
+
+def _write(pool: torch.Tensor, offset: int, put: PutInFlight, ready: Optional[tuple[Any, int, int]] = None) -> bool:
+    """Write the feature into the pool; True when its READY word is queued behind the write on the pool
+    device's stream (``ready``: the table, slot and generation), so that nothing was waited for and the
+    publish says so; False when the write is complete here."""
     tensors = put.tensors
     if pool.is_cuda and any(t.is_cuda and t.device != pool.device for t in tensors):
         # torch runs a cross-device copy on the source device, and only the pool's device (and its
@@ -331,9 +348,15 @@ def _write(pool: torch.Tensor, offset: int, put: PutInFlight) -> None:
         # schedule): the wait for that work sleeps here instead, and the driver's finds nothing queued.
         wait_for_current_stream(dev)
     packing.write_into_pool(pool, offset, tensors, put.specs)
+    if ready is not None:
+        # The copies into the pool ran on the pool device's current stream (torch orders a copy from
+        # another device there too): the READY word follows them, and consumers' streams wait for it.
+        table, slot, gen = ready
+        if ready_word.write_after(table, torch.cuda.current_stream(pool.device), slot, gen):
+            return True
     if pool.is_cuda or put.device is not None:
-        # Imported VMM memory cannot be waited on by stream-value ops on current drivers, so the copy
-        # must be complete before the descriptor exists (docs/design.md, GPU pools). The copy ran on the
-        # current stream of the destination or of a source device: finish them all.
+        # Without a READY word behind it the copy must be complete before the descriptor exists. The copy
+        # ran on the current stream of the destination or of a source device: finish them all.
         for dev in {t.device for t in put.tensors if t.is_cuda} | ({pool.device} if pool.is_cuda else set()):
             wait_for_current_stream(dev)
+    return False

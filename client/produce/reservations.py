@@ -27,7 +27,7 @@ from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.messages import MAX_NBYTES, PoolInfo
 from mmfeat.protos.tensor_spec import check_tensor_count, packed_strides
 
-from ..gpu import dlpack, gpu_order
+from ..gpu import dlpack, gpu_order, ready_word
 from .. import tensors as tz
 from . import packing
 from ..link.arenas import Placement
@@ -236,13 +236,13 @@ class Reservations:
                 return KeyedPuts(p).put(given, r.put.many, r.put.consumers, r.keyed)
             return p.put(given, r.put.consumers, r.put.many)
         try:
-            _ready_for_consumers(r, after)
+            by_stream = _ready_for_consumers(r, session, after)
         except BaseException:
             self._give_back(r)  # an unpublished placement would hold its arena's ring
             raise
         if r.kind == "arena":
             assert r.placed is not None and session.arenas is not None
-            session.arenas.publish(r.placed, r.put.nbytes, r.put.consumers, desc.token)
+            session.arenas.publish(r.placed, r.put.nbytes, r.put.consumers, desc.token, ready=not by_stream)
             return desc
         if r.keyed:
             try:
@@ -259,12 +259,14 @@ class Reservations:
                 pass
             raise _expired(r)
         if now - r.reserved_at < (r.deadline - r.reserved_at) / 2:
-            session.publish(desc.lease_ref())  # as put does: in the daemon's socket buffer on return
+            if not by_stream:
+                session.table.mark_ready(desc.lease, desc.gen)
+            session.publish(desc.lease_ref(), by_stream)  # as put does: in the daemon's socket buffer on return
             return desc
         # Near its deadline the lease may end before the publish arrives, and another feature may own
         # the bytes then: wait for the daemon's word rather than hand out a descriptor of something else.
         try:
-            session.fd.call("publish", lease=desc.lease_ref())
+            session.fd.call("publish", lease=desc.lease_ref(), **({"stream_ready": True} if by_stream else {}))
         except MmfeatError as exc:
             if isinstance(exc, DaemonUnavailableError):
                 raise
@@ -391,15 +393,28 @@ def _expired(r: Reservation, why: str = "") -> MmfeatError:
                        "feature now. Reserve again and fill and publish within reserve_ttl")
 
 
-def _ready_for_consumers(r: Reservation, after: Any) -> None:
-    """The producer's writes must be complete before the feature is visible. On a GPU that is the work
-    queued on the current stream of the memory's device and on ``after`` (the stream or event the fill
-    ran on), waited for here; an interprocess fence that the consumer's stream waits on would take this
-    host wait out of the producer and belongs here."""
-    if r.put.device is not None:
-        wait_for(gpu_order.after(after, gpu_order.current_streams([r.put.device])))
-    elif after is not None:
-        wait_for(gpu_order.after(after))
+def _ready_for_consumers(r: Reservation, session: Session, after: Any) -> bool:
+    """The producer's writes must be complete before consumers read the feature. On a GPU that is the
+    work queued on the current stream of the memory's device and on ``after`` (the stream or event the
+    fill ran on). Where the daemon asks for READY words, a stream of ours waits for that work on the
+    GPU and writes the slot's READY word behind it (True: nothing was waited for); otherwise the host
+    waits for it here (False)."""
+    if r.put.device is None:
+        if after is not None:
+            wait_for(gpu_order.after(after))
+        return False
+    fence = gpu_order.after(after, gpu_order.current_streams([r.put.device]))
+    if (fence is not None and not r.keyed and session.gpu_publish == "ready_word" and session.table.writable
+            and ready_word.supported(r.put.device)):
+        assert r.desc is not None
+        slot, gen = r.desc.lease, r.desc.gen  # an arena placement's slot and generation too
+        side = gpu_order.joined(fence, r.put.device)
+        if side is not None:
+            if ready_word.write_after(session.table, side, slot, gen):
+                return True
+            fence = gpu_order.after(side)  # the work it joined, now waited for on the host
+    wait_for(fence)
+    return False
 
 
 def _view(base: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

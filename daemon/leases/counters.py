@@ -15,6 +15,7 @@ class Counters:
     releases: int = 0
     expired: int = 0
     reclaimed_on_disconnect: int = 0
+    unready_ended: int = 0  # published features ended before their producer's GPU had written them
     cut_on_shutdown: int = 0
     pool_full: int = 0
     too_large: int = 0

@@ -20,8 +20,8 @@ import numpy as np
 
 from mmfeat.atomics import PLAIN_ORDERED, Words
 from mmfeat.protos.lease_table import (
-    ACKS, ENTRY_BYTES, ENTRY_WORDS, FREE, GEN_MASK, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, POOL, STATE,
-    ack_word, state_word, table_bytes, word_offset,
+    ACKS, ENTRY_BYTES, ENTRY_WORDS, FREE, GEN_MASK, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, NOT_READY, POOL,
+    PUBLISHED, READY, STATE, ack_word, is_ready, state_word, table_bytes, word_offset,
 )
 
 _ENTRY = struct.Struct(f"<{ENTRY_WORDS}Q")
@@ -43,6 +43,11 @@ class LeaseTable:
         # The sweeper's bulk views of the two columns clients write.
         self.states = np.frombuffer(self._mm, dtype="<u8", count=slots, offset=word_offset(slots, 0, STATE))
         self.acks = np.frombuffer(self._mm, dtype="<u8", count=slots, offset=word_offset(slots, 0, ACKS))
+        # READY words: the daemon stores a slot's generation there before each FREE (a GPU stream waiting
+        # on a feature that ended would otherwise wait for good) and reads them to count features that
+        # ended before their producer's GPU had written them.
+        self.ready = np.frombuffer(self._mm, dtype="<u8", count=slots, offset=word_offset(slots, 0, READY))
+        self.ready[:] = NOT_READY
         # Every slot's entry as a row of words (POOL .. TOKEN + 1), for the sweep's batch checks.
         self.entries = np.frombuffer(self._mm, dtype="<u8", count=slots * ENTRY_WORDS,
                                      offset=word_offset(slots, 0, POOL)).reshape(slots, ENTRY_WORDS)
@@ -84,9 +89,20 @@ class LeaseTable:
     def load(self, slot: int, word: int) -> int:
         return self.words.load_at(self._offset(slot, word))
 
-    def set(self, slot: int, gen: int, state: int) -> None:
-        """A new state for the generation in the slot (publish of a reserved lease), or FREE."""
+    def set(self, slot: int, gen: int, state: int, ready: bool = True) -> None:
+        """A new state for the generation in the slot (publish of a reserved lease), or FREE. Both store
+        READY first, but a publish whose producer's GPU stream writes READY itself (``ready`` False)."""
+        if state == FREE or ready:
+            self.ready[slot] = gen & GEN_MASK  # a plain store: the STATE store below releases it
         self.store_state(slot, state_word(gen, state))
+
+    def is_ready(self, slot: int, gen: int) -> bool:
+        return is_ready(int(self.ready[slot]), gen)
+
+    def unready(self, slots: np.ndarray, gens: np.ndarray) -> int:
+        """How many of ``slots`` hold a READY word below their generation in ``gens``."""
+        behind = (self.ready[slots] - (gens & np.uint64(GEN_MASK))).view(np.int64)
+        return int(np.count_nonzero(behind < 0))
 
     def store_state(self, slot: int, word: int) -> None:
         if not 0 <= slot < self.slots:
@@ -97,8 +113,10 @@ class LeaseTable:
     def free_many(self, slots: np.ndarray, gens: np.ndarray) -> None:
         """FREE in the STATE words of ``slots`` (generations ``gens``). The caller ordered its reads of
         those slots before this (an acquire fence after them)."""
-        words = (gens & np.uint64(GEN_MASK)) << np.uint64(2) | np.uint64(FREE)
+        gens = gens & np.uint64(GEN_MASK)
+        words = gens << np.uint64(2) | np.uint64(FREE)
         self.seen_state[slots] = words
+        self.ready[slots] = gens  # before FREE: a stream waiting on the feature goes on (see __init__)
         if PLAIN_ORDERED:
             # x86-64: each element is one aligned 8-byte move, a release store there (mmfeat.atomics).
             self.states[slots] = words
@@ -124,6 +142,8 @@ class LeaseTable:
                          int.from_bytes(token[:8], "little"), int.from_bytes(token[8:16], "little"))
         self.seen_acks[slot] = ack_word(gen)
         self.words.store_at(self._offset(slot, ACKS), ack_word(gen))
+        if state == PUBLISHED:  # a hold: its bytes are its base feature's, complete already
+            self.ready[slot] = gen & GEN_MASK
         self.store_state(slot, state_word(gen, state))
 
     def cas(self, slot: int, word: int, expected: int, new: int) -> tuple[bool, int]:
@@ -150,7 +170,7 @@ class LeaseTable:
     def close(self) -> None:
         if self._mm is not None:
             self.words.close()
-            del self.states, self.acks, self.entries
+            del self.states, self.acks, self.ready, self.entries
             self._mm.close()
             self._mm = None
         if self._fd is not None:

@@ -72,6 +72,8 @@ class Ledger(Retention):
         self._observers = observers  # looked at on every free: the caller may add to it later
         self._quick_observers = quick_observers
         self._table = table
+        # Pools in GPU memory, where a READY word can lag its feature's STATE (set by the core).
+        self.gpu_pools: frozenset[int] = frozenset()
         # Per slot: the generation it last gave out (0: never used) and why that one ended. Arrays, so
         # that the sweep checks and ends the features of a whole batch at once (Sweeper._end_acked).
         self.gens = np.zeros(max_leases, dtype=np.uint64)
@@ -200,9 +202,11 @@ class Ledger(Retention):
         self.counters.arena_adoptions += 1
         return lease
 
-    def publish(self, ref: LeaseRef, session: bytes, now: float, descriptor: Optional[bytes] = None) -> Lease:
+    def publish(self, ref: LeaseRef, session: bytes, now: float, descriptor: Optional[bytes] = None,
+                stream_ready: bool = False) -> Lease:
         """The lease published, or for a keyed one whose key another feature took meanwhile, that feature
-        (this one is freed: its bytes are not kept)."""
+        (this one is freed: its bytes are not kept). ``stream_ready``: the producer's GPU stream writes
+        the slot's READY word behind its write; otherwise the daemon stores it here."""
         lease = self._producers_lease(ref, session, "publish")
         if lease.state is not LeaseState.RESERVED:
             raise MmfeatError(ErrorCode.BAD_STATE,
@@ -225,7 +229,8 @@ class Ledger(Retention):
         self._account(lease, -1)
         lease.state = LeaseState.PUBLISHED
         self._account(lease, +1)
-        self._mirror(lease.lease_id, lease.gen, PUBLISHED)
+        if self._table is not None:
+            self._table.set(lease.lease_id, lease.gen, PUBLISHED, ready=not stream_ready)
         lease.published_at = now
         lease.deadline = now + self.ack_ttl
         self.books.not_reserved(lease.session, lease.lease_id)
@@ -323,13 +328,23 @@ class Ledger(Retention):
         return len(leases), self.arenas.give_back_session(session)
 
     def reclaim_session(self, session: bytes, now: float) -> int:
-        """Free the RESERVED leases of a session whose process is gone; published ones stay for consumers."""
+        """Free the RESERVED leases of a session whose process is gone, and the published ones whose GPU
+        write had not landed (their READY word is behind: it never will now); the others stay for
+        consumers."""
         ids = self.books.pop_reserved(session)
         for lease_id in ids:
             lease = self._leases.get(lease_id)
             if lease is not None:
                 self.counters.reclaimed_on_disconnect += 1
                 self._free(lease, EndReason.RECLAIMED, now)
+        table = self._table
+        if table is not None and self.gpu_pools:
+            unready = [lease for lease in self._leases.values() if lease.session == session
+                       and lease.pool_id in self.gpu_pools and not table.is_ready(lease.lease_id, lease.gen)]
+            for lease in unready:
+                if self._leases.get(lease.lease_id) is lease:
+                    self.counters.reclaimed_on_disconnect += 1
+                    self._free(lease, EndReason.RECLAIMED, now)
         return len(ids)
 
     # --- the sweep's --------------------------------------------------------------------------------
@@ -486,6 +501,9 @@ class Ledger(Retention):
         del self._leases[slot]
         self.gate[slot] = lease.gen
         self._ended[slot] = END_CODE[reason]
+        table = self._table
+        if lease.state is LeaseState.PUBLISHED and table is not None and not table.is_ready(slot, lease.gen):
+            self.counters.unready_ended += 1  # its consumers' streams go on over bytes never completed
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         self._mirror(lease.lease_id, lease.gen, FREE)
         base = lease.hold_of

@@ -272,6 +272,7 @@ class Sweeper:
             # With a compare-and-swap, as _refuse puts words back: a peer that rewrote the word FREE
             # since this sweep read it lets the slot's producer publish there, and that stays.
             spent = state_word(gen, FREE)
+            self.table.ready[slot] = gen  # as before every FREE: a stream waiting on it goes on
             if self.table.cas(slot, STATE, word, spent)[0]:
                 self.table.seen_state[slot] = spent
             self._count_bad(arena.session, f"slot {slot} was published with pool {pool}, range [{offset}, +{nbytes}), "

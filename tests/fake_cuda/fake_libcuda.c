@@ -28,6 +28,7 @@ typedef unsigned long long u64;
 
 #define ATTR_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED 110
 #define ATTR_GPU_DIRECT_RDMA_WRITES_ORDERING 118
+#define ATTR_CAN_USE_64_BIT_STREAM_MEM_OPS 122
 #define CTX(dev) ((void*)(uintptr_t)(0x1000 + (dev)))
 
 static __thread void* cur = 0;
@@ -85,6 +86,8 @@ CUresult cuDeviceGetAttribute(int* pi, int attr, int dev) {
     *pi = (attr == ATTR_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED && envi("STUB_NO_RDMA_DEV") == dev) ? 0 : 1;
     // GPU_DIRECT_RDMA_WRITES_ORDERING: NONE (0) unless STUB_RDMA_ORDERING says OWNER (100) or ALL_DEVICES (200)
     if (attr == ATTR_GPU_DIRECT_RDMA_WRITES_ORDERING) *pi = envi("STUB_RDMA_ORDERING") > 0 ? envi("STUB_RDMA_ORDERING") : 0;
+    // STUB_NO_STREAM_MEM_OPS=1: a device whose streams cannot write or wait on 64-bit words
+    if (attr == ATTR_CAN_USE_64_BIT_STREAM_MEM_OPS && envi("STUB_NO_STREAM_MEM_OPS") > 0) *pi = 0;
     fprintf(L(), "cuDeviceGetAttribute(attr=%d, dev=%d)\n", attr, dev);
     return 0;
 }

@@ -209,23 +209,6 @@ def _publish_in_thread(publish: Callable[[], Any]) -> tuple[threading.Thread, li
     return t, out
 
 
-def publish_after_a_side_stream() -> None:
-    """A reserved GPU tensor filled on a side stream, published with after= that stream."""
-    from mmfeat.client import Client
-
-    _setup()
-    with Client(timeout=20) as c:
-        t = c.reserve((1 << 20,), torch.uint8, device="cuda:0")
-        side = torch.cuda.Stream(0)
-        ft.launch(side, "fill")
-        thread, out = _publish_in_thread(lambda: c.publish(t, after=side))
-        thread.join(0.3)
-        mark(f"published before the fill was done: {bool(out)}")
-        ft.release("fill")
-        thread.join(20)
-        mark(f"published after it: {bool(out)}")
-
-
 def dropped_reservation_under_a_kernel() -> None:
     """A reserved GPU tensor with a kernel writing it on the current stream: dropped, then discarded."""
     from mmfeat.client import Client
@@ -329,5 +312,5 @@ def pool_unmapped_in_a_capturing_thread() -> None:
 ORDER = {f.__name__: f for f in (pool_unmapped_while_another_thread_captures, pool_unmapped_in_a_capturing_thread,
                                   parcel_view_dies_under_a_kernel, staged_ack_names_another_stream,
                                   two_staged_gets_one_ack, acker_on_device_1, ack_while_another_thread_captures,
-                                  long_kernel_delays_no_other_ack, ack_after_and_wait, publish_after_a_side_stream,
+                                  long_kernel_delays_no_other_ack, ack_after_and_wait,
                                   dropped_reservation_under_a_kernel, get_for_device_1)}

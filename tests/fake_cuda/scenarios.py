@@ -441,7 +441,9 @@ SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_us
 
 if __name__ == "__main__":
     from tests.fake_cuda.order_scenarios import ORDER
+    from tests.fake_cuda.ready_scenarios import READY
 
     SCENARIOS.update(ORDER)
+    SCENARIOS.update(READY)
     drv.driver_unavailable_reason()
     SCENARIOS[sys.argv[1]]()

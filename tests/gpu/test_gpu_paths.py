@@ -192,14 +192,16 @@ def test_the_daemon_logs_the_fabric_verdict_on_a_multinode_setting(runtime_dir) 
 
 
 def test_a_put_and_a_staged_get_behind_a_long_kernel_sleep_instead_of_spinning(gpu_daemon) -> None:
-    """Both must wait for the GPU (the bytes exist before the descriptor; a staged copy is complete when
-    get returns), and a wait that spans other work on the GPU must not burn a core (stream_wait.py), a
-    put of a host tensor into the GPU pool (torch's synchronous copy) included."""
+    """A staged get must wait for the GPU (its copy is complete when get returns), and so must a put
+    where the daemon asks for no READY words (the bytes exist before the descriptor); a wait that spans
+    other work on the GPU must not burn a core (stream_wait.py), a put of a host tensor into the GPU
+    pool (torch's synchronous copy) included."""
     torch.cuda.set_device(0)
     with gpu_daemon.client(inline_threshold=0, fallback="error") as c:
         x = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
         c.ack(c.put(x))  # the mapping and the arena, outside the measurement
         x_host = x.cpu()  # pageable: torch copies it synchronously
+        ready_words = c.stats()["gpu_publish"] == "ready_word"
         for step in ("put", "put from host memory", "staged get"):
             desc = c.put(x) if step == "staged get" else None
             torch.cuda._sleep(int(1e9))  # about half a second of GPU time queued first
@@ -214,6 +216,11 @@ def test_a_put_and_a_staged_get_behind_a_long_kernel_sleep_instead_of_spinning(g
                 got = c.get(desc, device=0)
             waited, cpu = time.monotonic() - t0, time.thread_time() - cpu0
             print(f"{step} behind a {waited:.2f} s kernel: {cpu * 1e3:.1f} ms of CPU")
+            if step == "put" and ready_words:  # published behind the stream: nothing waits on the host
+                assert waited < 0.2, "the put waited on the host though the daemon asks for READY words"
+                assert torch.equal(got, x)  # read on the stream, behind the READY word
+                c.ack(desc, wait=True)
+                continue
             assert waited > 0.2, f"the {step} returned before the queued kernel ended"
             assert torch.equal(got, x)
             c.ack(desc, wait=True)

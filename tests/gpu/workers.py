@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -73,3 +74,20 @@ def consume(rank: int, runtime_dir: str, in_q: Any, result_q: Any) -> None:
         import traceback
 
         result_q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def produce_behind_a_kernel(runtime_dir: str, rounds: int, out_q: Any) -> None:
+    """Features a kernel fills behind half a second of GPU time, put at once: how long each put took,
+    and its descriptor. The consumer's reads are ordered behind the fill only by the READY word."""
+    torch.cuda.set_device(0)
+    with Client(runtime_dir, inline_threshold=0, fallback="error") as c:
+        base = torch.zeros(4 << 20, dtype=torch.uint8, device="cuda:0")
+        c.ack(c.put(base))  # the mapping and the arena, outside the measurement
+        for k in range(rounds):
+            torch.cuda._sleep(int(1e9))
+            t = torch.full((4 << 20,), k + 1, dtype=torch.uint8, device="cuda:0")
+            t0 = time.monotonic()
+            desc = c.put(t)
+            out_q.put((time.monotonic() - t0, k + 1, desc.to_bytes()))
+        torch.cuda.synchronize()
+        out_q.put(None)

@@ -1,0 +1,157 @@
+"""Scenarios of the READY word (client/gpu/ready_word.py) against the fake libcuda: a GPU feature
+published behind its producer's stream, read by another process whose stream waits for it, and let go
+by the daemon when its producer dies first. Run through scenarios.py; each leaves ``=== `` marks in the
+driver's log, the consumer process in a log of its own ($FAKE_CUDA_CONSUMER_LOG)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.fake_cuda import fake_torch as ft
+from tests.fake_cuda.order_scenarios import _desc, _publish_in_thread, _setup, mark
+
+SCENARIOS_PY = Path(__file__).with_name("scenarios.py")
+
+
+def _size() -> int:
+    return int(os.environ.get("FAKE_CUDA_SIZE", str(1 << 20)))
+
+
+def _start(scenario: str, env: dict[str, str], **popen: Any) -> subprocess.Popen:
+    """Another process of this test against the same daemon, logging to $FAKE_CUDA_CONSUMER_LOG."""
+    full = {**os.environ, "STUB_LOG": os.environ["FAKE_CUDA_CONSUMER_LOG"], **env}
+    if os.environ.get("FAKE_CUDA_CONSUMER_NO_MEM_OPS"):
+        full["STUB_NO_STREAM_MEM_OPS"] = "1"
+    return subprocess.Popen([sys.executable, str(SCENARIOS_PY), scenario], env=full, **popen)
+
+
+def _logged(text: str, seconds: float = 20.0) -> bool:
+    """Whether the other process's log says ``=== text`` within ``seconds``."""
+    path = Path(os.environ["FAKE_CUDA_CONSUMER_LOG"])
+    deadline = time.monotonic() + seconds
+    while not (path.exists() and f"=== {text}" in path.read_text()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def publish_behind_the_fill() -> None:
+    """A reserved GPU tensor filled on a side stream, published with after= that stream, while a consumer
+    process gets it; the fill is let go only once the consumer has its view (or waits for it)."""
+    from mmfeat.client import Client
+
+    _setup()
+    with Client(timeout=20) as c:
+        t = c.reserve((_size(),), torch.uint8, device="cuda:0")
+        side = torch.cuda.Stream(0)
+        ft.launch(side, "fill")
+        thread, out = _publish_in_thread(lambda: c.publish(t, after=side))
+        thread.join(0.3)
+        mark(f"published before the fill was done: {bool(out)}")
+        if not out:  # the host wait: nothing to read before the fill is done
+            ft.release("fill")
+            thread.join(20)
+            desc = out[0]
+            mark(f"published after it: {bool(out)}; ready then: {c._connect().table.is_ready(desc.lease, desc.gen)}")
+            return
+        desc = out[0]
+        table = c._connect().table
+        mark(f"ready before the fill: {table.is_ready(desc.lease, desc.gen)}")
+        consumer = _start("consume_behind_ready", {"FAKE_CUDA_SCENARIO_DESC": desc.to_bytes().hex()})
+        _logged("getting")
+        time.sleep(0.3)
+        mark(f"the consumer had its view before the fill: {_logged('got', 0)}")
+        ft.release("fill")
+        deadline = time.monotonic() + 20
+        while not table.is_ready(desc.lease, desc.gen) and time.monotonic() < deadline:
+            ft.pending(side)  # the fake runs the GPU's queue as the driver is called
+            time.sleep(0.01)
+        mark(f"ready after the fill: {table.is_ready(desc.lease, desc.gen)}")
+        mark(f"consumer exited {consumer.wait(30)}")
+
+
+def consume_behind_ready() -> None:
+    """get() of the descriptor in $FAKE_CUDA_SCENARIO_DESC: what the current stream holds after it, and
+    whether it goes on once the READY word is written."""
+    from mmfeat.client import Client
+    from mmfeat.protos.errors import MmfeatError
+
+    _setup()
+    desc = _desc()
+    with Client(timeout=20) as c:
+        stream = torch.cuda.current_stream(0)
+        mark("getting")
+        view = c.get(desc)
+        mark(f"got {tuple(view.shape)}; waits queued on the stream: {ft.pending(stream)}")
+        deadline = time.monotonic() + 20
+        while ft.pending(stream) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ready = c._connect().table.is_ready(desc.lease, desc.gen)
+        mark(f"the stream went on: {ft.pending(stream) == 0}; ready: {ready}")
+        try:
+            c.request("lookup", lease=desc.lease_ref())
+            mark("lookup: live")
+        except MmfeatError as exc:
+            mark(f"lookup: {exc.code.value}")
+        try:
+            c.ack(desc)
+        except MmfeatError:
+            pass
+        del view
+
+
+def publish_and_die() -> None:
+    """Publish a reserved GPU tensor behind a fill that never ends, say its descriptor, and wait to be
+    killed."""
+    from mmfeat.client import Client
+
+    _setup()
+    c = Client(timeout=20)
+    t = c.reserve((_size(),), torch.uint8, device="cuda:0")
+    ft.launch(torch.cuda.current_stream(0), "never")
+    desc = c.publish(t)
+    print(desc.to_bytes().hex(), flush=True)
+    time.sleep(60)
+
+
+def producer_dies_before_its_gpu_writes() -> None:
+    """A consumer's stream waits on a feature whose producer is SIGKILLed before its fill ran."""
+    from mmfeat.client import Client
+    from mmfeat.protos.descriptor import Descriptor
+    from mmfeat.protos.errors import MmfeatError
+
+    _setup()
+    producer = _start("publish_and_die", {}, stdout=subprocess.PIPE, text=True)
+    assert producer.stdout is not None
+    desc = Descriptor.from_bytes(bytes.fromhex(producer.stdout.readline().strip()))
+    with Client(timeout=20) as c:
+        stream = torch.cuda.current_stream(0)
+        view = c.get(desc)
+        mark(f"got {tuple(view.shape)}; waits queued on the stream: {ft.pending(stream)}")
+        producer.send_signal(signal.SIGKILL)
+        producer.wait(20)
+        deadline = time.monotonic() + 20
+        while ft.pending(stream) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        mark(f"the stream went on after the producer died: {ft.pending(stream) == 0}")
+        try:
+            c.get(desc)
+            mark("a later get: served")
+        except MmfeatError as exc:
+            mark(f"a later get: {exc.code.value}")
+        counters = c.stats()["counters"]
+        mark(f"unready_ended {counters['unready_ended']}")
+        del view
+
+
+READY = {f.__name__: f for f in (publish_behind_the_fill, consume_behind_ready, publish_and_die,
+                                  producer_dies_before_its_gpu_writes)}

@@ -1,0 +1,47 @@
+"""On a GPU: features published behind their producer's stream (the lease table's READY word), read in
+another process whose stream waits for the word (client/gpu/ready_word.py)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from ..conftest import start_daemon
+from . import workers
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("mode", ["auto", "host_wait"])
+def test_a_consumer_reads_a_feature_put_behind_a_kernel_whole(runtime_dir, mode: str) -> None:
+    """With READY words the put returns while the kernel that fills the tensor still runs, and the
+    consumer's stream, not its host, waits for the bytes; with host_wait the put waits. Either way the
+    consumer reads every byte of the fill, never the previous round's."""
+    d = start_daemon(runtime_dir, "--pool-mb", "256", "--gpu-publish", mode, backend="cuda_vmm")
+    try:
+        torch.cuda.set_device(0)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        prod = ctx.Process(target=workers.produce_behind_a_kernel, args=(str(runtime_dir), 3, q))
+        prod.start()
+        with d.client() as c:
+            stats = c.stats()
+            assert stats["gpu_publish"] == ("ready_word" if mode == "auto" else "host_wait")
+            while (item := q.get(timeout=120)) is not None:
+                took, value, blob = item
+                print(f"{mode}: put behind a kernel returned in {took * 1e3:.1f} ms")
+                if mode == "auto":
+                    assert took < 0.2, "the put waited for the kernel on the host"
+                else:
+                    assert took > 0.2, "the put returned before its fill was done"
+                view = c.get(blob)
+                assert int((view == value).sum()) == view.numel(), "read before the producer's fill landed"
+                c.ack(blob, after=torch.cuda.current_stream())
+        prod.join(60)
+        assert prod.exitcode == 0
+        s = d.wait_for(lambda s: s["leases"] == {"RESERVED": 0, "PUBLISHED": 0}, what="every lease ended")
+        assert s["counters"]["unready_ended"] == 0
+    finally:
+        d.stop()
