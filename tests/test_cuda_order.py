@@ -199,3 +199,12 @@ def test_a_stream_waiting_on_a_dead_producers_feature_goes_on_and_the_feature_en
     assert "=== the stream went on after the producer died: True" in log, log
     assert re.search(r"=== a later get: (STALE|NOT_FOUND)", log), log
     assert "=== unready_ended 1" in log, log
+
+
+def test_a_producer_that_closes_behind_its_fill_waits_for_it_and_its_feature_stays(
+        fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log, _ = _ready_run(fake_libcuda, tmp_path, gpu_daemon, "close_behind_the_fill")
+    assert "=== closed before the fill was done: False" in log, log
+    assert "=== closed after it: True" in log, log
+    assert "=== still live, ready: True" in log, log
+    assert "=== unready_ended 0" in log, log

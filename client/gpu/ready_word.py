@@ -26,6 +26,7 @@ import numpy as np
 
 from mmfeat import cuda_driver as drv
 from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.lease_table import GEN_MASK
 
 from . import gpu_order, teardown
 
@@ -151,28 +152,30 @@ def _address(table: Any, stream: Any, slot: int) -> Optional[tuple[int, Any]]:
 def write_after(table: Any, stream: Any, slot: int, gen: int) -> bool:
     """Queue on ``stream``, behind the work that wrote the feature, the store of ``gen`` in ``slot``'s
     READY word; False where it cannot (then the caller waits for the write and stores READY itself)."""
-    if not table.writable:
-        return False
-    where = _address(table, stream, slot)
-    if where is None:
-        return False
-    address, handle = where
-    with drv.context_current(gpu_order.context(int(stream.device_index))):
-        drv.ck("cuStreamWriteValue64", drv.cu.cuStreamWriteValue64(handle, address, gen, 0))
-    return True
+    return table.writable and _queue("cuStreamWriteValue64", table, stream, slot, gen, 0)
 
 
 def wait_before(table: Any, stream: Any, slot: int, gen: int) -> bool:
     """Make ``stream`` wait, ahead of what the caller queues next, until ``slot``'s READY word reaches
     ``gen``: True once queued, or at once if it has; False where it cannot (then wait on the host)."""
-    if table.is_ready(slot, gen):
-        return True
+    return table.is_ready(slot, gen) or _queue("cuStreamWaitValue64", table, stream, slot, gen, _GEQ)
+
+
+def _queue(call: str, table: Any, stream: Any, slot: int, gen: int, flags: int) -> bool:
+    """Queue stream memory operation ``call`` on ``slot``'s READY word; False where the stream cannot."""
     where = _address(table, stream, slot)
     if where is None:
         return False
     address, handle = where
-    with drv.context_current(gpu_order.context(int(stream.device_index))):
-        drv.ck("cuStreamWaitValue64", drv.cu.cuStreamWaitValue64(handle, address, gen, _GEQ))
+    ordinal = int(stream.device_index)
+    try:
+        with drv.context_current(gpu_order.context(ordinal)):
+            drv.ck(call, getattr(drv.cu, call)(handle, address, gen & GEN_MASK, flags))
+    except drv.CudaError as exc:  # a driver that refuses host memory here: the host waits from now on
+        log.warning("device %d refused %s on the lease table (%s); GPU features there are published and "
+                    "read after host waits instead", ordinal, call, exc)
+        _supported[(os.getpid(), ordinal)] = False
+        return False
     return True
 
 

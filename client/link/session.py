@@ -44,6 +44,7 @@ class Session:
         self.reserve_ttl = float(hello.reserve_ttl)
         # "ready_word": GPU features may be published behind their stream's write (client/gpu/ready_word.py).
         self.gpu_publish = hello.gpu_publish
+        self.ready_devices: set[int] = set()  # devices whose streams hold READY writes of ours (close waits)
         self.endpoint = endpoint
         self.pools: dict[int, PoolInfo] = {p.pool: p for p in hello.pools}
         self.mappings: dict[tuple[int, int], Any] = {}  # (pool id, device) -> HostMapping or CudaMapping
@@ -194,7 +195,23 @@ class Session:
         self.fabric_mappings[key] = mapping
         return mapping
 
+    def settle_ready_writes(self) -> None:
+        """Wait for the READY words this session's features have queued on GPU streams: once its fd
+        channel closes the daemon takes a feature still unwritten for a dead producer's, and gives its
+        range back while this process's GPU might still be copying into it."""
+        devices, self.ready_devices = self.ready_devices, set()
+        if devices and self.pid == os.getpid():
+            from mmfeat import cuda_driver as drv
+
+            for ordinal in sorted(devices):
+                drv.synchronize_if_used(ordinal)
+
     def close(self) -> None:
+        if self.pid == os.getpid():
+            try:
+                self.settle_ready_writes()
+            except Exception:  # a broken device: the daemon's grace for the dead then applies
+                pass
         if self.arenas is not None and self.pid == os.getpid():
             # Only here: a forked child's copy has no reaper thread to stop, and the parent's may have held
             # the stop event's lock at the fork.

@@ -102,6 +102,7 @@ def publish_keyed(session: Session, desc: Descriptor, keyed: bool) -> Descriptor
     """Publish a reserved keyed or retained lease whose bytes are written; the descriptor that names the
     key's feature (another producer's, where its publish came first)."""
     if not keyed:
+        session.table.mark_ready(desc.lease, desc.gen)
         session.publish(desc.lease_ref())  # retained, no key: nobody can find it first, nothing to wait for
         return desc
     sent = desc.to_bytes()

@@ -155,6 +155,7 @@ class Producer:
         lease = reply.lease
         desc = put.descriptor(session, self._channel.endpoint, lease.pool, lease.lease, lease.gen, lease.token,
                               lease.offset)
+        by_stream = False
         try:
             try:
                 pool_tensor = self._pool_tensor(session, desc.pool, device)
@@ -163,6 +164,8 @@ class Producer:
                 return self._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
             by_stream = _write(pool_tensor, desc.offset, put, _ready_by_stream(session, pool_tensor, desc.lease,
                                                                                desc.gen))
+            if by_stream:
+                session.ready_devices.add(pool_tensor.device.index)
             life = reply.expires_in if reply.expires_in is not None else session.reserve_ttl
             if time.monotonic() - asked_at >= life / 2:
                 # The write took half the lease's life (a reserve_ttl reloaded very short): the lease may
@@ -175,6 +178,8 @@ class Producer:
                 session.table.mark_ready(desc.lease, desc.gen)
             session.publish(desc.lease_ref(), by_stream)
         except BaseException:
+            if by_stream:  # the range goes back: the copy queued into it must have run first
+                wait_for_current_stream(pool_tensor.device)
             self._release_quietly(session, desc)
             raise
         return desc
@@ -193,6 +198,8 @@ class Producer:
                 pool_tensor = self._pool_tensor(session, desc.pool, put.device)
             by_stream = _write(pool_tensor, desc.offset, put, _ready_by_stream(session, pool_tensor, placed.slot,
                                                                                placed.gen))
+            if by_stream:
+                session.ready_devices.add(pool_tensor.device.index)
         except (RuntimeError, OSError):
             arenas.abandon(placed)
             if pool_tensor is None:  # no mapping: the reserve path meets the same failure and falls back
@@ -352,7 +359,13 @@ def _write(pool: torch.Tensor, offset: int, put: PutInFlight, ready: Optional[tu
         # The copies into the pool ran on the pool device's current stream (torch orders a copy from
         # another device there too): the READY word follows them, and consumers' streams wait for it.
         table, slot, gen = ready
-        if ready_word.write_after(table, torch.cuda.current_stream(pool.device), slot, gen):
+        stream = torch.cuda.current_stream(pool.device)
+        if ready_word.write_after(table, stream, slot, gen):
+            for t in (*put.tensors, *tensors):
+                if t.is_cuda:
+                    # put returns before the copy has read it: the caching allocator must not hand the
+                    # source's memory to anyone before the copy queued on this stream has run.
+                    t.record_stream(stream)
             return True
     if pool.is_cuda or put.device is not None:
         # Without a READY word behind it the copy must be complete before the descriptor exists. The copy

@@ -253,6 +253,8 @@ class Reservations:
                 raise MmfeatError(exc.code, f"the reservation was not published: {exc.message}") from None
         now = time.monotonic()
         if now >= r.deadline:
+            if by_stream:  # the fill must not land after the range went back
+                session.settle_ready_writes()
             try:  # waited for: an ended lease's refusal is the expected answer, not an async failure
                 session.fd.call("release", lease=desc.lease_ref())
             except MmfeatError:
@@ -411,6 +413,7 @@ def _ready_for_consumers(r: Reservation, session: Session, after: Any) -> bool:
         side = gpu_order.joined(fence, r.put.device)
         if side is not None:
             if ready_word.write_after(session.table, side, slot, gen):
+                session.ready_devices.add(r.put.device)
                 return True
             fence = gpu_order.after(side)  # the work it joined, now waited for on the host
     wait_for(fence)

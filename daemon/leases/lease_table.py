@@ -99,11 +99,6 @@ class LeaseTable:
     def is_ready(self, slot: int, gen: int) -> bool:
         return is_ready(int(self.ready[slot]), gen)
 
-    def unready(self, slots: np.ndarray, gens: np.ndarray) -> int:
-        """How many of ``slots`` hold a READY word below their generation in ``gens``."""
-        behind = (self.ready[slots] - (gens & np.uint64(GEN_MASK))).view(np.int64)
-        return int(np.count_nonzero(behind < 0))
-
     def store_state(self, slot: int, word: int) -> None:
         if not 0 <= slot < self.slots:
             raise IndexError(slot)

@@ -44,6 +44,11 @@ class AckResult:
     duplicate: bool = False
 
 
+# How long a dead producer's unwritten GPU features stay: its GPU context is torn down as its process
+# exits, and the socket whose close the daemon sees may go first.
+DEAD_GRACE_S = 2.0
+
+
 class Ledger(Retention):
     def __init__(
         self,
@@ -328,9 +333,9 @@ class Ledger(Retention):
         return len(leases), self.arenas.give_back_session(session)
 
     def reclaim_session(self, session: bytes, now: float) -> int:
-        """Free the RESERVED leases of a session whose process is gone, and the published ones whose GPU
-        write had not landed (their READY word is behind: it never will now); the others stay for
-        consumers."""
+        """Free the RESERVED leases of a session whose process is gone, and, DEAD_GRACE_S later, the
+        published GPU features whose READY word is behind (its GPU never wrote them: a client that
+        closes waits for its writes first); the others stay for consumers."""
         ids = self.books.pop_reserved(session)
         for lease_id in ids:
             lease = self._leases.get(lease_id)
@@ -339,12 +344,13 @@ class Ledger(Retention):
                 self._free(lease, EndReason.RECLAIMED, now)
         table = self._table
         if table is not None and self.gpu_pools:
-            unready = [lease for lease in self._leases.values() if lease.session == session
-                       and lease.pool_id in self.gpu_pools and not table.is_ready(lease.lease_id, lease.gen)]
-            for lease in unready:
-                if self._leases.get(lease.lease_id) is lease:
-                    self.counters.reclaimed_on_disconnect += 1
-                    self._free(lease, EndReason.RECLAIMED, now)
+            for lease in self._leases.values():
+                if (lease.session == session and lease.pool_id in self.gpu_pools and lease.hold_of is None
+                        and not table.is_ready(lease.lease_id, lease.gen) and lease.deadline > now + DEAD_GRACE_S):
+                    # Its GPU never wrote it; the process's GPU work may still be torn down for a moment
+                    # after its socket closed, so the range goes back after a grace, by expiry.
+                    lease.deadline = now + DEAD_GRACE_S
+                    self._deadlines.push(lease)
         return len(ids)
 
     # --- the sweep's --------------------------------------------------------------------------------

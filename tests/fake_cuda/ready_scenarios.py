@@ -153,5 +153,32 @@ def producer_dies_before_its_gpu_writes() -> None:
         del view
 
 
+def close_behind_the_fill() -> None:
+    """A producer publishes behind a fill on its current stream and closes at once: the close waits for
+    the fill (its READY write), and the feature stays for its consumer."""
+    import threading
+
+    from mmfeat.client import Client
+
+    _setup()
+    c = Client(timeout=20)
+    t = c.reserve((_size(),), torch.uint8, device="cuda:0")
+    ft.launch(torch.cuda.current_stream(0), "fill")
+    desc = c.publish(t)
+    del t
+    closer = threading.Thread(target=c.close)
+    closer.start()
+    closer.join(0.3)
+    mark(f"closed before the fill was done: {not closer.is_alive()}")
+    ft.release("fill")
+    closer.join(20)
+    mark(f"closed after it: {not closer.is_alive()}")
+    with Client(timeout=20) as other:
+        time.sleep(0.5)  # past nothing: the daemon has no grace to run out for a feature written
+        other.request("lookup", lease=desc.lease_ref())
+        mark(f"still live, ready: {other._connect().table.is_ready(desc.lease, desc.gen)}")
+        mark(f"unready_ended {other.stats()['counters']['unready_ended']}")
+
+
 READY = {f.__name__: f for f in (publish_behind_the_fill, consume_behind_ready, publish_and_die,
-                                  producer_dies_before_its_gpu_writes)}
+                                  producer_dies_before_its_gpu_writes, close_behind_the_fill)}
