@@ -191,20 +191,27 @@ def test_a_producer_waits_for_its_fill_where_ready_words_are_not_used(
     _no_misuse(log)
 
 
-def test_a_stream_waiting_on_a_dead_producers_feature_goes_on_and_the_feature_ends(
-        fake_libcuda, gpu_daemon, tmp_path) -> None:
-    log, producer = _ready_run(fake_libcuda, tmp_path, gpu_daemon, "producer_dies_before_its_gpu_writes")
-    assert "cuStreamWriteValue64" in producer, producer
-    assert "waits queued on the stream: 1" in log, log
-    assert "=== the stream went on after the producer died: True" in log, log
-    assert re.search(r"=== a later get: (STALE|NOT_FOUND)", log), log
-    assert "=== unready_ended 1" in log, log
+# (scenario, what its log must say, what the other process's log must say)
+_PRODUCER_ENDS = {
+    "a producer SIGKILLed before its GPU wrote: the consumer's stream goes on and the feature ends": (
+        "producer_dies_before_its_gpu_writes",
+        ["waits queued on the stream: 1", "=== the stream went on after the producer died: True",
+         "=== unready_ended 1"], ["cuStreamWriteValue64"]),
+    "a producer that closes behind its fill waits for it, and its feature stays": (
+        "close_behind_the_fill",
+        ["=== closed before the fill was done: False", "=== closed after it: True", "=== still live, ready: True",
+         "=== unready_ended 0"], []),
+}
 
 
-def test_a_producer_that_closes_behind_its_fill_waits_for_it_and_its_feature_stays(
-        fake_libcuda, gpu_daemon, tmp_path) -> None:
-    log, _ = _ready_run(fake_libcuda, tmp_path, gpu_daemon, "close_behind_the_fill")
-    assert "=== closed before the fill was done: False" in log, log
-    assert "=== closed after it: True" in log, log
-    assert "=== still live, ready: True" in log, log
-    assert "=== unready_ended 0" in log, log
+@pytest.mark.parametrize("case", list(_PRODUCER_ENDS))
+def test_a_gpu_feature_outlives_its_producer_only_as_far_as_its_gpu_wrote_it(
+        fake_libcuda, gpu_daemon, tmp_path, case) -> None:
+    scenario, in_log, in_other = _PRODUCER_ENDS[case]
+    log, other = _ready_run(fake_libcuda, tmp_path, gpu_daemon, scenario)
+    for text in in_log:
+        assert text in log, log
+    for text in in_other:
+        assert text in other, other
+    if scenario == "producer_dies_before_its_gpu_writes":
+        assert re.search(r"=== a later get: (STALE|NOT_FOUND)", log), log
