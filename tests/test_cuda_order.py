@@ -215,3 +215,9 @@ def test_a_gpu_feature_outlives_its_producer_only_as_far_as_its_gpu_wrote_it(
         assert text in other, other
     if scenario == "producer_dies_before_its_gpu_writes":
         assert re.search(r"=== a later get: (STALE|NOT_FOUND)", log), log
+
+
+def test_a_slow_fill_delays_no_other_streams_ready_word(fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, gpu_daemon, "two_fills_on_two_streams")
+    assert "=== the quick one ready while the slow fill runs: True; the slow one ready: False" in log, log
+    _no_misuse(log)

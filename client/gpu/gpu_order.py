@@ -14,23 +14,26 @@ mode, so that their waits do not invalidate a CUDA graph another thread is captu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from mmfeat import cuda_driver as drv
 
 # CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING.
 _EVENT_FLAGS = 0x1 | 0x2
 _NON_BLOCKING = 0x1
+PUBLISH_STREAMS = 8  # streams of ours per device that write READY words behind reservations' fills
 
 _lock = threading.Lock()
 _contexts: dict[tuple[int, int], Any] = {}  # (pid, ordinal) -> the primary context, retained once
-# (pid, ordinal, use) -> a driver stream of ours: "follow" follows callers' events for acks, "publish"
-# writes READY words behind a reservation's fill (two, so that neither waits behind the other's work).
+# (pid, ordinal, use) -> a driver stream of ours: "follow" follows callers' events for acks, "publish-k"
+# write READY words behind reservations' fills (apart, so that none waits behind another's work).
 _side: dict[tuple[int, int, str], Any] = {}
 _relaxed = threading.local()
+_lanes: dict[tuple[int, int, int], int] = {}  # (pid, ordinal, stream) -> its publish stream (_publish_lane)
 
 
 def _new_lock_in_child() -> None:
@@ -53,6 +56,19 @@ def context(ordinal: int) -> Any:
             if ctx is None:
                 ctx = _contexts[key] = drv.retain_primary_context(ordinal)
     return ctx
+
+
+@contextlib.contextmanager
+def relaxed_while() -> Iterator[None]:
+    """The calling thread in relaxed capture mode for the block, and back in its own mode after: a
+    driver call of ours in a caller's thread then neither breaks nor is refused for another thread's
+    global-mode capture."""
+    mode = drv.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    previous = drv.ck("cuThreadExchangeStreamCaptureMode", drv.cu.cuThreadExchangeStreamCaptureMode(mode))
+    try:
+        yield
+    finally:
+        drv.cu.cuThreadExchangeStreamCaptureMode(previous)
 
 
 def relaxed() -> None:
@@ -207,12 +223,26 @@ def joined(fence: Fence, ordinal: int) -> Optional[_SideStream]:
     gain no dependency. None where the fence must synchronise a device whole (no event marks its work)."""
     if fence.devices:
         return None
-    side = _side_stream(ordinal, "publish")
+    side = _side_stream(ordinal, f"publish-{_publish_lane(ordinal, fence)}")
     with drv.context_current(context(ordinal)):
         for _, event in fence.events:
             drv.ck("cuStreamWaitEvent", drv.cu.cuStreamWaitEvent(side.handle, event, 0))
     fence.close()
     return side
+
+
+def _publish_lane(ordinal: int, fence: Fence) -> int:
+    """Which of a device's PUBLISH_STREAMS follows ``fence``: one per first stream the fence marks (a
+    publish's after=), handed out in turn, so that fills on different streams seldom share one and a
+    slow fill seldom delays another's READY word."""
+    key = (os.getpid(), ordinal, fence.lane[1] if fence.lane is not None else 0)
+    with _lock:
+        lane = _lanes.get(key)
+        if lane is None:
+            if len(_lanes) >= 1024:
+                _lanes.clear()  # streams come and go; a forgotten one just gets a lane again
+            lane = _lanes[key] = len(_lanes) % PUBLISH_STREAMS
+    return lane
 
 
 def after(*waits: Any) -> Optional[Fence]:

@@ -125,7 +125,8 @@ def _registration(table: Any, ordinal: int) -> Optional[_Registration]:
             reg = table.gpu
             if reg is None:
                 try:
-                    reg = _Registration(table.mm, table.writable, ordinal)
+                    with gpu_order.relaxed_while():  # it must not break another thread's graph capture
+                        reg = _Registration(table.mm, table.writable, ordinal)
                 except (drv.CudaError, RuntimeError, ValueError, TypeError) as exc:
                     log.warning("the lease table cannot be pinned for GPU streams (%s); GPU features are "
                                 "published and read after host waits instead", exc)

@@ -79,6 +79,31 @@ def publish_behind_the_fill() -> None:
         mark(f"consumer exited {consumer.wait(30)}")
 
 
+def two_fills_on_two_streams() -> None:
+    """Two reservations filled on two side streams, the first behind work that stays queued: the
+    second's READY word must not wait for the first's fill."""
+    from mmfeat.client import Client
+
+    _setup()
+    with Client(timeout=20) as c:
+        table = c._connect().table
+        slow, quick = torch.cuda.Stream(0), torch.cuda.Stream(0)
+        t1 = c.reserve((1 << 16,), torch.uint8, device="cuda:0")
+        t2 = c.reserve((1 << 16,), torch.uint8, device="cuda:0")
+        ft.launch(slow, "slow fill")
+        d1 = c.publish(t1, after=slow)
+        ft.launch(quick, "quick fill")
+        d2 = c.publish(t2, after=quick)
+        ft.release("quick fill")
+        deadline = time.monotonic() + 5
+        while not table.is_ready(d2.lease, d2.gen) and time.monotonic() < deadline:
+            ft.pending(quick)
+            time.sleep(0.01)
+        mark(f"the quick one ready while the slow fill runs: {table.is_ready(d2.lease, d2.gen)}; "
+             f"the slow one ready: {table.is_ready(d1.lease, d1.gen)}")
+        ft.release("slow fill")
+
+
 def consume_behind_ready() -> None:
     """get() of the descriptor in $FAKE_CUDA_SCENARIO_DESC: what the current stream holds after it, and
     whether it goes on once the READY word is written."""
@@ -181,4 +206,5 @@ def close_behind_the_fill() -> None:
 
 
 READY = {f.__name__: f for f in (publish_behind_the_fill, consume_behind_ready, publish_and_die,
-                                  producer_dies_before_its_gpu_writes, close_behind_the_fill)}
+                                  producer_dies_before_its_gpu_writes, close_behind_the_fill,
+                                  two_fills_on_two_streams)}
