@@ -221,3 +221,11 @@ def test_a_slow_fill_delays_no_other_streams_ready_word(fake_libcuda, gpu_daemon
     log = _run(fake_libcuda, tmp_path, gpu_daemon, "two_fills_on_two_streams")
     assert "=== the quick one ready while the slow fill runs: True; the slow one ready: False" in log, log
     _no_misuse(log)
+
+
+def test_an_arena_feature_acked_before_its_fill_keeps_its_space_until_the_fill_is_written(
+        fake_libcuda, gpu_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, gpu_daemon, "early_ack_before_the_fill")
+    assert "=== acked: DONE True; space back before the fill: False" in log, log
+    assert "=== space back after it: True" in log, log
+    _no_misuse(log)

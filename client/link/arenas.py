@@ -68,6 +68,9 @@ class Placement:
     # compares with these on every put.
     live_word: int = 0
     done_word: int = 0
+    # Published behind a GPU stream's write (READY word): its space is not taken back before the word
+    # is written, whatever its consumers acked, so a write still queued never lands under the next.
+    by_stream: bool = False
 
 
 def _drop(p: "Placement") -> None:
@@ -125,6 +128,8 @@ class ProducerArena:
                 word = state_word(p.slot)
                 if word == p.live_word:
                     return  # still live
+                if p.by_stream and not self._table.is_ready(p.slot, p.gen):
+                    return  # acked, or ended, before its GPU wrote it: the copy may still be queued
                 if word == p.done_word:
                     done.append(p)
                 else:
@@ -307,6 +312,7 @@ class ArenaSet:
     def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes, ready: bool = True) -> None:
         """Make a placed feature visible: its lease-table entry, then its STATE word. ``ready`` False:
         its GPU stream writes the slot's READY word behind the write."""
+        p.by_stream = not ready
         self._table.publish(p.slot, p.gen, p.arena.pool, p.offset, nbytes, consumers, token, ready)
         # Not under the lock: a KeyboardInterrupt while waiting for it would leave a feature that STATE shows
         # published counted as being written, and its ring would stop there for good. One attribute store

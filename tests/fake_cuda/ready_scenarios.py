@@ -104,6 +104,36 @@ def two_fills_on_two_streams() -> None:
         ft.release("slow fill")
 
 
+def early_ack_before_the_fill() -> None:
+    """An arena feature published behind a held fill and acked at once by a consumer that never read
+    it: its producer must not take its space back before the fill's READY word is written."""
+    from mmfeat.client import Client
+    from mmfeat.client.produce.reservations import _ATTR
+
+    _setup()
+    with Client(timeout=20) as c, Client(timeout=20) as other:
+        table = c._connect().table
+        t = c.reserve((1 << 16,), torch.uint8, device="cuda:0")
+        arena = getattr(t, _ATTR).placed.arena
+        side = torch.cuda.Stream(0)
+        ft.launch(side, "fill")
+        desc = c.publish(t, after=side)
+        del t
+        held = arena.used
+        other.ack(desc)  # no after=: the consumer says it is done, and it never read
+        deadline = time.monotonic() + 5
+        while table.state_word(desc.lease) & 3 != 3 and time.monotonic() < deadline:  # DONE
+            time.sleep(0.01)
+        arena.reclaim()
+        mark(f"acked: DONE {table.state_word(desc.lease) & 3 == 3}; space back before the fill: {arena.used < held}")
+        ft.release("fill")
+        while not table.is_ready(desc.lease, desc.gen) and time.monotonic() < deadline + 10:
+            ft.pending(side)
+            time.sleep(0.01)
+        arena.reclaim()
+        mark(f"space back after it: {arena.used < held}")
+
+
 def consume_behind_ready() -> None:
     """get() of the descriptor in $FAKE_CUDA_SCENARIO_DESC: what the current stream holds after it, and
     whether it goes on once the READY word is written."""
@@ -207,4 +237,4 @@ def close_behind_the_fill() -> None:
 
 READY = {f.__name__: f for f in (publish_behind_the_fill, consume_behind_ready, publish_and_die,
                                   producer_dies_before_its_gpu_writes, close_behind_the_fill,
-                                  two_fills_on_two_streams)}
+                                  two_fills_on_two_streams, early_ack_before_the_fill)}
