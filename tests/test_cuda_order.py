@@ -217,15 +217,25 @@ def test_a_gpu_feature_outlives_its_producer_only_as_far_as_its_gpu_wrote_it(
         assert re.search(r"=== a later get: (STALE|NOT_FOUND)", log), log
 
 
-def test_a_slow_fill_delays_no_other_streams_ready_word(fake_libcuda, gpu_daemon, tmp_path) -> None:
-    log = _run(fake_libcuda, tmp_path, gpu_daemon, "two_fills_on_two_streams")
-    assert "=== the quick one ready while the slow fill runs: True; the slow one ready: False" in log, log
-    _no_misuse(log)
+# (scenario, what its log must say), each a GPU feature whose fill is still queued when others move on
+_WHILE_THE_FILL_RUNS = {
+    "a slow fill delays no other stream's READY word": (
+        "two_fills_on_two_streams",
+        ["=== the quick one ready while the slow fill runs: True; the slow one ready: False"]),
+    "an arena feature acked before its fill keeps its space until the fill is written": (
+        "early_ack_before_the_fill",
+        ["=== acked: DONE True; space back before the fill: False", "=== space back after it: True"]),
+    "a reserved GPU lease acked before its fill keeps its range until the fill is written": (
+        "early_ack_of_a_reserved_lease",
+        ["=== a reservation of kind lease", "=== ended: True; range back before the fill: False",
+         "=== range back after it: True; ready: True", "=== unready_ended 1"]),
+}
 
 
-def test_an_arena_feature_acked_before_its_fill_keeps_its_space_until_the_fill_is_written(
-        fake_libcuda, gpu_daemon, tmp_path) -> None:
-    log = _run(fake_libcuda, tmp_path, gpu_daemon, "early_ack_before_the_fill")
-    assert "=== acked: DONE True; space back before the fill: False" in log, log
-    assert "=== space back after it: True" in log, log
+@pytest.mark.parametrize("case", list(_WHILE_THE_FILL_RUNS))
+def test_nothing_waits_for_or_lands_in_another_features_fill(fake_libcuda, gpu_daemon, tmp_path, case) -> None:
+    scenario, marks = _WHILE_THE_FILL_RUNS[case]
+    log = _run(fake_libcuda, tmp_path, gpu_daemon, scenario)
+    for text in marks:
+        assert text in log, log
     _no_misuse(log)

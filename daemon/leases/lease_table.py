@@ -91,8 +91,9 @@ class LeaseTable:
 
     def set(self, slot: int, gen: int, state: int, ready: bool = True) -> None:
         """A new state for the generation in the slot (publish of a reserved lease), or FREE. Both store
-        READY first, but a publish whose producer's GPU stream writes READY itself (``ready`` False)."""
-        if state == FREE or ready:
+        READY first, unless ``ready`` is False: a publish whose producer's GPU stream writes READY
+        itself, or the FREE of a feature that GPU has not written yet (daemon/leases/unwritten.py)."""
+        if ready:
             self.ready[slot] = gen & GEN_MASK  # a plain store: the STATE store below releases it
         self.store_state(slot, state_word(gen, state))
 
@@ -105,13 +106,16 @@ class LeaseTable:
         self.seen_state[slot] = word
         self.words.store_at(self._states_at + 8 * slot, word)
 
-    def free_many(self, slots: np.ndarray, gens: np.ndarray) -> None:
-        """FREE in the STATE words of ``slots`` (generations ``gens``). The caller ordered its reads of
-        those slots before this (an acquire fence after them)."""
+    def free_many(self, slots: np.ndarray, gens: np.ndarray, ready: bool = True) -> None:
+        """FREE in the STATE words of ``slots`` (generations ``gens``), and before it their generation
+        in READY unless ``ready`` is False (features every consumer acked: no stream waits on one whose
+        GPU has not written it, and its producer's ring waits for that word). The caller ordered its
+        reads of those slots before this (an acquire fence after them)."""
         gens = gens & np.uint64(GEN_MASK)
         words = gens << np.uint64(2) | np.uint64(FREE)
         self.seen_state[slots] = words
-        self.ready[slots] = gens  # before FREE: a stream waiting on the feature goes on (see __init__)
+        if ready:
+            self.ready[slots] = gens  # before FREE: a stream waiting on the feature goes on (see __init__)
         if PLAIN_ORDERED:
             # x86-64: each element is one aligned 8-byte move, a release store there (mmfeat.atomics).
             self.states[slots] = words

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 import secrets
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from .lease import END_CODE, END_REASONS, EndReason, FreeObserver, Lease, LeaseS
 from .lease_table import LeaseTable
 from .session_books import SessionBooks
 from .slots import SlotSpace
+from .unwritten import Unwritten
 
 
 _ACKED = END_CODE[EndReason.ACKED]
@@ -42,11 +43,6 @@ class AckResult:
     freed: bool
     over_acked: int
     duplicate: bool = False
-
-
-# How long a dead producer's unwritten GPU features stay: its GPU context is torn down as its process
-# exits, and the socket whose close the daemon sees may go first.
-DEAD_GRACE_S = 2.0
 
 
 class Ledger(Retention):
@@ -77,8 +73,10 @@ class Ledger(Retention):
         self._observers = observers  # looked at on every free: the caller may add to it later
         self._quick_observers = quick_observers
         self._table = table
-        # Pools in GPU memory, where a READY word can lag its feature's STATE (set by the core).
+        # Pools in GPU memory, where a READY word can lag its feature's STATE (set by the core), and the
+        # features there that ended before their GPU wrote them.
         self.gpu_pools: frozenset[int] = frozenset()
+        self.unwritten = Unwritten(table)
         # Per slot: the generation it last gave out (0: never used) and why that one ended. Arrays, so
         # that the sweep checks and ends the features of a whole batch at once (Sweeper._end_acked).
         self.gens = np.zeros(max_leases, dtype=np.uint64)
@@ -302,6 +300,7 @@ class Ledger(Retention):
 
     def expire(self, now: float) -> int:
         """Free every lease whose deadline has passed; the number freed."""
+        self.unwritten.settle(now)
         n = 0
         for lease in self._deadlines.due(now):
             if lease.retain_ttl is not None and lease.state is LeaseState.PUBLISHED:
@@ -333,9 +332,9 @@ class Ledger(Retention):
         return len(leases), self.arenas.give_back_session(session)
 
     def reclaim_session(self, session: bytes, now: float) -> int:
-        """Free the RESERVED leases of a session whose process is gone, and, DEAD_GRACE_S later, the
-        published GPU features whose READY word is behind (its GPU never wrote them: a client that
-        closes waits for its writes first); the others stay for consumers."""
+        """Free the RESERVED leases of a session whose process is gone, and end its published GPU
+        features whose READY word is behind (its GPU never wrote them: a client that closes waits for
+        its writes first; their ranges go back after a grace); the others stay for consumers."""
         ids = self.books.pop_reserved(session)
         for lease_id in ids:
             lease = self._leases.get(lease_id)
@@ -344,13 +343,14 @@ class Ledger(Retention):
                 self._free(lease, EndReason.RECLAIMED, now)
         table = self._table
         if table is not None and self.gpu_pools:
-            for lease in self._leases.values():
-                if (lease.session == session and lease.pool_id in self.gpu_pools and lease.hold_of is None
-                        and not table.is_ready(lease.lease_id, lease.gen) and lease.deadline > now + DEAD_GRACE_S):
-                    # Its GPU never wrote it; the process's GPU work may still be torn down for a moment
-                    # after its socket closed, so the range goes back after a grace, by expiry.
-                    lease.deadline = now + DEAD_GRACE_S
-                    self._deadlines.push(lease)
+            unwritten = [lease for lease in self._leases.values() if lease.session == session
+                         and lease.pool_id in self.gpu_pools and lease.hold_of is None
+                         and lease.state is LeaseState.PUBLISHED and not table.is_ready(lease.lease_id, lease.gen)]
+            for lease in unwritten:
+                if self._leases.get(lease.lease_id) is lease:
+                    self.counters.reclaimed_on_disconnect += 1
+                    self._free(lease, EndReason.RECLAIMED, now)  # its range after a grace (unwritten.py)
+            self.unwritten.producer_gone(session, now)
         return len(ids)
 
     # --- the sweep's --------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ class Ledger(Retention):
         self.gate[slots] = gens
         self._ended[slots] = _ACKED
         if self._table is not None:
-            self._table.free_many(slots, gens)
+            self._table.free_many(slots, gens, ready=False)
         n, expected, counted = len(slots), int(consumers.sum()), int(acks.sum())
         c = self.counters
         c.publishes += n
@@ -407,11 +407,13 @@ class Ledger(Retention):
             if self._leases.get(lease.lease_id) is lease:  # a hold's end may have freed what it held
                 self.counters.cut_on_shutdown += 1
                 self._free(lease, EndReason.SHUTDOWN, now)
+        self.unwritten.settle(now, everything=True)
         return len(leases)
 
     def next_deadline(self) -> float:
-        """The earliest deadline of a live lease, for the loop to wake at (math.inf: none)."""
-        return self._deadlines.earliest()
+        """The earliest deadline of a live lease or a kept unwritten one, for the loop to wake at
+        (math.inf: none)."""
+        return min(self._deadlines.earliest(), self.unwritten.next_deadline())
 
     @property
     def timers(self) -> int:
@@ -425,9 +427,17 @@ class Ledger(Retention):
     def bytes_by_state(self, pool_id: int) -> dict[str, int]:
         return {st.value: n for st, n in self._bytes[pool_id].items()}
 
-    def _mirror(self, lease_id: int, gen: int, state: int) -> None:
-        if self._table is not None:
-            self._table.set(lease_id, gen, state)
+    def _give_back(self, lease: Lease) -> Callable[[], None]:
+        """What gives an ended feature's range (and a reserved lease's slot) back."""
+        if lease.arena is not None:
+            arena = lease.arena
+            return lambda: self.arenas.feature_ended(arena, lease.offset, lease.size)
+
+        def single() -> None:
+            self.allocators[lease.pool_id].release(lease.offset)
+            self.books.single_freed(lease.session, lease.size)
+            self.space.give(lease.lease_id)
+        return single
 
     def _account(self, lease: Lease, sign: int) -> None:
         if lease.hold_of is not None:
@@ -508,20 +518,21 @@ class Ledger(Retention):
         self.gate[slot] = lease.gen
         self._ended[slot] = END_CODE[reason]
         table = self._table
-        if lease.state is LeaseState.PUBLISHED and table is not None and not table.is_ready(slot, lease.gen):
-            self.counters.unready_ended += 1  # its consumers' streams go on over bytes never completed
+        unwritten = (lease.state is LeaseState.PUBLISHED and table is not None and lease.pool_id in self.gpu_pools
+                     and not table.is_ready(slot, lease.gen) and reason is not EndReason.SHUTDOWN)
+        if unwritten:
+            self.counters.unready_ended += 1
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
-        self._mirror(lease.lease_id, lease.gen, FREE)
+        if table is not None:
+            table.set(slot, lease.gen, FREE, ready=not unwritten)
         base = lease.hold_of
-        if lease.arena is not None:
-            self.arenas.feature_ended(lease.arena, lease.offset, lease.size)
-        elif base is not None:
+        if base is not None:
             self.books.hold_ended(lease.session, slot)
             self.space.give(slot)
+        elif unwritten:  # its GPU may still be copying into the range: back once it has (unwritten.py)
+            self.unwritten.keep(lease, self._give_back(lease), reason is EndReason.RECLAIMED, now)
         else:
-            self.allocators[lease.pool_id].release(lease.offset)
-            self.books.single_freed(lease.session, lease.size)
-            self.space.give(lease.lease_id)
+            self._give_back(lease)()
         self.live -= 1
         if base is None:
             self.counters.frees += 1

@@ -134,6 +134,40 @@ def early_ack_before_the_fill() -> None:
         mark(f"space back after it: {arena.used < held}")
 
 
+def early_ack_of_a_reserved_lease() -> None:
+    """A reserved lease published behind a held fill and acked at once by a consumer that never read it:
+    the feature ends, but its range stays out of the pool until the fill's READY word is written."""
+    from mmfeat.client import Client
+    from mmfeat.client.produce.reservations import _ATTR
+
+    _setup()
+
+    def used(c: Any) -> int:
+        # Bytes outside arenas: the producer may be granted one meanwhile.
+        return sum(p["used"] - p["arenas"]["bytes"] for p in c.stats()["pools"] if p["kind"] == "cuda")
+
+    with Client(timeout=20) as c, Client(timeout=20) as other:
+        table = c._connect().table
+        before = used(c)
+        t = c.reserve((4 << 20,), torch.uint8, device="cuda:0")  # past the largest arena: a reserved lease
+        mark(f"a reservation of kind {getattr(t, _ATTR).kind}")
+        side = torch.cuda.Stream(0)
+        ft.launch(side, "fill")
+        desc = c.publish(t, after=side)
+        del t
+        other.ack(desc, wait=True)  # no after=: the consumer says it is done, and it never read
+        time.sleep(1.5)  # past the sweeps and the loop's ticks
+        mark(f"ended: {table.state_word(desc.lease) >> 2 == desc.gen and table.state_word(desc.lease) & 3 == 0}; "
+             f"range back before the fill: {used(c) == before}")
+        ft.release("fill")
+        deadline = time.monotonic() + 10
+        while used(c) != before and time.monotonic() < deadline:
+            ft.pending(side)
+            time.sleep(0.05)
+        mark(f"range back after it: {used(c) == before}; ready: {table.is_ready(desc.lease, desc.gen)}")
+        mark(f"unready_ended {c.stats()['counters']['unready_ended']}")
+
+
 def consume_behind_ready() -> None:
     """get() of the descriptor in $FAKE_CUDA_SCENARIO_DESC: what the current stream holds after it, and
     whether it goes on once the READY word is written."""
@@ -237,4 +271,5 @@ def close_behind_the_fill() -> None:
 
 READY = {f.__name__: f for f in (publish_behind_the_fill, consume_behind_ready, publish_and_die,
                                   producer_dies_before_its_gpu_writes, close_behind_the_fill,
-                                  two_fills_on_two_streams, early_ack_before_the_fill)}
+                                  two_fills_on_two_streams, early_ack_before_the_fill,
+                                  early_ack_of_a_reserved_lease)}
