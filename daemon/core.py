@@ -255,6 +255,7 @@ class DaemonCore:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "draining": self.draining,
             "gpu_publish": self.gpu_publish,
+            "unwritten": len(self.ledger.unwritten),
             "clients": self.sessions.attached_count(),
             "sessions": len(self.sessions),
             "leases": self.ledger.count_by_state(),

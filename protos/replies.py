@@ -344,6 +344,7 @@ class StatsReply(_Reply):
     uptime_s: float
     draining: bool
     gpu_publish: str
+    unwritten: int
     clients: int
     sessions: int
     leases: dict
@@ -357,7 +358,7 @@ class StatsReply(_Reply):
     namespaces: Optional[dict] = None
     holds: Optional[int] = None
     _WIRE = {"node": str, "pid": int, "epoch": int, "uptime_s": _NUM, "draining": bool, "gpu_publish": str,
-             "clients": int,
+             "unwritten": int, "clients": int,
              "sessions": int, "leases": dict, "timers": int, "swept_slots": int, "pools": list, "counters": dict,
              "limits": dict, "mesh": (dict, type(None)), "namespaces": dict, "holds": int}
     _OPTIONAL = frozenset({"namespaces", "holds"})

@@ -227,7 +227,7 @@ _WHILE_THE_FILL_RUNS = {
         ["=== acked: DONE True; space back before the fill: False", "=== space back after it: True"]),
     "a reserved GPU lease acked before its fill keeps its range until the fill is written": (
         "early_ack_of_a_reserved_lease",
-        ["=== a reservation of kind lease", "=== ended: True; range back before the fill: False",
+        ["=== a reservation of kind lease", "=== ended: True; range back before the fill: False", "=== unwritten 1",
          "=== range back after it: True; ready: True", "=== unready_ended 1"]),
 }
 

@@ -159,6 +159,7 @@ def early_ack_of_a_reserved_lease() -> None:
         time.sleep(1.5)  # past the sweeps and the loop's ticks
         mark(f"ended: {table.state_word(desc.lease) >> 2 == desc.gen and table.state_word(desc.lease) & 3 == 0}; "
              f"range back before the fill: {used(c) == before}")
+        mark(f"unwritten {c.stats()['unwritten']}")
         ft.release("fill")
         deadline = time.monotonic() + 10
         while used(c) != before and time.monotonic() < deadline:
