@@ -239,3 +239,18 @@ def test_nothing_waits_for_or_lands_in_another_features_fill(fake_libcuda, gpu_d
     for text in marks:
         assert text in log, log
     _no_misuse(log)
+
+
+def test_a_range_kept_for_an_unwritten_feature_goes_back_after_ack_ttl(fake_libcuda, runtime_dir, tmp_path) -> None:
+    """A READY word that never comes (a stuck fill, or a peer of the group rewriting the word) keeps the
+    range out of the pool for ack_ttl at most, not for the life of its producer's session."""
+    env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log")}
+    d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", "--ack-ttl", "3", backend="cuda_vmm", env=env)
+    try:
+        log = _run(fake_libcuda, tmp_path, d, "early_ack_of_a_reserved_lease", FAKE_CUDA_KEEP_CAPPED="1")
+    finally:
+        rc = d.stop()
+        d.proc.communicate()
+    assert "=== ended: True; range back before the fill: False" in log, log
+    assert "=== range back with the fill still queued, past ack_ttl: True; ready: True" in log, log
+    assert rc == 0

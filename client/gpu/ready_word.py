@@ -111,11 +111,7 @@ class _Registration:
             pass  # a garbage collection cannot report it; the process exit unpins the pages
 
 
-class _Refused:
-    """A table the driver would not register: asked once, said once."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
+_REFUSED = object()  # table.gpu of a table the driver would not register: asked once, said once
 
 
 def _registration(table: Any, ordinal: int) -> Optional[_Registration]:
@@ -130,7 +126,7 @@ def _registration(table: Any, ordinal: int) -> Optional[_Registration]:
                 except (drv.CudaError, RuntimeError, ValueError, TypeError) as exc:
                     log.warning("the lease table cannot be pinned for GPU streams (%s); GPU features are "
                                 "published and read after host waits instead", exc)
-                    reg = _Refused(str(exc))
+                    reg = _REFUSED
                 table.gpu = reg
     return reg if isinstance(reg, _Registration) else None
 

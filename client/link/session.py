@@ -116,11 +116,14 @@ class Session:
         """False once the daemon closed the fd channel (it exited or restarted)."""
         return self.fd.alive()
 
-    def publish(self, lease: dict[str, Any], stream_ready: bool = False) -> None:
-        if stream_ready:
-            self.fd.send("publish", lease=lease, stream_ready=True)
-        else:
-            self.fd.send("publish", lease=lease)
+    def publish(self, lease: dict[str, Any], stream_ready: bool = False, wait: bool = False) -> Any:
+        """Publish a reserved lease on the fd channel; ``stream_ready``: its GPU stream writes READY
+        (SPEC.md, section 5); ``wait``: for the daemon's reply, which is returned."""
+        fields: dict[str, Any] = {"lease": lease, "stream_ready": True} if stream_ready else {"lease": lease}
+        if wait:
+            return self.fd.call("publish", **fields)
+        self.fd.send("publish", **fields)
+        return None
 
     def _on_unclaimed(self, reply: dict[str, Any]) -> None:
         if "arena" in reply:
@@ -207,11 +210,10 @@ class Session:
                 drv.synchronize_if_used(ordinal)
 
     def close(self) -> None:
-        if self.pid == os.getpid():
-            try:
-                self.settle_ready_writes()
-            except Exception:  # a broken device: the daemon's grace for the dead then applies
-                pass
+        try:
+            self.settle_ready_writes()
+        except Exception:  # a broken device: the daemon's grace for the dead then applies
+            pass
         if self.arenas is not None and self.pid == os.getpid():
             # Only here: a forked child's copy has no reaper thread to stop, and the parent's may have held
             # the stop event's lock at the fork.

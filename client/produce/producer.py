@@ -280,7 +280,7 @@ class Producer:
     def _publish_late(self, session: Session, desc: Descriptor, by_stream: bool = False) -> Descriptor:
         """Publish and wait for the daemon's word: a lease that ended meanwhile is a typed refusal."""
         try:
-            session.fd.call("publish", lease=desc.lease_ref(), **({"stream_ready": True} if by_stream else {}))
+            session.publish(desc.lease_ref(), by_stream, wait=True)
         except MmfeatError as exc:
             if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.STALE):
                 raise

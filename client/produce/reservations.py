@@ -268,7 +268,7 @@ class Reservations:
         # Near its deadline the lease may end before the publish arrives, and another feature may own
         # the bytes then: wait for the daemon's word rather than hand out a descriptor of something else.
         try:
-            session.fd.call("publish", lease=desc.lease_ref(), **({"stream_ready": True} if by_stream else {}))
+            session.publish(desc.lease_ref(), by_stream, wait=True)
         except MmfeatError as exc:
             if isinstance(exc, DaemonUnavailableError):
                 raise

@@ -530,7 +530,7 @@ class Ledger(Retention):
             self.books.hold_ended(lease.session, slot)
             self.space.give(slot)
         elif unwritten:  # its GPU may still be copying into the range: back once it has (unwritten.py)
-            self.unwritten.keep(lease, self._give_back(lease), reason is EndReason.RECLAIMED, now)
+            self.unwritten.keep(lease, self._give_back(lease), reason is EndReason.RECLAIMED, now, self.ack_ttl)
         else:
             self._give_back(lease)()
         self.live -= 1

@@ -7,7 +7,9 @@ overwrite another feature, and its late READY store move the slot's word back un
 generation. So such a feature is ended (its STATE says FREE, readers are refused) but kept here: its
 range and slot go back once its READY word shows the write landed, or, once its producer's session has
 ended, after a grace for that process's GPU work to be torn down; only then does the daemon store READY
-itself, which lets go any stream still waiting on the word.
+itself, which lets go any stream still waiting on the word. Neither waits longer than ``ack_ttl``: a
+peer of the group rewriting a READY word (SPEC.md, section 9) must not keep a range out of the pool
+for the life of its producer's session.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ DEAD_GRACE_S = 2.0
 class _Kept:
     lease: Lease
     give_back: Callable[[], None]  # the range and the slot, back to whoever hands them out
-    until: float = math.inf  # set once the producer's session ended
+    until: float  # ack_ttl from its end, or DEAD_GRACE_S from its producer's
 
 
 class Unwritten:
@@ -39,8 +41,9 @@ class Unwritten:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, lease: Lease, give_back: Callable[[], None], producer_gone: bool, now: float) -> None:
-        self._kept.append(_Kept(lease, give_back, now + DEAD_GRACE_S if producer_gone else math.inf))
+    def keep(self, lease: Lease, give_back: Callable[[], None], producer_gone: bool, now: float,
+             ack_ttl: float) -> None:
+        self._kept.append(_Kept(lease, give_back, now + (DEAD_GRACE_S if producer_gone else ack_ttl)))
 
     def producer_gone(self, session: bytes, now: float) -> None:
         for kept in self._kept:
