@@ -284,6 +284,7 @@ class Server:
             timers.add("watchdog", now + wd)
         timers.add("status", now + STATUS_EVERY_S, wakes=False)
         timers.add("trim", now + TRIM_EVERY_S, wakes=False)
+        timers.add("settle", math.inf)  # the memory guard's, after a control socket reset
         if self.metrics is not None:
             timers.add("metrics", now, wakes=False)
         while True:
@@ -331,9 +332,13 @@ class Server:
             if now >= ledger.next_deadline():  # on time, whatever the tick
                 ledger.expire(now)
             if watch.tripped:
-                if self._check_memory():
+                if self._check_memory(now):
                     poller = self._poller()
+                    timers["settle"] = self._guard.next_settle
                 watch.rearm()
+            if timers.due("settle", now):
+                self._guard.settle(now)
+                timers["settle"] = self._guard.next_settle
             # A tick due before the next sweep runs on this sweep's wake-up, a little early, instead of
             # taking a wake-up of its own: while clients write, every tick rides on a sweep.
             if timers.due("tick", now) or (swept and timers["tick"] < timers["sweep"]):
@@ -389,7 +394,7 @@ class Server:
         except OSError:
             pass  # full: the loop has a wake-up pending already
 
-    def _check_memory(self) -> bool:
+    def _check_memory(self, now: float) -> bool:
         """Reset the control socket if peers made the daemon outgrow its budget; True if it did."""
         assert self._control is not None and self._guard is not None
         over = self._guard.over(*self._memory_load())
@@ -397,7 +402,7 @@ class Server:
             return False
         self._control.reset(f"the daemon holds {over >> 20} MiB more than control_memory_mb and its connections allow "
                             "(a peer queued a message that never ends, or requests it never reads the replies to)")
-        self._guard.settle()
+        self._guard.reset_at(now)
         return True
 
     def _drain_step(self) -> bool:

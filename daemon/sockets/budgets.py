@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import resource
 from typing import Optional
@@ -33,6 +34,10 @@ _HEADROOM = 2
 BYTES_PER_CONNECTION = 64 << 10
 # The ledger's own record of a live lease (with its slot and expiry entry) is a few hundred bytes.
 BYTES_PER_LEASE = 1 << 10
+# libzmq's threads free a reset socket's queues after close returns, over the next moments and later on
+# a loaded machine; a trim before then gives nothing back. So the heap is trimmed, and the guard's base
+# set again, at each of these delays after a reset.
+SETTLE_AFTER_S = (0.25, 1.0, 4.0)
 
 
 class FdLimitError(Exception):
@@ -91,13 +96,15 @@ def malloc_trim() -> None:
 class MemoryGuard:
     """Is the daemon holding more than its budget? ``base`` plus a fixed allowance plus a share per
     connection and per live lease. After a reset the base moves to what memory settled at, so a heap
-    the allocator cannot shrink does not make the guard reset again and again."""
+    the allocator cannot shrink does not make the guard reset again and again; it comes back down as
+    the freed queues go back to the system."""
 
     def __init__(self, allowance: int) -> None:
         self.allowance = allowance
         # Read ten times a second while clients are connected: kept open.
         self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-        self.base = anon_bytes(self._statm)
+        self.base = self._floor = anon_bytes(self._statm)
+        self._settles: list[float] = []
 
     def over(self, connections: int, leases: int) -> Optional[int]:
         """The bytes over budget, or None. Live leases grow the budget too: a large max_leases is the
@@ -106,9 +113,27 @@ class MemoryGuard:
         budget = self.allowance + connections * BYTES_PER_CONNECTION + leases * BYTES_PER_LEASE
         return used - budget if used > budget else None
 
-    def settle(self) -> None:
+    def reset_at(self, now: float) -> None:
+        """The control socket was reset at ``now``: settle at once (the base must cover what is still
+        being freed, or the guard trips again) and at each of SETTLE_AFTER_S after it."""
+        self._settles = [now + delay for delay in SETTLE_AFTER_S]
+        self._settle()
+
+    @property
+    def next_settle(self) -> float:
+        """When the next settle after a reset is due (math.inf: none)."""
+        return self._settles[0] if self._settles else math.inf
+
+    def settle(self, now: float) -> None:
+        """Run the settles due at ``now``."""
+        due = [at for at in self._settles if at <= now]
+        if due:
+            self._settles = self._settles[len(due):]
+            self._settle()
+
+    def _settle(self) -> None:
         malloc_trim()
-        self.base = max(self.base, anon_bytes(self._statm) - self.allowance // 4)
+        self.base = max(self._floor, anon_bytes(self._statm) - self.allowance // 4)
 
     def close(self) -> None:
         if self._statm >= 0:
