@@ -202,7 +202,7 @@ def test_the_sweep_interval_follows_the_rate_within_its_bounds() -> None:
     """While clients write, each sweep should apply a batch: the interval halves while sweeps find more
     than SWEEP_BATCH, doubles while they find fewer, and never leaves [SWEEP_MIN_S, longest] (SWEEP_MAX_S,
     or a meshed daemon's shorter bound, which a remote consumer's relayed ack waits for)."""
-    from mmfeat.daemon.server import MESH_TICK_S, SWEEP_BATCH, SWEEP_MAX_S, SWEEP_MIN_S, sweep_interval
+    from mmfeat.daemon.cadence import MESH_TICK_S, SWEEP_BATCH, SWEEP_MAX_S, SWEEP_MIN_S, sweep_interval
 
     every, seen = SWEEP_MAX_S, []
     for _ in range(10):  # a burst: many words per sweep

@@ -24,6 +24,7 @@ from .allocator import Allocator, align_up
 from .arenas import BLOCK_SIZE, Arena, Arenas
 from .counters import Counters
 from .deadlines import Deadlines
+from .endings import Endings
 from .keys import KeyIndex, checked_descriptor, dedups
 from .retention import Retention
 from .lease import END_CODE, END_REASONS, EndReason, FreeObserver, Lease, LeaseState, QuickObserver
@@ -45,7 +46,7 @@ class AckResult:
     duplicate: bool = False
 
 
-class Ledger(Retention):
+class Ledger(Retention, Endings):
     def __init__(
         self,
         allocators: dict[int, Allocator],
@@ -85,6 +86,7 @@ class Ledger(Retention):
         # while a lease is live in it.
         self.gate = np.zeros(max_leases, dtype=np.uint64)
         self._leases: dict[int, Lease] = {}  # slot -> its live lease
+        self._own: dict[bytes, dict[int, Lease]] = {}  # session -> its live leases by slot (endings.py)
         self._deadlines = Deadlines(self._leases)
         self.space = space
         self.arenas = arenas
@@ -296,63 +298,6 @@ class Ledger(Retention):
     def lookup(self, ref: LeaseRef) -> Lease:
         return self.resolve(ref)
 
-    # --- housekeeping --------------------------------------------------------------------------
-
-    def expire(self, now: float) -> int:
-        """Free every lease whose deadline has passed; the number freed."""
-        self.unwritten.settle(now)
-        n = 0
-        for lease in self._deadlines.due(now):
-            if lease.retain_ttl is not None and lease.state is LeaseState.PUBLISHED:
-                if lease.holds:
-                    continue  # the last of its holds to end frees it (_hold_ended)
-                self.counters.retained_expired += 1
-                self.keys.count(lease.key, "expired")
-                self._free(lease, EndReason.RETAIN_EXPIRED, now)
-            elif lease.hold_of is not None:
-                self.counters.holds_expired += 1
-                self._free(lease, EndReason.EXPIRED_PUBLISHED, now)
-            else:
-                reason = (EndReason.EXPIRED_RESERVED if lease.state is LeaseState.RESERVED
-                          else EndReason.EXPIRED_PUBLISHED)
-                self.counters.expired += 1
-                self._free(lease, reason, now)
-            n += 1
-        return n
-
-    def cut_session(self, session: bytes, now: float) -> tuple[int, int]:
-        """End every live lease of the session, published ones too, and take its arenas back: it wrote
-        words the daemon refused past its limit, so its features are not trusted to be features. The
-        number of leases and arenas."""
-        leases = [lease for lease in self._leases.values() if lease.session == session]
-        for lease in leases:
-            if self._leases.get(lease.lease_id) is lease:  # a hold's end may have freed what it held
-                self._free(lease, EndReason.CUT, now)
-        self.books.pop_reserved(session)
-        return len(leases), self.arenas.give_back_session(session)
-
-    def reclaim_session(self, session: bytes, now: float) -> int:
-        """Free the RESERVED leases of a session whose process is gone, and end its published GPU
-        features whose READY word is behind (its GPU never wrote them: a client that closes waits for
-        its writes first; their ranges go back after a grace); the others stay for consumers."""
-        ids = self.books.pop_reserved(session)
-        for lease_id in ids:
-            lease = self._leases.get(lease_id)
-            if lease is not None:
-                self.counters.reclaimed_on_disconnect += 1
-                self._free(lease, EndReason.RECLAIMED, now)
-        table = self._table
-        if table is not None and self.gpu_pools:
-            unwritten = [lease for lease in self._leases.values() if lease.session == session
-                         and lease.pool_id in self.gpu_pools and lease.hold_of is None
-                         and lease.state is LeaseState.PUBLISHED and not table.is_ready(lease.lease_id, lease.gen)]
-            for lease in unwritten:
-                if self._leases.get(lease.lease_id) is lease:
-                    self.counters.reclaimed_on_disconnect += 1
-                    self._free(lease, EndReason.RECLAIMED, now)  # its range after a grace (unwritten.py)
-            self.unwritten.producer_gone(session, now)
-        return len(ids)
-
     # --- the sweep's --------------------------------------------------------------------------------
 
     def adopt_acked(self, slots: np.ndarray, gens: np.ndarray, consumers: np.ndarray, acks: np.ndarray) -> None:
@@ -399,16 +344,6 @@ class Ledger(Retention):
         """A producer took generation ``gen`` of its slot for a feature the sweep refused: it is over."""
         self.gens[slot_id] = self.gate[slot_id] = max(int(self.gens[slot_id]), gen)
         self._ended[slot_id] = END_CODE[EndReason.REFUSED]
-
-    def cut_all(self, now: float) -> int:
-        """Free everything still live (shutdown); the number cut."""
-        leases = list(self._leases.values())
-        for lease in leases:
-            if self._leases.get(lease.lease_id) is lease:  # a hold's end may have freed what it held
-                self.counters.cut_on_shutdown += 1
-                self._free(lease, EndReason.SHUTDOWN, now)
-        self.unwritten.settle(now, everything=True)
-        return len(leases)
 
     def next_deadline(self) -> float:
         """The earliest deadline of a live lease or a kept unwritten one, for the loop to wake at
@@ -497,6 +432,7 @@ class Ledger(Retention):
         slot = lease.lease_id
         self.gens[slot], self._ended[slot] = lease.gen, 0
         self._leases[slot] = lease
+        self._own.setdefault(lease.session, {})[slot] = lease
         self.gate[slot] = LIVE_GATE
 
     def _free(self, lease: Lease, reason: EndReason, now: float) -> None:
@@ -515,6 +451,10 @@ class Ledger(Retention):
             self.books.not_reserved(lease.session, slot)
         self._account(lease, -1)
         del self._leases[slot]
+        own = self._own[lease.session]
+        del own[slot]
+        if not own:
+            del self._own[lease.session]
         self.gate[slot] = lease.gen
         self._ended[slot] = END_CODE[reason]
         table = self._table
