@@ -456,10 +456,11 @@ class Ledger(Retention, Endings):
         if not own:
             del self._own[lease.session]
         self.gate[slot] = lease.gen
-        self._ended[slot] = END_CODE[reason]
         table = self._table
         unwritten = (lease.state is LeaseState.PUBLISHED and table is not None and lease.pool_id in self.gpu_pools
                      and not table.is_ready(slot, lease.gen) and reason is not EndReason.SHUTDOWN)
+        # What a later lookup or waited ack of it says: for an unwritten one, that its reads were lost.
+        self._ended[slot] = END_CODE[EndReason.UNWRITTEN if unwritten else reason]
         if unwritten:
             self.counters.unready_ended += 1
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.

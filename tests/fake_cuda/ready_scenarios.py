@@ -244,6 +244,11 @@ def producer_dies_before_its_gpu_writes() -> None:
             mark("a later get: served")
         except MmfeatError as exc:
             mark(f"a later get: {exc.code.value}")
+        try:  # the consumer that read it learns that the read was lost
+            c.ack(desc, wait=True)
+            mark("its waited ack: taken")
+        except MmfeatError as exc:
+            mark(f"its waited ack: {exc.code.value}: {exc}")
         counters = c.stats()["counters"]
         mark(f"unready_ended {counters['unready_ended']}")
         del view
