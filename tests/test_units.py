@@ -287,3 +287,27 @@ def test_put_tokens_are_fresh_and_a_forked_child_draws_its_own() -> None:
     parent = b"".join(new_token() for _ in range(8))
     assert len(child) == 128 and child != parent
     assert not {child[i : i + 16] for i in range(0, 128, 16)} & {parent[i : i + 16] for i in range(0, 128, 16)}
+
+
+def test_the_memory_guard_lets_only_a_reset_raise_its_base() -> None:
+    """After a reset the guard settles again as what the reset dropped is freed. What peers hold at those
+    later moments is in their budget already: taking it into the base would count it twice, and a peer
+    that knows the schedule could ratchet the guard up reset by reset. This process's own memory plays
+    the daemon's: held at the reset, freed, then more held at the later settle."""
+    from mmfeat.daemon.sockets.budgets import SETTLE_AFTER_S, MemoryGuard
+
+    guard = MemoryGuard(64 << 20)
+    start = guard.base
+    held = bytearray(b"\x01") * (160 << 20)  # filled, so resident
+    guard.reset_at(0.0)
+    at_reset = guard.base
+    assert at_reset > start + (100 << 20)  # what is still being freed must not trip the guard again
+    del held
+    later = bytearray(b"\x02") * (320 << 20)  # more than at the reset, held at the next settle
+    guard.settle(SETTLE_AFTER_S[0])
+    assert guard.base <= at_reset, f"a later settle raised the base by {(guard.base - at_reset) >> 20} MiB"
+    del later
+    for delay in SETTLE_AFTER_S[1:]:
+        guard.settle(delay)
+    assert guard.base < start + (64 << 20), "the base did not come back down once the memory went back"
+    guard.close()

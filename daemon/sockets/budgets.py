@@ -117,7 +117,7 @@ class MemoryGuard:
         """The control socket was reset at ``now``: settle at once (the base must cover what is still
         being freed, or the guard trips again) and at each of SETTLE_AFTER_S after it."""
         self._settles = [now + delay for delay in SETTLE_AFTER_S]
-        self._settle()
+        self._settle(may_rise=True)
 
     @property
     def next_settle(self) -> float:
@@ -129,11 +129,15 @@ class MemoryGuard:
         due = [at for at in self._settles if at <= now]
         if due:
             self._settles = self._settles[len(due):]
-            self._settle()
+            self._settle(may_rise=False)
 
-    def _settle(self) -> None:
+    def _settle(self, may_rise: bool) -> None:
+        # Only the reset's own settle may raise the base. Later ones run with peers connected again:
+        # what they hold then is in their budget already, and taking it into the base would let each
+        # reset's schedule (public, and seen by a peer as its dropped connection) ratchet the guard up.
         malloc_trim()
-        self.base = max(self._floor, anon_bytes(self._statm) - self.allowance // 4)
+        settled = max(self._floor, anon_bytes(self._statm) - self.allowance // 4)
+        self.base = settled if may_rise else min(self.base, settled)
 
     def close(self) -> None:
         if self._statm >= 0:
