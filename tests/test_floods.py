@@ -136,9 +136,8 @@ def test_a_message_that_never_ends_does_not_grow_the_daemon_without_bound(daemon
                    what=f"a control socket reset ({sent >> 20} MiB sent by {peers} peers)")
     # 64 MiB allowance, 64 KiB a connection, one check interval (0.1 s) of a fast peer on top.
     assert peak < 400 << 20, f"the daemon grew by {peak >> 20} MiB"
-    # What the reset dropped goes back to the system: libzmq's threads free it after the reset, and the
-    # daemon trims its heap again 0.25, 1 and 4 s after it. A trim at the reset alone gave nothing back
-    # of what was freed later (the daemon kept 63 to 191 MiB on a loaded machine).
+    # What the reset dropped goes back to the system: libzmq's threads free it after the reset, so the
+    # daemon trims its heap again at SETTLE_AFTER_S after it; a trim at the reset alone misses those frees.
     deadline = time.monotonic() + 6.0
     while anon_bytes(d.pid) - base >= 32 << 20 and time.monotonic() < deadline:
         time.sleep(0.1)

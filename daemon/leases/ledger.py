@@ -432,7 +432,10 @@ class Ledger(Retention, Endings):
         slot = lease.lease_id
         self.gens[slot], self._ended[slot] = lease.gen, 0
         self._leases[slot] = lease
-        self._own.setdefault(lease.session, {})[slot] = lease
+        own = self._own.get(lease.session)
+        if own is None:  # not setdefault: that builds a dict for every lease that goes live
+            own = self._own[lease.session] = {}
+        own[slot] = lease
         self.gate[slot] = LIVE_GATE
 
     def _free(self, lease: Lease, reason: EndReason, now: float) -> None:
