@@ -104,7 +104,9 @@ class Client:
                                   inline_max, fallback, self._session_now)
         self._reservations = Reservations(self._producer, lambda *a: self._acks.run_after(*a))
         pending = PendingCopies()  # staged copies from host pools: get() adds them, ack() waits for them
-        self._consumer = Consumer(self._connect, self._channel, pending, readonly)
+        # A staged copy's own hold is let go by an ack that waits for the copy (client/consume/consumer.py).
+        self._consumer = Consumer(self._connect, self._channel, pending,
+                                  lambda hold: self._acks.ack(hold, 1, None, False), readonly)
         self._acks = Acks(self._connect, self._channel, timeout, pending)
         self._keyed = KeyedPuts(self._producer)
         self._keys = KeyLookups(self._channel, self._connect)
@@ -319,7 +321,11 @@ class Client:
         ``key`` instead of ``desc``: ``lookup(key)`` then a get of what it names (NOT_FOUND if nothing
         is live under it). No hold protects such a read: a retained feature may be evicted under
         pressure while a view of it is in use. Read with ``copy=True``, which checks again after
-        copying and raises STALE or NOT_FOUND if the feature ended meanwhile, or hold it first.
+        copying and raises STALE or NOT_FOUND if the feature ended meanwhile, or hold it first. A staged
+        copy (``device``, a host-pool feature), which nothing checks after, is protected instead: a
+        retained feature is held for the copy (a hold of one, acked once the copy has run; ``stats``
+        counts it in ``holds``), and a counted one found by key is copied synchronously and checked
+        after. ``verify=False`` drops these checks too.
         """
         if type(copy) is not bool or type(verify) is not bool:
             raise TypeError(f"copy and verify must be True or False, not {copy!r} and {verify!r}")
@@ -334,8 +340,8 @@ class Client:
             if found is None:
                 raise MmfeatError(ErrorCode.NOT_FOUND, "no live feature under that key (never put, ended, evicted, "
                                   "or from before a daemon restart)")
-            desc = found
-        elif desc is None:
+            return self._consumer.get(found, copy, verify, device, by_key=True)
+        if desc is None:
             raise ValueError("get needs a descriptor or a key")
         return self._consumer.get(desc if type(desc) is Descriptor else _as_descriptor(desc), copy, verify, device)
 

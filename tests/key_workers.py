@@ -52,3 +52,14 @@ def racing_producer(runtime_dir: str, keys: list[str], value: float, go: Any, ou
                 d = c.put(torch.full((4096,), value), key=k, retain_ttl=300.0)
             out.append((d.to_bytes(), float(c.get(d, copy=True)[0])))
     out_q.put(out)
+
+
+def press(runtime_dir: str, key: str, value: str, numel: str, ack: str = "") -> None:
+    """Another producer, when the pool has room for one feature only: put a retained feature of ``numel``
+    float32 elements, each ``value``, under ``key`` (after acking the counted feature ``ack`` names, as
+    its one consumer), and print where it went: "pool", or "inline" where the pool could not take it."""
+    with Client(runtime_dir) as c:
+        if ack:
+            c.ack(bytes.fromhex(ack), wait=True)
+        desc = c.put(torch.full((int(numel),), float(value)), key=key, retain_ttl=300.0)
+    print("inline" if desc.is_inline else "pool")

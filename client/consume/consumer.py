@@ -10,7 +10,7 @@ import torch
 
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.messages import PoolInfo, RemoteGetReply
+from mmfeat.protos.messages import HoldReply, PoolInfo, RemoteGetReply
 
 from .. import tensors as tz
 from ..gpu import gpu_order, ready_word
@@ -26,17 +26,23 @@ from ..link.lease_table import STATE_FREE, STATE_MISMATCH
 log = logging.getLogger("mmfeat.client")
 
 Tensors = Union[torch.Tensor, list[torch.Tensor]]
+# A hold a staged copy could not take: the copy is made synchronously and checked after instead.
+_NO_HOLD = (ErrorCode.NOT_FOUND, ErrorCode.STALE, ErrorCode.POOL_FULL, ErrorCode.OVER_QUOTA, ErrorCode.BAD_STATE)
 
 
 class Consumer:
     def __init__(self, connect: Callable[[], Session], channel: ControlChannel, pending: PendingCopies,
-                 readonly: bool = False) -> None:
+                 let_go: Callable[[Descriptor], Any], readonly: bool = False) -> None:
         self._connect = connect
         self._readonly = readonly  # inline views too are in pages a write faults on (inline_base.py)
         self._channel = channel
         self._pending = pending  # staged copies from host pools still in flight, which their acks wait for
+        # Acks a staged copy's own hold, behind that copy (the ack finds it in ``pending``).
+        self._let_go = let_go
 
-    def get(self, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
+    def get(self, desc: Descriptor, copy: bool, verify: bool, device: Any, by_key: bool = False) -> Tensors:
+        """``by_key``: ``desc`` is what a lookup by key answered, which no consumer count of this reader's
+        protects (the reader may be none of the feature's consumers)."""
         if desc.kind == "inline":
             private = device is None and copy
             base = inline_base(desc.inline, desc.nbytes, copy=private,
@@ -69,9 +75,9 @@ class Consumer:
         if device is None and not copy and not desc.many:
             return tz.pool_view(mapping.tensor, desc.offset, desc.tensors[0])  # the common get: one view
         if device is not None and pool.kind == "host" and feature_staging("host", device) == "pinned_async":
-            staged = self._stage(mapping, desc, device)
+            staged = self._stage(session, mapping, desc, device, verify, by_key)
             if staged is not None:
-                return staged  # the lease cannot end before this consumer's ack, which waits for the copy
+                return staged  # nothing can end the lease before the copy has read it (_stage)
         pool = mapping.tensor
         out = _finish([tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors], desc.many, copy, device)
         if verify and (copy or device is not None):
@@ -88,25 +94,57 @@ class Consumer:
         if not ready_word.wait_before(table, torch.cuda.current_stream(ordinal), desc.lease, desc.gen):
             ready_word.wait_on_host(table, desc.lease, desc.gen, self._channel.timeout)
 
-    def _stage(self, mapping: HostMapping, desc: Descriptor, device: Any) -> Optional[Tensors]:
+    def _stage(self, session: Session, mapping: HostMapping, desc: Descriptor, device: Any, verify: bool,
+               by_key: bool) -> Optional[Tensors]:
         """A host-pool feature copied into a GPU's memory from the pool's pinned pages, on that device's
-        current stream, without waiting: the feature's ack waits for the copy's event instead. None where
-        the pool cannot be pinned (then the caller copies synchronously)."""
+        current stream, without waiting, so no check after the copy can run before get returns: the
+        feature must stay until the copy has read it. A counted feature's consumer's share does that
+        (its ack waits for the copy's event); a retained feature is held for the copy (a hold of one,
+        acked behind the copy's event). None where the pool cannot be pinned, where no hold can be taken,
+        and for a counted feature found by key (no share of this reader's protects it): then the caller
+        copies synchronously and checks after. ``verify`` False: the caller vouches for the feature."""
         target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         ordinal = target.index if target.index is not None else torch.cuda.current_device()
         pinned = pinned_view(mapping, ordinal)
         if pinned is None:
             return None
+        held = None
+        if verify and session.table.retained(desc.lease, desc.gen):
+            held = self._hold(session, desc)
+            if held is None:
+                return None
+        elif verify and by_key:
+            return None
+        source = held if held is not None else desc
         target = torch.device("cuda", ordinal)
-        with torch.cuda.device(ordinal):
-            out = [tz.pool_view(pinned, desc.offset, spec).to(target, non_blocking=True) for spec in desc.tensors]
-        fence = gpu_order.current_streams([ordinal])
-        # An earlier staged get of the same feature (another stream, another device) may still be
-        # copying: the ack waits for both.
-        key = pending_key(desc)
-        fence.absorb(self._pending.take(key))
-        self._pending.add(key, fence)
+        try:
+            with torch.cuda.device(ordinal):
+                out = [tz.pool_view(pinned, desc.offset, spec).to(target, non_blocking=True) for spec in desc.tensors]
+        finally:
+            # Whatever was queued (all of it, or the copies before one that failed), the ack waits for
+            # it. An earlier staged get of the same feature (another stream, another device) may still
+            # be copying: the ack waits for both.
+            fence = gpu_order.current_streams([ordinal])
+            key = pending_key(source)
+            fence.absorb(self._pending.take(key))
+            self._pending.add(key, fence)
+            if held is not None:
+                self._let_go(held)
         return out if desc.many else out[0]
+
+    def _hold(self, session: Session, desc: Descriptor) -> Optional[Descriptor]:
+        """A hold of one reader on retained feature ``desc`` (the descriptor naming the hold's slot), which
+        keeps its range from eviction and reuse until acked; None where the daemon takes none (the
+        feature ended or is not yet published, no slot, this session's quota)."""
+        try:
+            reply = HoldReply.from_wire(self._channel.call("hold", session=session.token, lease=desc.lease_ref(),
+                                                           count=1))
+        except MmfeatError as exc:
+            if exc.code in _NO_HOLD:
+                return None
+            raise
+        ref = reply.lease
+        return dataclasses.replace(desc, lease=ref.lease, gen=ref.gen, token=ref.token)
 
     def prefetch(self, desc: Descriptor) -> None:
         """Have this node's daemon start pulling another node's feature now, so that a later get() finds

@@ -77,6 +77,13 @@ class LeaseTableView:
             return STATE_MISMATCH
         return word & 3
 
+    def retained(self, lease: int, gen: int) -> bool:
+        """Whether slot ``lease`` holds generation ``gen`` live as a retained feature (its CONSUMERS word
+        is the count no acks reach): no reader's unacked share protects it, only a hold (whose slot is
+        its own, with its count of readers)."""
+        live = self._live_entry(lease, gen)
+        return live is not None and live[4] == ACK_COUNT_MASK
+
     def _live_entry(self, lease: int, gen: int) -> Optional[tuple[int, int, int, int, int]]:
         """The STATE word and POOL, OFFSET, NBYTES, CONSUMERS of generation ``gen`` of slot ``lease``
         while it is RESERVED or PUBLISHED; None otherwise."""

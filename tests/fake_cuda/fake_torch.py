@@ -2,7 +2,8 @@
 libcuda's streams (tests/fake_cuda/fake_libcuda.c): streams are the fake driver's, so the events the
 client records on them, and its waits, follow the order the fake keeps. A copy to a CUDA device
 (``Tensor.to``) is queued on the current stream like the DMA it stands for, and returns an
-uninitialised CPU tensor (the views may be over fake addresses).
+uninitialised CPU tensor (the views may be over fake addresses); after ``land_copies()``, a copy of real
+host memory (a host pool's pinned pages) reads its source when the stream reaches it, as the DMA would.
 A test queues GPU work that stays pending with ``launch`` and lets it finish with ``release``."""
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _defaults: dict[int, "Stream"] = {}
 _contexts: dict[int, Any] = {}
 _copies = itertools.count()
 _lock = threading.Lock()
+# Copies whose bytes land when their stream reaches them: (fence behind the copy, source, target).
+_landing: Optional[list[tuple[Any, torch.Tensor, torch.Tensor]]] = None
 
 
 def lib() -> ctypes.CDLL:
@@ -117,7 +120,29 @@ def launch(s: Stream, tag: str) -> None:
 
 
 def release(tag: str) -> int:
-    return lib().fake_release(tag.encode())
+    released = lib().fake_release(tag.encode())
+    land()
+    return released
+
+
+def land_copies() -> None:
+    """From here on, a copy of host memory to a device reads its source once the stream has run it
+    (``release`` of the work before it, or at once on an idle stream), not when it is queued: what a
+    consumer's tensor then holds is what the pool held when the DMA ran. Only for sources in real
+    memory: a GPU pool's view here is a fake address."""
+    global _landing
+    _landing = []
+
+
+def land() -> None:
+    """Read the source of every landing copy the fake driver has run by now."""
+    if _landing is None:
+        return
+    for item in list(_landing):
+        fence, source, target = item
+        if fence.query():
+            target.copy_(source)
+            _landing.remove(item)
 
 
 def pending(s: Stream) -> int:
@@ -144,8 +169,14 @@ def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             tag = f"copy-{next(_copies)}"
             s = current_stream(dev.index)
             launch(s, tag)
-            release(tag)  # done once what was queued before it on the stream is
-            return torch.empty_like(self)  # never read: a GPU pool view here is a fake address
+            lib().fake_release(tag.encode())  # done once what was queued before it on the stream is
+            out = torch.empty_like(self)  # unread without land_copies: a GPU pool view here is a fake address
+            if _landing is not None and self.is_cpu:
+                from mmfeat.client.gpu import gpu_order
+
+                _landing.append((gpu_order.Fence().record(s), self, out))
+                land()
+            return out
     return _real_to(self, *args, **kwargs)
 
 

@@ -442,8 +442,10 @@ SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_us
 if __name__ == "__main__":
     from tests.fake_cuda.order_scenarios import ORDER
     from tests.fake_cuda.ready_scenarios import READY
+    from tests.fake_cuda.staged_scenarios import STAGED
 
     SCENARIOS.update(ORDER)
     SCENARIOS.update(READY)
+    SCENARIOS.update(STAGED)
     drv.driver_unavailable_reason()
     SCENARIOS[sys.argv[1]]()
