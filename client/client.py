@@ -239,7 +239,9 @@ class Client:
     def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1, key: Optional[str] = None,
                  retain_ttl: Optional[float] = None) -> Descriptor:
         """Place several tensors in one lease (one descriptor, one ack per consumer); ``key`` and
-        ``retain_ttl`` as for put."""
+        ``retain_ttl`` as for put. The daemon keeps a keyed feature's descriptor for lookups, of at most
+        ``mmfeat.protos.messages.MAX_KEPT_DESCRIPTOR_BYTES``: too many tensors under one key raise
+        BAD_REQUEST before anything is placed (put them under several keys, or without a key)."""
         if isinstance(tensors, torch.Tensor):
             raise TypeError("put_many takes a list of tensors, not one tensor (whose rows it would put one by one); "
                             "put one tensor with put")

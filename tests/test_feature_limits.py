@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmfeat.client import dumps, loads
+from mmfeat.client import ErrorCode, MmfeatError, Namespace, dumps, loads
 from mmfeat.protos import tensor_spec
+from mmfeat.protos.messages import MAX_KEPT_DESCRIPTOR_BYTES
 
 DIMS = tensor_spec._MAX_DIMS
 TENSORS = tensor_spec.MAX_TENSORS
@@ -112,3 +113,55 @@ def test_spec_states_the_limits_the_parser_enforces() -> None:
     section = spec.split("## 8. Descriptor", 1)[1].split("\n## 9.", 1)[0]
     assert f"1 to {TENSORS} tensors" in section and f"more than {DIMS} dimensions" in section
     assert BIG == 1 << 62 and "2^62" in section
+
+
+def test_a_keyed_feature_whose_descriptor_the_daemon_cannot_keep_is_refused_before_anything_is_placed(daemon) -> None:
+    """A keyed put_many of 150 tensors was reserved, written, then refused at its publish (the daemon keeps
+    a key's descriptor of at most MAX_KEPT_DESCRIPTOR_BYTES), and its lease stayed RESERVED until
+    reserve_ttl, every time. Such a feature is now refused before anything is reserved; the same tensors
+    without a key (nothing kept) and a keyed feature under the cap go into the pool."""
+    ns = Namespace(framework="test", version="1", model="limits", dtype="float32")
+    wide = [torch.full((256,), float(k)) for k in range(150)]
+    layout = [((256,), torch.float32)] * 150
+    cap = (MmfeatError, f"over the {MAX_KEPT_DESCRIPTOR_BYTES} B.*fewer tensors per keyed feature.*without a key")
+    consumers = (ValueError, "consumers must be an int between 1 and")
+    refused = {
+        "put_many, keyed": (*cap, lambda c, k: c.put_many(wide, key=k)),
+        "put_many, keyed and retained": (*cap, lambda c, k: c.put_many(wide, key=k, retain_ttl=300.0)),
+        "reserve_many, keyed": (*cap, lambda c, k: c.reserve_many(layout, key=k)),
+        "reserve_many, keyed and retained": (*cap, lambda c, k: c.reserve_many(layout, key=k, retain_ttl=300.0)),
+        "put, keyed, no consumer": (*consumers, lambda c, k: c.put(torch.ones(100_000), key=k, consumers=0)),
+        "put, keyed, a bool of consumers": (*consumers, lambda c, k: c.put(torch.ones(100_000), key=k, consumers=True)),
+    }
+    with daemon.client(inline_threshold=1024, fallback="error") as c, daemon.client(readonly=True) as consumer:
+        consumer.ack(c.put(torch.zeros(100_000)))  # the session's arena, pool mapping and descriptor head
+        consumer.flush()
+        daemon.wait_for(lambda s: s["leases"]["PUBLISHED"] == 0, what="the first feature to end")
+        before = _books(daemon, c)
+        for name, (error, says, call) in refused.items():
+            key = ns.key(name.replace(" ", "-"))
+            with pytest.raises(error, match=says) as raised:
+                call(c, key)
+            if error is MmfeatError:
+                assert raised.value.code is ErrorCode.BAD_REQUEST
+            assert _books(daemon, c) == before, f"{name}: the refused feature took pool space or a lease"
+            assert not consumer.has(key)
+        # Without a key nothing is kept: the same tensors are one retained feature in the pool.
+        retained = c.put_many(wide, retain_ttl=300.0)
+        assert not retained.is_inline
+        assert all(torch.equal(a, b) for a, b in zip(consumer.get(retained, copy=True), wide, strict=True))
+        c.release(retained)
+        # Under the cap a keyed feature is kept and found.
+        key = ns.key("under-the-cap")
+        kept = c.put_many(wide[:64], key=key, retain_ttl=300.0)
+        assert consumer.lookup(key) == kept
+        assert c.evict(key)
+    daemon.wait_for(lambda s: s["leases"] == {"RESERVED": 0, "PUBLISHED": 0}, what="the features to end")
+
+
+def test_spec_states_the_kept_descriptor_cap() -> None:
+    spec = (Path(__file__).parent.parent / "protos" / "SPEC.md").read_text()
+    assert f"1 to {MAX_KEPT_DESCRIPTOR_BYTES} bytes" in spec.split("### publish", 1)[1].split("### ack", 1)[0]
+    keys = spec.split("### Keys and lifetimes", 1)[1].split("### lookup_key", 1)[0]
+    assert f"fit those {MAX_KEPT_DESCRIPTOR_BYTES} bytes (`MAX_KEPT_DESCRIPTOR_BYTES`" in keys
+    assert "before it reserves anything" in keys

@@ -19,13 +19,14 @@ import torch
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.keys import check_key, check_keys
-from mmfeat.protos.messages import MAX_CONSUMERS, MAX_RETAIN_TTL_S, FallbackReason, HoldReply, LeaseReply, \
-    LookupKeyReply
+from mmfeat.protos.lease_table import GEN_MASK
+from mmfeat.protos.messages import MAX_CONSUMERS, MAX_KEPT_DESCRIPTOR_BYTES, MAX_RETAIN_TTL_S, TOKEN_BYTES, \
+    FallbackReason, HoldReply, LeaseReply, LookupKeyReply, PoolInfo
 
 from ..link.channel import ControlChannel
 from ..link.session import Session
 from . import packing
-from .producer import Producer, _write
+from .producer import Producer, _write, check_consumers
 from .put_in_flight import PutInFlight
 
 
@@ -54,6 +55,7 @@ class KeyedPuts:
 
     def put(self, tensors: list[torch.Tensor], many: bool, consumers: int, keyed: dict[str, Any]) -> Descriptor:
         p = self._p
+        check_consumers(consumers)  # as put's: the daemon's refusal would come as BAD_REQUEST, after a round trip
         specs, nbytes = packing.layout(tensors)
         device = next((t.device.index for t in tensors if t.is_cuda), None)
         put = PutInFlight(specs, nbytes, many, consumers, device, tensors)
@@ -79,6 +81,8 @@ class KeyedPuts:
         p = self._p
         session = p._writing_in(p._connect(), writing)
         pool, _ = p._target(session, device)
+        if "key" in keyed:
+            check_kept_descriptor(put, session, p._channel.endpoint, pool)
         session, reply = p._reserve(session, pool, put, writing, keyed)
         if reply.descriptor is not None:
             return Descriptor.from_bytes(reply.descriptor)  # the key's live feature: nothing was reserved
@@ -95,7 +99,28 @@ class KeyedPuts:
         except BaseException:
             p._release_quietly(session, desc)
             raise
-        return publish_keyed(session, desc, "key" in keyed)
+        try:
+            return publish_keyed(session, desc, "key" in keyed)
+        except MmfeatError as exc:
+            if not isinstance(exc, DaemonUnavailableError):
+                # Refused, so never published: nothing else would free it before reserve_ttl.
+                p._release_quietly(session, desc)
+            raise
+
+
+def check_kept_descriptor(put: PutInFlight, session: Session, endpoint: str, pool: PoolInfo) -> None:
+    """Refuse a keyed feature whose descriptor the daemon could not keep for lookups by key (over
+    MAX_KEPT_DESCRIPTOR_BYTES), before anything is reserved: its publish would be refused only after
+    the write. Measured with the largest slot, generation and offset the daemon could grant, so that no
+    grant makes the real one longer."""
+    longest = put.descriptor(session, endpoint, pool.pool, session.table.slots, GEN_MASK, bytes(TOKEN_BYTES),
+                             pool.size)
+    size = len(longest.to_bytes())
+    if size > MAX_KEPT_DESCRIPTOR_BYTES:
+        raise MmfeatError(ErrorCode.BAD_REQUEST, f"the descriptor of this keyed feature of {len(put.specs)} tensors "
+                          f"takes up to {size} B, over the {MAX_KEPT_DESCRIPTOR_BYTES} B the daemon keeps per key "
+                          "for lookups: put fewer tensors per keyed feature (several keys), or put it without a "
+                          "key; nothing was placed")
 
 
 def publish_keyed(session: Session, desc: Descriptor, keyed: bool) -> Descriptor:

@@ -33,7 +33,7 @@ from . import packing
 from ..link.arenas import Placement
 from ..fork_locks import renew_in_child
 from ..neutral import outside_inference
-from .keyed import KeyedPuts, publish_keyed
+from .keyed import KeyedPuts, check_kept_descriptor, publish_keyed
 from .producer import _FALLBACK_ERRORS, Producer, check_consumers
 from .put_in_flight import PutInFlight
 from ..link.session import Session
@@ -141,6 +141,8 @@ class Reservations:
                 r = self._in_arena(session, pool, put)
                 if r is not None:
                     return r
+            if keyed and "key" in keyed:
+                check_kept_descriptor(put, session, p._channel.endpoint, pool)
             asked_at = time.monotonic()  # before the request: the deadline here is never later than the daemon's
             session, reply = p._reserve(session, pool, put, keyed=keyed)
             if reply.descriptor is not None:
@@ -250,6 +252,7 @@ class Reservations:
             except MmfeatError as exc:
                 if isinstance(exc, DaemonUnavailableError):
                     raise
+                self._give_back(r)  # refused, so never published: nothing else frees it before reserve_ttl
                 raise MmfeatError(exc.code, f"the reservation was not published: {exc.message}") from None
         now = time.monotonic()
         if now >= r.deadline:
