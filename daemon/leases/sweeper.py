@@ -304,6 +304,9 @@ class Sweeper:
             lease = self.ledger.live_lease(slot)
             if lease is not None and self.table.load(slot, STATE) == state_word(lease.gen, DONE):
                 self._on_done(slot, lease, now)
+        # And the ended features kept for their READY word (unwritten.py): the producer's ring reuses
+        # such space once the word is written, which may be before the loop's tick gives it back.
+        self.ledger.unwritten.settle(now)
 
     def _reset_acks(self, slot: int, gen: int, owner: bytes) -> None:
         """The ack baseline of a newly published generation is zero acks. The producer stored that
