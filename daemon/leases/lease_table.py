@@ -108,9 +108,9 @@ class LeaseTable:
 
     def free_many(self, slots: np.ndarray, gens: np.ndarray, ready: bool = True) -> None:
         """FREE in the STATE words of ``slots`` (generations ``gens``), and before it their generation
-        in READY unless ``ready`` is False (features every consumer acked: no stream waits on one whose
-        GPU has not written it, and its producer's ring waits for that word). The caller ordered its
-        reads of those slots before this (an acquire fence after them)."""
+        in READY unless ``ready`` is False (features every consumer acked whose READY is written already:
+        the sweep ends those whose GPU has not written them as leases). The caller ordered its reads of
+        those slots before this (an acquire fence after them)."""
         gens = gens & np.uint64(GEN_MASK)
         words = gens << np.uint64(2) | np.uint64(FREE)
         self.seen_state[slots] = words

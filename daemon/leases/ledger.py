@@ -302,9 +302,10 @@ class Ledger(Retention, Endings):
 
     def adopt_acked(self, slots: np.ndarray, gens: np.ndarray, consumers: np.ndarray, acks: np.ndarray) -> None:
         """Features their producers published and all their consumers acked between two sweeps (the
-        sweep checked every word against the arenas): counted as published, acked and freed without
-        ever becoming live leases (no Lease, no expiry entry, no arena bookkeeping). Arrays, one
-        element per feature: slot, generation, consumers expected, acks counted."""
+        sweep checked every word against the arenas, and that a GPU-pool feature's READY word is
+        written): counted as published, acked and freed without ever becoming live leases (no Lease, no
+        expiry entry, no arena bookkeeping, so nothing keeps their range once the arena goes back).
+        Arrays, one element per feature: slot, generation, consumers expected, acks counted."""
         self.gens[slots] = gens
         self.gate[slots] = gens
         self._ended[slots] = _ACKED

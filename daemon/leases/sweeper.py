@@ -45,6 +45,7 @@ _WARN_EVERY_S = 10.0
 # consumer reading a burst that its producer put ahead of it acks within seconds, a busy machine's too.
 DEFER_MAX_S = 60.0
 _CAS_TRIES = 8
+_BEHIND = np.uint64(1 << 63)  # a READY word this far or more below a generation has not reached it (is_ready)
 
 
 def _distinct(slots: np.ndarray) -> np.ndarray:
@@ -208,9 +209,10 @@ class Sweeper:
         """End, as one batch, the features among ``changed`` (indices into ``ids``, the slots swept) that their
         producers published and all their consumers acked since the last sweep; the indices left for
         ``_on_state``. Each is checked as ``_on_state`` would: a slot of an arena that takes features,
-        no live lease in it, a new generation, its entry inside the arena, and its ack word naming that
-        generation with every consumer's ack. Whatever fails a check is left for ``_on_state``, which
-        refuses it or (acks still missing) adopts it."""
+        no live lease in it, a new generation, its entry inside the arena, its ack word naming that
+        generation with every consumer's ack, and in a GPU pool its READY word written. Whatever fails a
+        check is left for ``_on_state``, which refuses it, adopts it (acks still missing), or adopts and
+        ends it (READY behind)."""
         if not len(changed):
             return changed
         ledger, table = self.ledger, self.table
@@ -229,6 +231,16 @@ class Sweeper:
                 & (offset % LEASE_ALIGNMENT == 0) & (rel <= size) & (nbytes - 1 < size - rel)
                 & (consumers - 1 < MAX_CONSUMERS)
                 & (acks >> 32 == gens & ACK_GEN_MASK) & (acks & ACK_COUNT_MASK >= consumers))
+        if ledger.gpu_pools and good.any():
+            # A GPU-pool feature whose READY word is behind its generation was acked before its producer's
+            # GPU wrote it (a cancelled read, an ack without after=): its copy may still be queued. Left
+            # for _on_state, which ends it as a lease, so that its range and slot stay out of the pool
+            # until the word is written (unwritten.py), whatever becomes of its arena meanwhile.
+            behind = table.ready[slots] - gens >= _BEHIND  # READY - g mod 2^64, negative as signed
+            in_gpu = np.zeros(len(slots), dtype=bool)
+            for pool_id in ledger.gpu_pools:
+                in_gpu |= pool == pool_id
+            good &= ~(behind & in_gpu)
         if not good.any():
             return changed
         ended, acks = slots[good], acks[good]
@@ -258,10 +270,12 @@ class Sweeper:
             self._refuse(slot, word, owner, f"STATE of slot {slot} went to generation {gen} state {state}; a producer "
                          f"may only publish a generation above {ledger.slot_gen(slot)} in a slot it got back FREE")
             return
-        # Not ended by _end_acked: a feature waiting for acks, or words it refused.
+        # Not ended by _end_acked: a feature waiting for acks, one acked before its GPU wrote it, or words
+        # it refused.
         pool, offset, nbytes, consumers, tok0, tok1 = self.table.entry(slot)
-        valid = (state == PUBLISHED and pool == arena.pool_id and not offset % LEASE_ALIGNMENT and nbytes >= 1
-                 and 1 <= consumers <= MAX_CONSUMERS)
+        acked = state == DONE and self._all_acked(slot, gen, consumers)
+        valid = ((state == PUBLISHED or acked) and pool == arena.pool_id and not offset % LEASE_ALIGNMENT
+                 and nbytes >= 1 and 1 <= consumers <= MAX_CONSUMERS)
         if valid and not arena.fits(offset, nbytes):
             # Its producer may reuse the space of features whose last consumer marked them DONE before
             # this daemon has ended them: end those first.
@@ -284,7 +298,16 @@ class Sweeper:
         self.table.seen_state[slot] = word
         self._reset_acks(slot, gen, arena.session)
         token = tok0.to_bytes(8, "little") + tok1.to_bytes(8, "little")
-        ledger.adopt(arena, slot, gen, nbytes, offset, consumers, token, published_at)
+        lease = ledger.adopt(arena, slot, gen, nbytes, offset, consumers, token, published_at)
+        if acked:
+            # Every consumer acked it, but its READY word is behind (_end_acked left it): it ends as a
+            # lease, which keeps its range and slot until its GPU has written it.
+            self._on_done(slot, lease, now)
+
+    def _all_acked(self, slot: int, gen: int, consumers: int) -> bool:
+        """Whether the slot's ACKS word names generation ``gen`` with at least ``consumers`` acks."""
+        acks = self.table.load(slot, ACKS)
+        return acks >> 32 == gen & ACK_GEN_MASK and acks & ACK_COUNT_MASK >= consumers
 
     def _on_done(self, slot: int, lease: Lease, now: float) -> None:
         """A live feature's last consumer marked it DONE: apply its acks, which end it."""
