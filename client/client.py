@@ -147,7 +147,8 @@ class Client:
     def close(self) -> None:
         """Close the sockets. Tensors already returned stay valid: they hold the pool's pages, which are
         unmapped once the last of them is gone and no other client of this process uses the pool.
-        Arenas go back to the pool once the features in them are acked. A put still writing in another
+        Arenas go back to the pool once the features in them are acked; first, close waits for the GPU
+        writes of features published behind a stream (their READY words). A put still writing in another
         thread finishes first: close() waits up to 2 s for it, then leaves ending the session to it."""
         self._report_at_exit.detach()
         self._reservations.close()
@@ -170,6 +171,9 @@ class Client:
         # Publishes went into the lease table or on the fd channel: the daemon reads both before it
         # handles this close.
         if s.arenas is not None and s.pid == os.getpid():
+            # Its READY writes first: the arenas then go back with no copy still queued into them, which
+            # the daemon would have to keep apart (daemon/leases/unwritten.py) and trim the arena around.
+            s.settle_quietly()
             s.arenas.give_back_all(min(self.timeout, 2.0))
         s.close()
 

@@ -198,6 +198,15 @@ class ProducerArena:
         """Whether a put is still writing a feature here (placed, not yet published or abandoned)."""
         return any(not p.published and not p.abandoned for p in self._ring)
 
+    def returnable(self) -> bool:
+        """Whether it may go back now: no put writing here, and no GPU write still queued into it (a
+        feature published behind its stream whose READY word is behind, acked already or not). The
+        daemon keeps such a feature's range out of the pool all the same; kept here, the arena goes
+        back whole once the write lands, not trimmed around it."""
+        is_ready = self._table.is_ready
+        return not any((not p.published and not p.abandoned) or (p.by_stream and not is_ready(p.slot, p.gen))
+                       for p in self._ring)
+
 
 def _spare(low: ProducerArena, fitting: list[ProducerArena]) -> bool:
     """Whether an arena of ``fitting`` other than ``low`` is under its low water. Arenas a burst filled
@@ -360,10 +369,10 @@ class ArenaSet:
         went back. Without this a session at its arena limit (or its share of the pool) would reserve
         every feature of a new size class that its arenas cannot hold until an old arena went idle for
         IDLE_S. Its features stay readable: a returned arena takes no new feature, and the daemon frees
-        it once they are over."""
+        it once they are over (and written: an arena a GPU write is still queued into stays)."""
         cutoff = time.monotonic() - idle_s
         others = [a for a in self._arenas.get(pool, ()) if _class_of(a, self._usual.get(pool)) != key[1]
-                  and a.last_used <= cutoff and not a.writing()]
+                  and a.last_used <= cutoff and a.returnable()]
         if not others:
             return False
         oldest = min(others, key=lambda a: a.last_used)
@@ -413,7 +422,7 @@ class ArenaSet:
         cutoff = time.monotonic() - IDLE_S
         with self._lock:
             idle = [(pool, a) for pool, arenas in self._arenas.items() for a in arenas
-                    if a.last_used < cutoff and not a.writing()]  # a long write keeps its arena
+                    if a.last_used < cutoff and a.returnable()]  # a long write, or a GPU's queued, keeps it
             for pool, arena in idle:
                 self._arenas[pool].remove(arena)
         for _, arena in idle:

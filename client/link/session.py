@@ -209,11 +209,16 @@ class Session:
             for ordinal in sorted(devices):
                 drv.synchronize_if_used(ordinal)
 
-    def close(self) -> None:
+    def settle_quietly(self) -> None:
+        """settle_ready_writes, for a session that is closing: a broken device is left to the daemon,
+        which keeps an unwritten feature's range for its grace once this session's channel closes."""
         try:
             self.settle_ready_writes()
-        except Exception:  # a broken device: the daemon's grace for the dead then applies
+        except Exception:
             pass
+
+    def close(self) -> None:
+        self.settle_quietly()
         if self.arenas is not None and self.pid == os.getpid():
             # Only here: a forked child's copy has no reaper thread to stop, and the parent's may have held
             # the stop event's lock at the fork.
