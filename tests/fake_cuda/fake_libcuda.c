@@ -331,10 +331,15 @@ static int unsafe(const char* call) {  // under mu
     fprintf(L(), "  !! capture invalidated by %s (thread capture mode %d)\n", call, thread_mode);
     return 1;
 }
+static int nwaiting = 0;  // threads in a host wait (a synchronize) that has not returned: fake_waiting
 static void wait_until(int (*done)(int), int arg) {  // under mu; a word another process writes needs polls
-    for (;;) {
+    for (int first = 1;; first = 0) {
         progress();
-        if (done(arg)) return;
+        if (done(arg)) {
+            if (!first) nwaiting--;
+            return;
+        }
+        if (first) nwaiting++;
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_nsec += 1000000;
@@ -603,6 +608,12 @@ int fake_release(const char* tag) {
                 n++;
             }
     progress();
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+int fake_waiting(void) {
+    pthread_mutex_lock(&mu);
+    int n = nwaiting;
     pthread_mutex_unlock(&mu);
     return n;
 }

@@ -4,7 +4,8 @@ client records on them, and its waits, follow the order the fake keeps. A copy t
 (``Tensor.to``) is queued on the current stream like the DMA it stands for, and returns an
 uninitialised CPU tensor (the views may be over fake addresses); after ``land_copies()``, a copy of real
 host memory (a host pool's pinned pages) reads its source when the stream reaches it, as the DMA would.
-A test queues GPU work that stays pending with ``launch`` and lets it finish with ``release``."""
+A test queues GPU work that stays pending with ``launch`` and lets it finish with ``release``, and
+sees a thread blocked on it with ``waiting``."""
 
 from __future__ import annotations
 
@@ -147,6 +148,11 @@ def land() -> None:
 
 def pending(s: Stream) -> int:
     return lib().fake_stream_pending(ctypes.c_void_p(s.cuda_stream))
+
+
+def waiting() -> int:
+    """How many threads of this process wait on the host for GPU work (a synchronize) right now."""
+    return lib().fake_waiting()
 
 
 def begin_capture(s: Stream, mode: int = 0) -> None:
