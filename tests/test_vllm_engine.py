@@ -7,7 +7,8 @@ with the reason elsewhere.
 Random weights make different images give the same tokens, so equal tokens alone would not show the
 right bytes arrived: each save and load writes a digest of its bytes (the connector's report_file),
 and every load's digest must be its item's saved one. The same items also go through vLLM's own
-ECExampleConnector, for the timings and what each leaves behind (docs/integration.md).
+ECExampleConnector, for the timings and what each leaves behind (docs/integration.md), and
+tests/vllm_engine/compare.py measures both connectors' halves item by item (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ def test_vllm_engines_move_encoder_outputs_through_mmfeat_by_configuration_alone
     if out:
         Path(out).write_text(json.dumps(summary, indent=1))
     print("vLLM connector comparison:", json.dumps(summary))
+
+
+def test_the_connector_comparison_loads_every_item_with_its_saved_bytes(tmp_path: Path) -> None:
+    """Both connectors' halves in vLLM's call order on the same items (tests/vllm_engine/compare.py), a
+    few warm rounds: every load's digest is its save's. The table is printed (-rsP shows it), not judged:
+    its figures are for docs/performance.md and the work they guide."""
+    out = tmp_path / "compare.json"
+    sizes, rounds = ["1K", "1M", "9M", "41M"], 3
+    run = subprocess.run([str(Path(VENV) / "bin" / "python"), "-m", "tests.vllm_engine.compare", "--sizes",
+                          ",".join(sizes), "--rounds", str(rounds), "--json", str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, f"the comparison exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    result = json.loads(out.read_text())
+    digests = result["summary"]["digests"]
+    assert digests["checked"] == len(sizes) * 2 * (rounds + 1) and digests["matched"] == digests["checked"], digests
+    print(run.stdout)
 
 
 def test_sglangs_own_classes_carry_an_embedding_through_the_pool(world) -> None:
