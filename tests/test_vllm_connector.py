@@ -37,12 +37,14 @@ def _produce(ctx, rt: str, hashes: list[str], **kw) -> list:
 
 def _books_balance(daemon, hashes: list[str]) -> dict:
     """Nothing held and nothing else live: once the items are evicted, the pool is empty and no hold,
-    lease or key is left."""
+    lease or key is left, and no ack went beyond what a lease or hold expected."""
     with Client(str(daemon.runtime_dir), map_pools=False) as c:
         for h in hashes:
             c.evict(Namespace(**NS).key(h))
-    return daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0
-                           and s["holds"] == 0, timeout=15, what="the books to balance")
+    s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0
+                        and s["holds"] == 0, timeout=15, what="the books to balance")
+    assert s["counters"]["over_acks"] == 0, s["counters"]
+    return s
 
 
 def test_several_consumer_instances_load_one_saved_item_after_its_producer_exited(daemon, children) -> None:
@@ -65,16 +67,18 @@ def test_several_consumer_instances_load_one_saved_item_after_its_producer_exite
     _books_balance(daemon, hashes)
 
 
-def test_a_rank_that_dies_holding_a_hold_leaves_nothing_behind(daemon, children) -> None:
+@pytest.mark.parametrize("finish_first", [True, False], ids=["finish_before_report", "report_before_finish"])
+def test_a_rank_that_dies_holding_a_hold_leaves_nothing_behind(daemon, children, finish_first: bool) -> None:
     rt = str(daemon.runtime_dir)
     _produce(children, rt, ["img-a"])
     cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children)
     reqs = _requests("pd", ["img-a"])
     meta, compute = cons.schedule(reqs)
-    report = cons.run(meta, compute, kill_rank=1)  # rank 1 dies before it loads or acks
+    report = cons.run(meta, compute, kill_rank=1, apply=False)  # rank 1 dies before it loads or acks
     assert report.loaded == {"img-a": 1}
-    # The dead rank's unit of the hold is given back when the request ends, so the TTL frees the item.
-    cons.finish(reqs)
+    # The dead rank's unit of the hold, and only that one, is given back once the request ended and its
+    # step's report is in, whichever vLLM applies first; then the TTL frees the item.
+    cons.end_step(reqs, report, finish_first)
     assert cons.side.counters["holds_released"] == 1
     cons.close()
     _books_balance(daemon, ["img-a"])
@@ -95,18 +99,44 @@ def test_a_hold_keeps_an_item_past_its_ttl_and_the_holders_death_ends_it(daemon)
                     what="the item freed once its holder's session ended")
 
 
-def test_an_abort_between_allocation_and_load_gives_the_hold_back(daemon, children) -> None:
+def test_an_abort_between_a_steps_metadata_and_its_load_leaves_the_hold_to_the_ranks(daemon, children) -> None:
+    """vLLM finishes an aborted request between steps, and under async scheduling a step that loads
+    one of its items may be on the ranks by then: they load it whatever happened to the request, so
+    the hold is theirs to end, and the scheduler gives back only what their report says they did not ack."""
     rt = str(daemon.runtime_dir)
     _produce(children, rt, ["img-a"])
     cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children)
     reqs = _requests("pd", ["img-a"])
-    cons.schedule(reqs)  # the hold is taken, then the request is aborted before any rank ran
+    meta, compute = cons.schedule(reqs)
     assert daemon.stats()["holds"] == 1
-    cons.finish(reqs)
-    assert cons.side.counters["holds_released"] == 1
-    daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="the hold given back")
-    cons.close()
+    cons.finish(reqs)  # aborted, with the step that loads its item already sent
+    assert daemon.stats()["holds"] == 1, "the hold ended under ranks that are still to read it"
+    report = cons.run(meta, compute)
+    assert report.loaded == {"img-a": 2} and not report.failed
+    assert cons.side.counters["holds_released"] == 0
+    daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="the hold ended by the ranks' acks")
+    assert cons.close() == 2
     _books_balance(daemon, ["img-a"])
+
+
+def test_a_step_no_rank_ran_is_given_back_whole_once_a_later_step_reports(daemon, children) -> None:
+    """vLLM applies its steps' outputs in the order it sent the steps, so when a later step reports, an
+    earlier one that has not never will: what it loaded for a finished request is given back whole,
+    and the books hold nothing for it."""
+    rt = str(daemon.runtime_dir)
+    _produce(children, rt, ["img-a", "img-b"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children)
+    lost, later = _requests("lost", ["img-a"]), _requests("later", ["img-b"])
+    cons.schedule(lost)  # its metadata never reaches the ranks
+    cons.finish(lost)
+    assert daemon.stats()["holds"] == 1 and cons.side.counters["holds_released"] == 0
+    meta, compute = cons.schedule(later)
+    assert cons.run(meta, compute).loaded == {"img-b": 2}
+    cons.finish(later)
+    assert cons.side.counters["holds_released"] == 1 and cons.side.unsettled_loads() == 0
+    daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="both holds ended")
+    cons.close()
+    _books_balance(daemon, ["img-a", "img-b"])
 
 
 def test_an_item_gone_between_lookup_and_hold_fails_its_request_instead_of_loading_nothing(daemon, children) -> None:
@@ -173,6 +203,35 @@ def test_counted_lifetime_frees_each_item_after_its_consumers(daemon, children) 
     cons.finish(reqs)
     cons.close()
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=10, what="counted item freed")
+
+
+@pytest.mark.parametrize("finish_first", [True, False], ids=["finish_before_report", "report_before_finish"])
+def test_each_instance_takes_its_own_count_of_a_counted_item_whatever_vllm_applies_first(
+        daemon, children, finish_first: bool) -> None:
+    """Two prefill-only instances (every request finishes in the step that loads it) of two ranks each
+    load the same counted items, made for their four loads: each instance takes exactly its ranks'
+    acks, so the first leaves the items to the second, and the second's loads free them."""
+    rt, hashes, ranks, instances = str(daemon.runtime_dir), ["img-a", "img-b"], 2, 2
+    keys = [Namespace(**NS).key(h) for h in hashes]
+    settings = dict(lifetime="counted", consumers=ranks * instances)
+    _produce(children, rt, hashes, **settings)
+    for instance in range(instances):
+        cons = Engine(rt, _settings(**settings), producer=False, consumer=True, ranks=ranks, ctx=children)
+        reqs = _requests(f"pd{instance}", hashes)
+        meta, compute = cons.schedule(reqs)
+        assert compute == [] and sorted(meta.loads) == hashes, f"instance {instance} found the items gone"
+        report = cons.run(meta, compute, apply=False)
+        assert report.loaded == {h: ranks for h in hashes} and not report.failed
+        cons.end_step(reqs, report, finish_first)
+        if instance == 0:
+            # Every ack so far is in the daemon's books (the ranks and the scheduler flushed theirs).
+            with Client(rt, map_pools=False) as c:
+                assert c.has_many(keys) == [True, True], "the first instance took the second's count"
+        assert cons.side.counters["holds_released"] == 0
+        assert cons.close() == ranks * len(hashes)  # each rank checked each item's bytes
+    s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0
+                        and s["holds"] == 0, timeout=15, what="the counted items freed by their last loads")
+    assert s["counters"]["over_acks"] == 0 and s["counters"]["expired"] == 0, s["counters"]
 
 
 @pytest.mark.parametrize("bad", [{"lifetime": "forever"}, {"retain_ttl_s": -1}, {"consumers": 0},

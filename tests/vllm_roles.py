@@ -73,6 +73,9 @@ def _rank_main(runtime_dir: str, settings: ConnectorSettings, role: tuple[bool, 
                 if h not in cache:
                     cache[h] = encoder_output(h)
                     worker.save_caches(cache, h)
+            # The daemon has applied this rank's acks before the scheduler reads its report, so a test
+            # reads the daemon's books at a point where nothing is still on its way.
+            client.flush()
             outbox.put(("report", rank, worker.build_connector_worker_meta(), dict(worker.counters)))
 
 
@@ -106,8 +109,10 @@ class Engine:
                 self.side.update_state_after_alloc(req, i)
         return self.side.build_connector_meta(None), compute
 
-    def run(self, meta: StepLoads, compute: list[str], kill_rank: Optional[int] = None) -> StepReport:
-        """The ranks' part of one step and the scheduler's reading of their aggregated reports."""
+    def run(self, meta: StepLoads, compute: list[str], kill_rank: Optional[int] = None,
+            apply: bool = True) -> StepReport:
+        """The ranks' part of one step and (``apply``) the scheduler's reading of their aggregated
+        reports; without ``apply`` the caller hands the report to the scheduler when it chooses."""
         for r, box in enumerate(self.inboxes):
             box.put(("die_before_ack",) if r == kill_rank else ("step", meta, compute))
         report = StepReport()
@@ -118,7 +123,8 @@ class Engine:
                 report = report.aggregate(part)
         if kill_rank is not None:
             self.procs[kill_rank].join(60)
-        self.side.update_connector_output(report)
+        if apply:
+            self.side.update_connector_output(report)
         return report
 
     def step(self, requests: list[Request]) -> StepReport:
@@ -126,7 +132,21 @@ class Engine:
         return self.run(meta, compute)
 
     def finish(self, requests: list[Request]) -> list[Optional[dict[str, Any]]]:
-        return [self.side.request_finished(r)[1] for r in requests]
+        out = [self.side.request_finished(r)[1] for r in requests]
+        self.client.flush()  # what the scheduler gave back is in the daemon's books before the next event
+        return out
+
+    def end_step(self, requests: list[Request], report: StepReport, finish_first: bool) -> None:
+        """The end of a step in which ``requests`` loaded and finished (a prefill-only instance's):
+        vLLM's update_from_output finishes them before it applies the step's report
+        (``finish_first``); a request that lives on, or one aborted later, sees the report first."""
+        if finish_first:
+            self.finish(requests)
+            self.side.update_connector_output(report)
+            self.client.flush()
+        else:
+            self.side.update_connector_output(report)
+            self.finish(requests)
 
     def close(self) -> int:
         """Stops the ranks; the number of loads they checked against the item's own bytes."""

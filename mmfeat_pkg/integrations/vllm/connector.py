@@ -35,8 +35,7 @@ class MmfeatECWorkerMetadata(StepReport, ECConnectorWorkerMetadata):
     """The workers' StepReport, typed as vLLM's worker metadata."""
 
     def aggregate(self, other: "StepReport") -> "MmfeatECWorkerMetadata":
-        merged = StepReport.aggregate(self, other)
-        return MmfeatECWorkerMetadata(merged.saved, merged.loaded, merged.failed)
+        return MmfeatECWorkerMetadata(**vars(StepReport.aggregate(self, other)))
 
 
 def namespace_of(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Namespace:
@@ -106,7 +105,7 @@ class MmfeatECConnector(ECConnectorBase):
 
     def build_connector_worker_meta(self) -> Optional[ECConnectorWorkerMetadata]:
         report = self._worker.build_connector_worker_meta()
-        return None if report is None else MmfeatECWorkerMetadata(report.saved, report.loaded, report.failed)
+        return None if report is None else MmfeatECWorkerMetadata(**vars(report))
 
     # --- scheduler -------------------------------------------------------------------------------
 
@@ -120,8 +119,7 @@ class MmfeatECConnector(ECConnectorBase):
         self._scheduler.update_state_after_alloc(request, index)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ECConnectorMetadata:
-        meta = self._scheduler.build_connector_meta(scheduler_output)
-        return MmfeatECMetadata(meta.loads, meta.saves)
+        return MmfeatECMetadata(**vars(self._scheduler.build_connector_meta(scheduler_output)))
 
     def update_connector_output(self, connector_output: "ECConnectorOutput") -> None:
         self._scheduler.update_connector_output(connector_output.ec_connector_worker_meta)

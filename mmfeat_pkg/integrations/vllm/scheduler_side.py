@@ -8,7 +8,9 @@ encoder-cache space for, then ``build_connector_meta`` once. A True from ``has_c
 the scheduler (the item gets no encoder budget and the runner will not encode it), so it must be
 honest until the ranks have copied the item: the hold taken at allocation protects it from eviction
 and from its TTL until each rank acked it, and an item gone by then fails its request cleanly
-(``take_unavailable_requests``) instead of feeding the model bytes it does not have.
+(``take_unavailable_requests``) instead of feeding the model bytes it does not have. What each load
+still owes the item is kept in ``LoadBooks`` (books.py), which settles it by the load's own step's
+report whatever order vLLM finishes requests and applies reports in.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 from mmfeat.client import MAX_LOOKUP_KEYS, Descriptor, MmfeatError
 
+from .books import LoadBooks, Release
 from .metadata import StepLoads, StepReport
 from .settings import ConnectorSettings
 
@@ -56,11 +59,9 @@ class SchedulerSide:
         self._prefetched: dict[str, float] = {}  # mm_hash -> when its pull was started
         self._loads: dict[str, bytes] = {}  # this step's holds, mm_hash -> hold descriptor bytes
         self._saves: list[str] = []
-        # Loads whose report has not come back, mm_hash -> request ids. Reports may come a step late (vLLM's
-        # async scheduling builds the next step before the last one's output is in), so this is not reset
-        # per step.
-        self._awaiting: dict[str, set[str]] = {}
-        self._held: dict[str, dict[str, tuple[bytes, int]]] = {}  # request id -> mm_hash -> (hold, units left)
+        # Not reset per step: reports may come a step late (vLLM's async scheduling builds the next step
+        # before the last one's output is in), and a request may end before its step's report.
+        self._books = LoadBooks(loading_ranks)
         self._saved: OrderedDict[str, bytes] = OrderedDict()  # producer: what the workers saved, until asked
         self._node_id: Optional[str] = None
         self._unavailable: set[str] = set()
@@ -140,7 +141,7 @@ class SchedulerSide:
         if not self._known.get(h):
             return  # vLLM encodes it here
         if h in self._loads:
-            self._awaiting[h].add(request.request_id)
+            self._books.add(request.request_id, h, None)  # another request of this step loads it
             return
         try:
             if self._settings.lifetime == "retained":
@@ -163,12 +164,10 @@ class SchedulerSide:
 
     def _add_load(self, request: Request, h: str, blob: bytes, held: bool) -> None:
         self._loads[h] = blob
-        self._awaiting.setdefault(h, set()).add(request.request_id)
-        if held:
-            self._held.setdefault(request.request_id, {})[h] = (blob, self._ranks)
+        self._books.add(request.request_id, h, blob if held else None)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepLoads:
-        meta = StepLoads(loads=dict(self._loads), saves=list(self._saves))
+        meta = StepLoads(loads=dict(self._loads), saves=list(self._saves), step=self._books.send())
         self._loads.clear()
         self._saves.clear()
         self._known.clear()
@@ -182,48 +181,41 @@ class SchedulerSide:
         self._saved.update(report.saved)
         while len(self._saved) > MAX_SAVED:
             self._saved.popitem(last=False)
-        for h, n in report.loaded.items():
-            self.counters["loads"] += n
-            for rid in self._awaiting.get(h, ()):
-                self._spend(rid, h, n)
+        self.counters["loads"] += sum(report.loaded.values())
+        waiting, releases = self._books.report(report.step, report.acked) if report.step else ({}, [])
         for h, why in report.failed.items():
             self.counters["load_failures"] += 1
-            for rid in self._awaiting.get(h, ()):
+            for rid in waiting.get(h, ()):
                 log.warning("mmfeat: request %s could not load %s (%s); it fails and may be retried", rid, h, why)
                 self._unavailable.add(rid)
-        for h in (*report.loaded, *report.failed):
-            self._awaiting.pop(h, None)
+        self._give_back(releases)
 
-    def _spend(self, rid: str, h: str, n: int) -> None:
-        held = self._held.get(rid, {})
-        if h in held:
-            blob, left = held[h]
-            if left - n > 0:
-                held[h] = (blob, left - n)
-            else:
-                del held[h]
+    def _give_back(self, releases: list[Release]) -> None:
+        """Units of holds that no rank acked (a rank died, or never ran the step), so that no hold
+        outlives its request and no counted item waits for a load that will not come."""
+        for r in releases:
+            try:
+                self._client.ack(r.blob, count=r.units)
+                self.counters["holds_released"] += 1
+            except MmfeatError as e:
+                log.info("mmfeat: release of the hold on %s: %s", r.mm_hash, e)
+
+    def unsettled_loads(self) -> int:
+        """Held loads whose units are neither acked nor given back yet: none once the scheduler is idle."""
+        return self._books.pending()
 
     def take_unavailable_requests(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()
         return out
 
     def request_finished(self, request: Request) -> tuple[bool, Optional[dict[str, Any]]]:
-        # Units of a hold that no rank reported are released here, so that no hold outlives its request
-        # (an abort between allocation and the ranks' step, a rank that died).
-        for h, (blob, left) in self._held.pop(request.request_id, {}).items():
-            try:
-                self._client.ack(blob, count=left)
-                self.counters["holds_released"] += 1
-            except MmfeatError as e:
-                log.info("mmfeat: release of the hold on %s: %s", h, e)
+        # vLLM finishes a request that stopped in the step that loaded it before it applies that step's
+        # report (Scheduler.update_from_output), and an abort may come while a step that loads for it is
+        # on the ranks: the books give back now only what a report already settled.
+        self._give_back(self._books.finish(request.request_id))
         for f in request.mm_features:
             self._remote.pop(f.identifier, None)
             self._prefetched.pop(f.identifier, None)
-            waiting = self._awaiting.get(f.identifier)
-            if waiting is not None:
-                waiting.discard(request.request_id)
-                if not waiting:
-                    del self._awaiting[f.identifier]
         if not self._producer:
             return False, None
         items: dict[str, Any] = {}

@@ -3,8 +3,10 @@ cache, and the producer's first rank saves each encoder output into the pool und
 
 A load is a private copy into the encoder cache on the rank's device (``get(copy=True, device=...)``),
 acked behind that copy on the rank's current stream, so the hold is released once the bytes are the
-rank's own; a failed load is reported, never filled in. A save is one ``put`` by the producer's first
-rank: the other ranks hold the same output.
+rank's own; a failed load is reported, never filled in. Every load the metadata names is acked once,
+loaded or not, and the report says which acks went through and of which step, so that the scheduler
+gives back exactly the rest (books.py). A save is one ``put`` by the producer's first rank: the other
+ranks hold the same output.
 """
 
 from __future__ import annotations
@@ -81,10 +83,11 @@ class WorkerSide:
         self._trace("save", mm_hash, tensor)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Optional[StepLoads]) -> None:
-        if not self._consumer or meta is None:
+        if not self._consumer or meta is None or not meta.loads:
             return
         device = self._device()
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self._report.step = meta.step
         for h, blob in meta.loads.items():
             if h in encoder_cache:
                 self._release(h, blob, stream)  # vLLM has it already (another request loaded it)
@@ -109,6 +112,8 @@ class WorkerSide:
             self._client.ack(blob, after=stream)
         except MmfeatError as e:
             log.info("mmfeat: ack of %s: %s", h, e)
+            return
+        self._report.acked[h] = self._report.acked.get(h, 0) + 1
 
     def build_connector_worker_meta(self) -> Optional[StepReport]:
         report, self._report = self._report, StepReport()
