@@ -134,6 +134,34 @@ def test_the_connector_comparison_loads_every_item_with_its_saved_bytes(tmp_path
     print(run.stdout)
 
 
+def test_prefill_only_instances_each_take_their_own_count_of_counted_items(world) -> None:
+    """Counted items made for two single-rank consumer instances whose every request ends in the step
+    that loads it (one token): vLLM finishes such a request before it applies the step's report, and
+    each instance must still take exactly its own load's count, so the second instance loads the items
+    too and its loads free them."""
+    base, model, daemon = world
+    rt, report = str(daemon.runtime_dir), base / "counted.jsonl"
+    common = ["--model", str(model), "--runtime-dir", rt, "--report", str(report), "--lifetime", "counted",
+              "--consumers", "2", "--namespace", "counted", "--max-tokens", "1"]
+    before = daemon.stats()["counters"]
+    plain = _engine("--model", str(model), "--role", "plain", "--max-tokens", "1")
+    _engine(*common, "--role", "ec_producer")
+    saves = {e["mm_hash"]: e["sha256"] for e in _events(report) if e["op"] == "save"}
+    assert len(saves) == 2, f"the producer saved {saves}"
+    for instance in range(2):
+        seen = len(_events(report))
+        consumed = _engine(*common, "--role", "ec_consumer")
+        assert consumed["tokens"] == plain["tokens"] and consumed["finish_reasons"] == ["length", "length"]
+        loads = [e for e in _events(report)[seen:] if e["op"] == "load"]
+        assert sorted(e["mm_hash"] for e in loads) == sorted(saves), \
+            f"consumer {instance} loaded {loads}: the items were gone before it"
+        assert all(e["sha256"] == saves[e["mm_hash"]] for e in loads), "a load's bytes are not its item's"
+    s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0
+                        and s["holds"] == 0, timeout=30, what="the counted items freed by their second load")
+    grew = {k: s["counters"][k] - before[k] for k in ("acks", "over_acks", "expired")}
+    assert grew == {"acks": 4, "over_acks": 0, "expired": 0}, grew
+
+
 def test_sglangs_own_classes_carry_an_embedding_through_the_pool(world) -> None:
     """SGLang 0.5.23's EncoderDelivery and WaitingZmqRequest, subclassed by mmfeat.integrations.sglang:
     two ranks read one request's embedding, and release acks for the third rank never sent to."""

@@ -2,6 +2,7 @@
 
     python engine.py --model DIR --role ec_producer|ec_consumer|plain --connector mmfeat|example
                      [--runtime-dir RT] [--store DIR] [--images 0,1] [--report FILE]
+                     [--lifetime retained|counted] [--consumers N] [--namespace NS] [--max-tokens N]
 
 Prints one JSON line: the generated tokens of each prompt, each request's ec_transfer_params, and the
 engine's start time. Each image is a seeded random 56x56 picture (4 image tokens).
@@ -29,6 +30,10 @@ def main() -> None:
     ap.add_argument("--images", default="0,1")
     ap.add_argument("--report")
     ap.add_argument("--retain-ttl", type=float, default=300.0)
+    ap.add_argument("--lifetime", default="retained", choices=["retained", "counted"])
+    ap.add_argument("--consumers", type=int, default=1)
+    ap.add_argument("--namespace", default="")
+    ap.add_argument("--max-tokens", type=int, default=8, help="1: each request ends in the step that loads it")
     args = ap.parse_args()
 
     import numpy as np
@@ -39,7 +44,8 @@ def main() -> None:
               seed=0)
     if args.role != "plain":
         if args.connector == "mmfeat":
-            extra = {"runtime_dir": args.runtime_dir, "retain_ttl_s": args.retain_ttl}
+            extra = {"runtime_dir": args.runtime_dir, "retain_ttl_s": args.retain_ttl, "lifetime": args.lifetime,
+                     "consumers": args.consumers, "namespace": args.namespace}
             if args.report:
                 extra["report_file"] = args.report
             name = "TimedMmfeatECConnector"
@@ -55,10 +61,11 @@ def main() -> None:
     prompt = "<|im_start|>user <|vision_start|><|image_pad|><|vision_end|>w1 w2<|im_end|><|im_start|>assistant "
     t1 = time.time()
     outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": im}} for im in images],
-                        SamplingParams(max_tokens=8, temperature=0))
+                        SamplingParams(max_tokens=args.max_tokens, temperature=0))
     print("ENGINE-RESULT " + json.dumps({
         "start_s": started, "generate_s": time.time() - t1,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
         "ec_params": [getattr(o, "ec_transfer_params", None) for o in outs],
     }, default=str), flush=True)
 
