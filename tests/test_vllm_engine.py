@@ -162,21 +162,38 @@ def test_prefill_only_instances_each_take_their_own_count_of_counted_items(world
     assert grew == {"acks": 4, "over_acks": 0, "expired": 0}, grew
 
 
-def test_sglangs_own_classes_carry_an_embedding_through_the_pool(world) -> None:
-    """SGLang 0.5.23's EncoderDelivery and WaitingZmqRequest, subclassed by mmfeat.integrations.sglang:
-    two ranks read one request's embedding, and release acks for the third rank never sent to."""
-    _, _, daemon = world
+def _sglang_check(daemon, *args: str) -> dict:
     python = str(Path(VENV) / "bin" / "python")
     probe = subprocess.run([python, "-c", "import sglang.srt.disaggregation.encoder.server"],
                            capture_output=True, text=True, timeout=300)
     if probe.returncode != 0:
         pytest.skip(f"SGLang's encoder server does not import in the vLLM venv: {probe.stderr.strip()[-300:]}")
-    out = subprocess.run([python, str(ENGINE / "sglang_check.py"), str(daemon.runtime_dir)],
+    out = subprocess.run([python, str(ENGINE / "sglang_check.py"), str(daemon.runtime_dir), *args],
                          capture_output=True, text=True, timeout=300)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("SGLANG-RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-4000:]
-    result = json.loads(lines[-1].removeprefix("SGLANG-RESULT "))
+    return json.loads(lines[-1].removeprefix("SGLANG-RESULT "))
+
+
+def test_sglangs_own_classes_carry_an_embedding_through_the_pool(world) -> None:
+    """SGLang 0.5.23's EncoderDelivery and WaitingZmqRequest, subclassed by mmfeat.integrations.sglang:
+    two ranks read one request's embedding, and release acks for the third rank never sent to."""
+    _, _, daemon = world
+    result = _sglang_check(daemon)
     assert result["equal"] == [True, True]
     assert result["used_before_release"] > 0
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=10,
                     what="the embedding freed once the unsent rank's share was given back")
+
+
+def test_sglang_counts_only_the_ranks_it_delivered_to(world) -> None:
+    """One of three ranks is down when the encoder sends to it: the send fails, so that rank's share is
+    not counted as delivered, and the release gives it back once the two live ranks acked theirs."""
+    _, _, daemon = world
+    before = daemon.stats()["counters"]
+    result = _sglang_check(daemon, "rank_down")
+    assert result["failed_sends"] == 1 and result["equal"] == [True, True]
+    assert result["used_before_release"] > 0, "the live ranks' acks alone freed an embedding made for three"
+    s = daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, timeout=10,
+                        what="the embedding freed once the down rank's share was given back")
+    assert s["counters"]["expired"] == before["expired"]

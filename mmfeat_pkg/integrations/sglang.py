@@ -42,32 +42,39 @@ class DescriptorBook:
     """The encoder's descriptor of each request that is being sent, until SGLang releases the request.
 
     The first send of a request puts its embedding, for ``receive_count`` consumers; each later send of
-    that request reuses the descriptor. At release, a consumer that was never sent its descriptor (a
-    destination that failed, an abort) is acked for, so no embedding waits out ``ack_ttl``."""
+    that request reuses the descriptor. A destination counts once its send went through: only a rank
+    that got the descriptor will ack it. At release, every consumer that was not delivered to (its
+    rank was down, an abort) is acked for, so no embedding waits out ``ack_ttl``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sent: dict[str, tuple[Descriptor, int, int]] = {}  # req_id -> (descriptor, consumers, sent)
+        self._sent: dict[str, tuple[Descriptor, int, int]] = {}  # req_id -> (descriptor, consumers, delivered)
 
     def descriptor(self, c: Client, req_id: str, embedding: Any, consumers: int) -> Descriptor:
         with self._lock:
             entry = self._sent.get(req_id)
             if entry is None:
-                desc = c.put(embedding, consumers=consumers)
-                entry = (desc, consumers, 0)
-            desc, n, sent = entry
-            self._sent[req_id] = (desc, n, sent + 1)
-            return desc
+                entry = (c.put(embedding, consumers=consumers), consumers, 0)
+                self._sent[req_id] = entry
+            return entry[0]
+
+    def delivered(self, req_id: str) -> None:
+        """One destination of ``req_id`` got its descriptor: that rank acks it, not the release."""
+        with self._lock:
+            entry = self._sent.get(req_id)
+            if entry is not None:
+                desc, n, delivered = entry
+                self._sent[req_id] = (desc, n, delivered + 1)
 
     def release(self, c: Client, req_id: str) -> None:
         with self._lock:
             entry = self._sent.pop(req_id, None)
         if entry is None:
             return
-        desc, consumers, sent = entry
-        if sent < consumers and not desc.is_inline:
+        desc, consumers, delivered = entry
+        if delivered < consumers and not desc.is_inline:
             try:
-                c.ack(desc, count=consumers - sent)
+                c.ack(desc, count=consumers - delivered)
             except MmfeatError:
                 pass  # gone already (expired, daemon restarted): nothing to give back
 
@@ -117,7 +124,10 @@ def _make_delivery() -> type:
                     sock.setsockopt(zmq.SNDTIMEO, int(getattr(self.encoder, "send_timeout", 60) * 1000))
                     sock.connect(endpoint)
                     self._sockets[endpoint] = sock
+                # A send that raises (the rank is down: no connection took the message before the
+                # timeout) delivered nothing, so it is not counted and the release gives its share back.
                 await sock.send_multipart([header, desc.to_bytes()])
+            await asyncio.to_thread(self._book.delivered, state.req_id)
 
         async def release(self, state: Any) -> None:
             await asyncio.to_thread(self._book.release, client(), state.req_id)
