@@ -77,6 +77,7 @@ chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS) --nodes 2
 	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000 --descriptors 12000
 	$(BIN)/python -m tests.chaos.hostile --seconds $(HOSTILE_SECONDS)
+	$(BIN)/python -m tests.chaos.connector --seconds $(CHAOS_SECONDS)
 
 # The daemon's container image, the one deploy/kubernetes/daemonset.yaml names. Needs podman, buildah
 # or a Docker engine; `make image REGISTRY=... && podman push ...` to publish it.
