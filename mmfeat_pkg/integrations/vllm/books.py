@@ -4,8 +4,8 @@ each held load still owes the item once its ranks have reported.
 A load's units are its ranks' acks: each rank that runs the step acks the load's descriptor once,
 whether it loaded, found the item cached or failed. What a rank did not ack (it died) the scheduler
 gives back, so a hold never outlives its request and a counted item is never left waiting for a
-consumer that will not come. Two things decide when that is known, and neither is the order in which
-vLLM calls us:
+consumer that will not come. Two things of vLLM's say when the rest is known, and neither depends on
+whether vLLM finishes a request before or after it applies its step's report:
 
 - **A step's loads are run by its ranks whatever happens to their requests.** vLLM sends a step to the
   workers as soon as it is scheduled; a request finished afterwards (it stopped in the step that
