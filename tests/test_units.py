@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import pickle
 import random
@@ -34,6 +35,12 @@ def test_allocator_matches_a_reference_model() -> None:
                 assert off + size <= o or o + s <= off
             live[off] = size
         assert a.used == sum(live.values())
+        if live and rng.random() < 0.02:  # what evictions would free, foreseen: as releasing them does
+            some = rng.sample(sorted(live.items()), rng.randint(1, len(live)))
+            after = copy.deepcopy(a)
+            for off, _ in some:
+                after.release(off)
+            assert a.largest_after(some) == after.largest_free
     for off in list(live):
         a.release(off)
     assert a.used == 0 and a.largest_free == a.capacity and a.free_ranges == 1

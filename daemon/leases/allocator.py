@@ -5,7 +5,7 @@ The daemon never touches pool bytes: this only hands out ``[offset, offset + siz
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 from sortedcontainers import SortedDict, SortedList
 
@@ -40,6 +40,17 @@ class Allocator:
     @property
     def free_ranges(self) -> int:
         return len(self._by_offset)
+
+    def largest_after(self, ranges: Iterable[tuple[int, int]]) -> int:
+        """The largest free range there would be once the allocated ``ranges`` ((offset, size) pairs, as
+        ``size_of`` says) were released; nothing changes. O(n log n) in free and given ranges."""
+        best, start, end = self.largest_free, -1, -1
+        for offset, size in sorted([*self._by_offset.items(), *ranges]):
+            if offset != end:
+                start = offset
+            end = offset + size
+            best = max(best, end - start)
+        return best
 
     def alloc(self, nbytes: int) -> Optional[int]:
         """Offset of a new range of at least ``nbytes`` (rounded up to the alignment), or None if full."""

@@ -119,17 +119,13 @@ class Ledger(Retention, Endings):
                 ErrorCode.TOO_LARGE,
                 f"{nbytes} B is larger than pool {pool_id} ({alloc.capacity} B); send it inline or raise pool_mb",
             )
-        if not self.fits(pool_id, nbytes):
-            self.evict_for(pool_id, nbytes, now)  # retained features nothing holds, before anyone goes inline
+        self.make_room(session, pool_id, nbytes, now, quota)  # OVER_QUOTA or POOL_FULL before any eviction
         if self.live >= self.max_leases:
             self.counters.pool_full += 1
             raise MmfeatError(ErrorCode.POOL_FULL,
                               f"{self.live} leases are live, the max_leases limit; retry or fall back to inline")
         if quota:
-            size = align_up(nbytes, alloc.alignment)
-            if not self.books.admits_single(session, size):
-                self.evict_own(session, size, now)
-            self.books.admit_single(session, size)
+            self.books.admit_single(session, align_up(nbytes, alloc.alignment))
         lease_id = self.space.take()
         if lease_id is None:
             self.counters.pool_full += 1

@@ -19,6 +19,7 @@ from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import PUBLISHED
 from mmfeat.protos.messages import TOKEN_BYTES
 
+from .allocator import align_up
 from .lease import EndReason, Lease, LeaseState
 
 
@@ -29,6 +30,8 @@ class Retention:
     counters: Any
     space: Any
     gens: Any
+    allocators: Any
+    gpu_pools: frozenset[int]
     live: int
     max_leases: int
     holds_live: int
@@ -36,6 +39,7 @@ class Retention:
     _leases: dict[int, Lease]
     _table: Any
     _deadlines: Any
+
     def hold(self, base: Lease, session: bytes, count: int, now: float) -> Lease:
         """A hold on retained feature ``base`` for ``count`` readers: a lease of its own (slot, generation,
         token) over the feature's bytes, which its readers get and ack as any feature; while it lives,
@@ -47,14 +51,22 @@ class Retention:
             raise MmfeatError(ErrorCode.BAD_STATE, "that descriptor is a hold: hold the feature itself (its key)")
         if base.state is not LeaseState.PUBLISHED or base.doomed is not None:
             raise MmfeatError(ErrorCode.NOT_FOUND, f"lease {base.lease_id} is not published, or was evicted")
-        if not self.books.admits_single(session, 0):
+        # Whatever refuses it is found before anything is evicted, as for a reserve (make_room).
+        own = not self.books.admits_single(session, 0)
+        if own and not self._own_eviction_admits(session, 0, keep=base):
+            try:
+                self.books.check_single(session)
+            except MmfeatError:
+                self.counters.over_quota += 1
+                raise
+        short = self.live >= self.max_leases or not self.space.has_single
+        if short and self._no_room_after_evictions(None, 0, keep=base) is not None:
+            self.counters.pool_full += 1
+            raise MmfeatError(ErrorCode.POOL_FULL, "every lease slot is in use (max_leases), by no retained feature "
+                              "that could be evicted: no room for a hold; ack holds sooner, or raise max_leases")
+        if own:
             self.evict_own(session, 0, now, keep=base)
-        try:
-            self.books.check_single(session)
-        except MmfeatError:
-            self.counters.over_quota += 1
-            raise
-        if self.live >= self.max_leases or not self.space.has_single:
+        if short:
             self.evict_for(None, 0, now, keep=base)
         slot = self.space.take() if self.live < self.max_leases else None
         if slot is None:
@@ -151,3 +163,53 @@ class Retention:
             self._free(lease, EndReason.EVICTED, now)
             n += 1
         return n
+
+    def make_room(self, session: bytes, pool_id: int, nbytes: int, now: float, quota: bool) -> None:
+        """Evict what a reserve of ``nbytes`` in pool ``pool_id`` needs evicted: the session's own retained
+        features nothing holds for its quota (``quota``), then any session's for the pool's range or a
+        slot. Where evicting all it may would still not do, raise OVER_QUOTA or POOL_FULL having evicted
+        nothing: a refused reserve must not have emptied other sessions' caches for nothing."""
+        alloc = self.allocators[pool_id]
+        size = align_up(nbytes, alloc.alignment)
+        own = quota and not self.books.admits_single(session, size)
+        if own and not self._own_eviction_admits(session, size):
+            self.books.admit_single(session, size)  # raises OVER_QUOTA, counted
+        short = not self.fits(pool_id, nbytes)
+        if short:
+            why = self._no_room_after_evictions(pool_id, nbytes)
+            if why is not None:
+                self.counters.pool_full += 1
+                raise MmfeatError(ErrorCode.POOL_FULL, why)
+        if own:
+            self.evict_own(session, size, now)
+        if short and not self.fits(pool_id, nbytes):
+            self.evict_for(pool_id, nbytes, now)
+
+    def _own_eviction_admits(self, session: bytes, size: int, keep: Optional[Lease] = None) -> bool:
+        """Whether the session's quota would admit one more single lease of ``size`` bytes once every
+        retained feature of its own that nothing holds were evicted (evict_own evicts only as many as
+        that takes)."""
+        own = [lease for lease in self.keys.evictable() if lease.session == session and lease is not keep]
+        return self.books.admits_single(session, size, sum(lease.size for lease in own), len(own))
+
+    def _no_room_after_evictions(self, pool_id: Optional[int], nbytes: int,
+                                 keep: Optional[Lease] = None) -> Optional[str]:
+        """None if evicting the retained features nothing holds (evict_for) would make room for a reserve
+        of ``nbytes`` in pool ``pool_id`` (None: a hold, which needs a slot only); else why not."""
+        evictable = [lease for lease in self.keys.evictable() if lease is not keep]
+        if self.live - len(evictable) >= self.max_leases or not (self.space.has_single or evictable):
+            return (f"every lease slot is in use ({self.live} leases live, max_leases {self.max_leases}, arenas "
+                    "included) and evicting the retained features nothing holds would not free one; retry or "
+                    "fall back to inline")
+        if pool_id is None:
+            return None
+        alloc = self.allocators[pool_id]
+        table = self._table
+        # A GPU feature whose READY word is behind gives its range back only later (unwritten.py).
+        ranges = [(lease.offset, lease.size) for lease in evictable if lease.pool_id == pool_id
+                  and not (pool_id in self.gpu_pools and table is not None
+                           and not table.is_ready(lease.lease_id, lease.gen))]
+        if alloc.largest_after(ranges) >= align_up(nbytes, alloc.alignment):
+            return None
+        return (f"pool {pool_id} has no free range of {nbytes} B (free {alloc.free} B, largest {alloc.largest_free} "
+                "B), even with every retained feature nothing holds evicted; fall back to inline or wait for acks")

@@ -40,11 +40,13 @@ class SessionBooks:
             raise MmfeatError(ErrorCode.OVER_QUOTA, f"this session holds {held} leases outside arenas, the "
                               "max_session_leases limit; send inline, or ack and release features sooner")
 
-    def admits_single(self, session: bytes, size: int) -> bool:
-        """admit_single would let the session reserve one more single lease of ``size``; nothing counted."""
-        held = self._bytes.get(session, 0)
+    def admits_single(self, session: bytes, size: int, less_bytes: int = 0, less_singles: int = 0) -> bool:
+        """admit_single would let the session reserve one more single lease of ``size``; nothing counted.
+        ``less_bytes`` and ``less_singles``: as if the session held that much less (what an eviction of
+        its own features would give back)."""
+        held = self._bytes.get(session, 0) - less_bytes
         return ((not self.quota_bytes or held + size <= self.quota_bytes)
-                and not (self.max_singles and self._singles.get(session, 0) >= self.max_singles))
+                and not (self.max_singles and self._singles.get(session, 0) - less_singles >= self.max_singles))
 
     def bytes_of(self, session: bytes) -> int:
         """The bytes the session holds, as max_session_mb counts them."""
