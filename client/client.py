@@ -269,7 +269,9 @@ class Client:
         """An uninitialised tensor over pool memory (on ``device``'s GPU pool, or a host pool) for the
         producer to fill in place; ``publish(t)`` then dispatches it with no copy. Where put would not
         use the pool (a small feature, a full pool, no daemon) it is an ordinary tensor and publish puts it.
-        Publish or discard it within reserve_ttl; one dropped unpublished gives its space back.
+        Publish or discard it within reserve_ttl (later, publish raises STALE; until then its range stays
+        this client's, so writes made late land in no other feature); one dropped unpublished gives its
+        space back.
         ``key`` and ``retain_ttl`` are given here, as put takes them; ``publish(t)`` then returns the
         key's live feature where another producer's came first (a live key at reserve: ``t`` is an
         ordinary tensor, and publish puts it under the key, which then answers that feature)."""

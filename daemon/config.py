@@ -31,7 +31,8 @@ HELP: dict[str, str] = {
     "host_pool_mb": "MiB of a host pool beside the GPU pools (cuda_vmm): CPU tensors go there and GPU consumers "
                     "stage them with one DMA each; 0: none",
     "nnodes": "nodes in the NVLink domain; > 1 asks for FABRIC handles where the fabric probe passes",
-    "reserve_ttl": "seconds a RESERVED lease may stay unpublished before it is freed",
+    "reserve_ttl": "seconds a RESERVED lease may stay unpublished; a later publish is refused, and its range "
+                   "stays its producer's until that producer releases it or ends",
     "ack_ttl": "seconds a PUBLISHED lease may wait for its acks before it is freed",
     "max_leases": "live leases at most, over all pools",
     "arena_mb": "MiB of each producer arena (at most a sixteenth of the pool); 0: no arenas, every feature reserves",

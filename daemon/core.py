@@ -267,4 +267,5 @@ class DaemonCore:
             "mesh": self.mesh_stats(),
             "namespaces": self.ledger.keys.stats(),
             "holds": self.ledger.holds_live,
+            "expired_reserved": self.ledger.overdue,
         }

@@ -22,7 +22,9 @@ _COUNTERS = {
     "over_acks": "Acknowledgements beyond what a lease expected (clamped, not applied)",
     "frees": "Leases freed, for any reason",
     "releases": "Leases released by their producer",
-    "expired": "Leases freed because reserve_ttl or ack_ttl passed",
+    "expired": "Leases whose reserve_ttl or ack_ttl passed (a client's reservation is kept, not freed, until "
+               "its producer publishes, releases it or ends)",
+    "late_publishes": "Publishes refused because their lease's reserve_ttl had passed (the range freed then)",
     "reclaimed_on_disconnect": "RESERVED leases freed because their producer disconnected",
     "unready_ended": "Published features that ended before their producer's GPU had written them (READY behind)",
     "pool_full": "Reserves refused because the pool was full",
@@ -105,6 +107,8 @@ class _StateCollector:
                 arena_bytes.add_metric(labels + [part], a[part])
         yield from (pool_bytes, capacity, largest, leases, arenas, arena_bytes)
         yield GaugeMetricFamily("mmfeat_clients", "Clients with an attached fd channel", value=s["clients"])
+        yield GaugeMetricFamily("mmfeat_expired_reserved", "Reservations past their reserve_ttl whose ranges are "
+                                "kept while their producers live", value=s.get("expired_reserved") or 0)
         yield GaugeMetricFamily("mmfeat_draining", "1 while the daemon drains for shutdown", value=int(s["draining"]))
         yield GaugeMetricFamily("mmfeat_uptime_seconds", "Seconds since the daemon started", value=s["uptime_s"])
         limits = s.get("limits") or {}

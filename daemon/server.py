@@ -400,8 +400,10 @@ class Server:
         # before it was set still publishes in its arena, and must not find the daemon gone.
         if now < self._drain_deadline - self.settings.drain_timeout + DRAIN_SETTLE_S:
             return True
-        # Retained features nothing holds are a cache, which a drain need not wait out.
-        awaited = self.core.ledger.live - self.core.ledger.keys.unheld_retained()
+        # Retained features nothing holds are a cache, which a drain need not wait out, and a reservation
+        # past its reserve_ttl can no longer be published.
+        ledger = self.core.ledger
+        awaited = ledger.live - ledger.keys.unheld_retained() - ledger.overdue
         return awaited > 0 and now < self._drain_deadline
 
     def _serve_requests(self) -> None:

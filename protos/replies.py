@@ -357,11 +357,13 @@ class StatsReply(_Reply):
     # Keyed features by namespace (SPEC.md, "Keys and lifetimes"), and the holds live now.
     namespaces: Optional[dict] = None
     holds: Optional[int] = None
+    # Reservations past their reserve_ttl whose ranges are kept for their live producers (SPEC.md, reserve).
+    expired_reserved: Optional[int] = None
     _WIRE = {"node": str, "pid": int, "epoch": int, "uptime_s": _NUM, "draining": bool, "gpu_publish": str,
              "unwritten": int, "clients": int,
              "sessions": int, "leases": dict, "timers": int, "swept_slots": int, "pools": list, "counters": dict,
-             "limits": dict, "mesh": (dict, type(None)), "namespaces": dict, "holds": int}
-    _OPTIONAL = frozenset({"namespaces", "holds"})
+             "limits": dict, "mesh": (dict, type(None)), "namespaces": dict, "holds": int, "expired_reserved": int}
+    _OPTIONAL = frozenset({"namespaces", "holds", "expired_reserved"})
 
 
 Reply = _Reply  # any op's reply type

@@ -1,4 +1,5 @@
-"""Nothing waits forever: TTLs free leases, a dead producer's RESERVED leases are reclaimed at once."""
+"""Nothing waits forever: TTLs free leases (a reservation's range at its session's end), a dead producer's
+RESERVED leases are reclaimed at once."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from . import workers
 
 
-def test_reserve_ttl_frees_unpublished(daemon_factory) -> None:
+def test_reserve_ttl_keeps_an_unpublished_range_until_its_session_ends(daemon_factory) -> None:
+    """Past reserve_ttl a reservation is counted expired, and its range stays its producer's (it may still
+    be writing there) until its session ends."""
     d = daemon_factory("--pool-mb", "16", "--reserve-ttl", "0.3")
     with d.client() as c:
         session = c.session
@@ -19,7 +22,10 @@ def test_reserve_ttl_frees_unpublished(daemon_factory) -> None:
         # the 0.3 s TTL.
         assert d.stats()["counters"]["reserves"] == 1
         s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="reserve_ttl expiry")
-        assert s["pools"][0]["used"] == 0 and s["leases"]["RESERVED"] == 0
+        assert s["expired_reserved"] == 1 and s["leases"]["RESERVED"] == 1
+        assert s["pools"][0]["bytes"]["RESERVED"] == 4096
+    s = d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the session's end to free it")
+    assert s["leases"]["RESERVED"] == 0 and s["expired_reserved"] == 0 and s["counters"]["reclaimed_on_disconnect"] == 1
 
 
 def test_ack_ttl_frees_published_and_spares_acked(daemon_factory) -> None:

@@ -45,9 +45,9 @@ def reloadable(daemon_factory, runtime_dir: Path) -> tuple[Daemon, Path]:
 
 def test_a_reservation_under_a_shortened_reserve_ttl_is_refused_after_its_own_deadline(reloadable) -> None:
     """A producer whose hello said reserve_ttl 30 s reserves after a reload made it 0.5 s: once its lease
-    has expired and a second producer holds the same range, its publish raises STALE (it used to return a
-    descriptor, refused only later in async_failures), and the second producer's consumer reads the
-    second producer's bytes."""
+    has expired and a second producer reserved (another range: the expired one stays the first
+    producer's), its publish raises STALE (it used to return a descriptor, refused only later in
+    async_failures), and the second producer's consumer reads the second producer's bytes."""
     d, cfg = reloadable
     with d.client(inline_threshold=0, fallback="error") as first, \
             d.client(inline_threshold=0, fallback="error") as second, d.client() as consumer:

@@ -111,7 +111,7 @@ class ControlChannel:
         # Called with the lock held.
         if self._sock is not None and not self._in_flight.room():
             # Only calls that timed out can fill it (the rest leave room for a call): their replies are
-            # not coming, or not soon. A fresh connection drops them; a late reserve expires by reserve_ttl.
+            # not coming, or not soon. A fresh connection drops them; a late reserve's range stays the session's.
             log.info("%d requests to mmfeatd unanswered; opening a fresh connection", self._in_flight.count())
             self._reset()
         sock = self._socket()
@@ -202,15 +202,15 @@ class ControlChannel:
                 lease = LeaseReply.from_wire(reply).lease
             except MmfeatError as exc:
                 self.failures.record("reserve", exc.code.value, exc.message)
-                return  # names no lease to release: reserve_ttl frees it
+                return  # names no lease to release: the session's end frees it
             log.info("releasing lease %s, reserved after its request had timed out", lease.lease)
             if not self._in_flight.room():
-                return  # reserve_ttl frees it
+                return  # the session's end frees it
             try:
                 fields = {"session": abandoned[1].get("session"), "lease": lease.to_wire()}
                 self._socket().send(request_frame("release", "release", fields, quiet=True), zmq.NOBLOCK)
             except (zmq.ZMQError, DaemonUnavailableError):
-                return  # reserve_ttl frees it
+                return  # the session's end frees it
             self._in_flight.sent()
 
     def _reset(self) -> None:

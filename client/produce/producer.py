@@ -293,7 +293,7 @@ class Producer:
         try:
             session.fd.call("release", lease=desc.lease_ref())
         except MmfeatError:
-            pass  # it expires after reserve_ttl anyway
+            pass  # gone already, or its session's end frees it
 
     def fall_back(self, put: PutInFlight, exc: MmfeatError) -> Descriptor:
         """The inline fallback (or, with fallback="error", the raise) that a failure of the pool path calls

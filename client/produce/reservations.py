@@ -97,6 +97,9 @@ class Reservations:
         self._lock = threading.Lock()
         self._open: dict[int, Reservation] = {}
         self._closed = False
+        # Dropped reservations whose release found the fd channel's buffer full: sent at the next reserve
+        # or close, since the daemon keeps a reservation's range past its TTL while the session lives.
+        self._unsent: list[Reservation] = []
         renew_in_child(self)  # a forked child reserves, and closes, through the Client it inherited
 
     # --- reserve -------------------------------------------------------------------------------
@@ -105,6 +108,7 @@ class Reservations:
                 many: bool, keyed: Optional[dict[str, Any]] = None) -> list[torch.Tensor]:
         if self._closed:
             raise MmfeatError(ErrorCode.BAD_STATE, "reserve on a closed Client: open a new Client")
+        self._send_unsent()
         check_consumers(consumers)
         target = _device(device)
         checked = [(_shape(shape), _dtype(dtype)) for shape, dtype in layout]
@@ -294,6 +298,7 @@ class Reservations:
                 r.state = CLOSED
         for r in pending:
             self._give_back(r)
+        self._send_unsent()
 
     def _take(self, tensors: TensorOrList, op: str, state: str = PUBLISHED) -> tuple[Reservation, list[torch.Tensor]]:
         """The open reservation ``tensors`` are exactly the tensors of, now ended as ``state``."""
@@ -369,6 +374,14 @@ class Reservations:
         self._later(fence, give_back, "release", f"reservation of {r.put.nbytes} bytes")
         return True
 
+    def _send_unsent(self) -> None:
+        while self._unsent:
+            try:
+                r = self._unsent.pop()
+            except IndexError:  # another thread took the last one
+                return
+            self._release(r, wait=True)
+
     def _release(self, r: Reservation, wait: bool) -> None:
         session, desc = r.session, r.desc
         if session is None or desc is None or session.pid != os.getpid():
@@ -376,8 +389,8 @@ class Reservations:
         try:
             if wait:
                 session.fd.send("release", lease=desc.lease_ref())
-            else:
-                session.fd.try_send("release", lease=desc.lease_ref())  # a full buffer: reserve_ttl frees it
+            elif not session.fd.try_send("release", lease=desc.lease_ref()):
+                self._unsent.append(r)  # a list's append takes no lock a collection could be inside
         except MmfeatError:
             pass  # the session is gone: the daemon freed its reserved leases with it
         except OSError:
@@ -394,8 +407,9 @@ def _expired(r: Reservation, why: str = "") -> MmfeatError:
     life = r.deadline - r.reserved_at
     said = f" (the daemon: {why})" if why else ""
     return MmfeatError(ErrorCode.STALE, f"the reservation's lease ended unpublished, {life:.3g} s after it was "
-                       f"reserved (the daemon's reserve_ttl when it was granted){said}; its memory may hold another "
-                       "feature now. Reserve again and fill and publish within reserve_ttl")
+                       f"reserved (the daemon's reserve_ttl when it was granted){said}: nothing was published, and "
+                       "its range, kept from other features until now, is released. Reserve again and fill and "
+                       "publish within reserve_ttl, or raise reserve_ttl")
 
 
 def _ready_for_consumers(r: Reservation, session: Session, after: Any) -> bool:

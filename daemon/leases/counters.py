@@ -14,6 +14,8 @@ class Counters:
     frees: int = 0
     releases: int = 0
     expired: int = 0
+    # Publishes refused because the lease's reserve_ttl had passed (its range freed then).
+    late_publishes: int = 0
     reclaimed_on_disconnect: int = 0
     unready_ended: int = 0  # published features ended before their producer's GPU had written them
     cut_on_shutdown: int = 0

@@ -4,11 +4,20 @@ apart so each file reads as one subject.
 
 A session's end finds its leases through ``_own`` (the ledger keeps it with each lease's life), so
 ending one session costs what that session holds, not what every session holds.
+
+A client's reservation whose reserve_ttl passes is not freed: its producer may still be writing into
+its range (a slow preprocess, a TTL a reload lowered), and a range handed to the next reserve would
+take those writes into another producer's feature. It stays RESERVED and ``overdue``, its range and
+slot counted against its session's quota (which bounds what a producer whose reservations keep
+running late can hold), until its producer publishes it (refused STALE, and freed), releases it, or
+ends. The daemon's own leases (a pulled copy) end at their deadline as before.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from mmfeat.protos.errors import ErrorCode, MmfeatError
 
 from .lease import EndReason, Lease, LeaseState
 
@@ -21,13 +30,15 @@ class Endings:
     arenas: Any
     unwritten: Any
     gpu_pools: frozenset[int]
+    overdue: int
     _leases: dict[int, Lease]
     _own: dict[bytes, dict[int, Lease]]
     _table: Any
     _deadlines: Any
 
     def expire(self, now: float) -> int:
-        """Free every lease whose deadline has passed; the number freed."""
+        """Free every lease whose deadline has passed, but for a client's reservation, which is kept
+        overdue; the number freed."""
         self.unwritten.settle(now)
         n = 0
         for lease in self._deadlines.due(now):
@@ -40,6 +51,9 @@ class Endings:
             elif lease.hold_of is not None:
                 self.counters.holds_expired += 1
                 self._free(lease, EndReason.EXPIRED_PUBLISHED, now)
+            elif lease.state is LeaseState.RESERVED and lease.keeps_range:
+                self._overdue(lease)
+                continue
             else:
                 reason = (EndReason.EXPIRED_RESERVED if lease.state is LeaseState.RESERVED
                           else EndReason.EXPIRED_PUBLISHED)
@@ -47,6 +61,26 @@ class Endings:
                 self._free(lease, reason, now)
             n += 1
         return n
+
+    def refuse_late(self, lease: Lease, now: float, stream_ready: bool = False) -> MmfeatError:
+        """The error for a publish of a RESERVED lease at or past its deadline, which is freed here:
+        nothing is published, and its range (kept from other features, if overdue) goes back, once the
+        producer's GPU stream has written it where ``stream_ready`` says one does (unwritten.py)."""
+        if not lease.overdue:
+            self._overdue(lease)  # its deadline passed before the timer that marks it ran
+        self.counters.late_publishes += 1
+        self._free(lease, EndReason.EXPIRED_RESERVED, now, by_stream=stream_ready)
+        late, life = now - lease.deadline, lease.deadline - lease.reserved_at
+        return MmfeatError(ErrorCode.STALE, f"lease {lease.lease_id} was published {late:.3g} s past its deadline, "
+                           f"{life:.3g} s after its reserve (the reserve_ttl it was granted with): nothing was "
+                           "published, and its range, kept from other features until now, is released. Reserve "
+                           "again, and fill and publish within reserve_ttl (or raise it)")
+
+    def _overdue(self, lease: Lease) -> None:
+        """A client's reservation passed its reserve_ttl unpublished: counted, its range kept."""
+        lease.overdue = True
+        self.overdue += 1
+        self.counters.expired += 1
 
     def cut_session(self, session: bytes, now: float) -> tuple[int, int]:
         """End every live lease of the session, published ones too, and take its arenas back: it wrote

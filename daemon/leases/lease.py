@@ -67,6 +67,11 @@ class Lease:
     doomed: Optional[EndReason] = None
     # Set for a hold: the retained feature whose bytes it protects (a hold owns no bytes of its own).
     hold_of: Optional["Lease"] = None
+    # A client's reservation: once its reserve_ttl passes unpublished it is ``overdue``, and its range
+    # is kept from every other feature while its session lives, since its producer may still be
+    # writing there. Its publish is then refused; its release or its session's end frees it.
+    keeps_range: bool = False
+    overdue: bool = False
 
 
 # Why a slot's last generation ended, as stored per slot (one byte each): 0 while it never ended (or was

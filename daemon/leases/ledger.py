@@ -98,6 +98,7 @@ class Ledger(Retention, Endings):
         self.live = 0
         self.keys = KeyIndex()
         self.holds_live = 0
+        self.overdue = 0  # reservations past their reserve_ttl whose ranges are kept (endings.py)
 
     # --- the lifecycle -------------------------------------------------------------------------
 
@@ -157,6 +158,7 @@ class Ledger(Retention, Endings):
             size=alloc.size_of(offset),
             key=key,
             retain_ttl=retain_ttl,
+            keeps_range=quota,
         )
         if retain_ttl is not None:
             # It counts no consumers; the table's count is one no acks reach, so no reader ends it there.
@@ -212,6 +214,10 @@ class Ledger(Retention, Endings):
         if lease.state is not LeaseState.RESERVED:
             raise MmfeatError(ErrorCode.BAD_STATE,
                               f"lease {lease.lease_id} is already {lease.state.value}; publish once")
+        if now >= lease.deadline:
+            # Every publish, keyed, retained or counted: the deadline it was granted, whether or not
+            # the timer has seen it pass.
+            raise self.refuse_late(lease, now, stream_ready)
         if lease.key is not None:
             descriptor = checked_descriptor(descriptor, lease, self.epoch)
             live = self.keys.find(lease.key)
@@ -435,7 +441,9 @@ class Ledger(Retention, Endings):
         own[slot] = lease
         self.gate[slot] = LIVE_GATE
 
-    def _free(self, lease: Lease, reason: EndReason, now: float) -> None:
+    def _free(self, lease: Lease, reason: EndReason, now: float, by_stream: bool = False) -> None:
+        """``by_stream``: a RESERVED lease whose producer's GPU stream may still be writing it and its READY
+        word (its publish came too late), kept as an unwritten feature is."""
         slot = lease.lease_id
         assert self._leases.get(slot) is lease
         if lease.holds and reason is not EndReason.SHUTDOWN:
@@ -449,6 +457,7 @@ class Ledger(Retention, Endings):
             self.keys.not_retained(lease)
         if lease.state is LeaseState.RESERVED:
             self.books.not_reserved(lease.session, slot)
+            self.overdue -= lease.overdue
         self._account(lease, -1)
         del self._leases[slot]
         own = self._own[lease.session]
@@ -457,11 +466,13 @@ class Ledger(Retention, Endings):
             del self._own[lease.session]
         self.gate[slot] = lease.gen
         table = self._table
-        unwritten = (lease.state is LeaseState.PUBLISHED and table is not None and lease.pool_id in self.gpu_pools
-                     and not table.is_ready(slot, lease.gen) and reason is not EndReason.SHUTDOWN)
-        # What a later lookup or waited ack of it says: for an unwritten one, that its reads were lost.
-        self._ended[slot] = END_CODE[EndReason.UNWRITTEN if unwritten else reason]
-        if unwritten:
+        unwritten = ((lease.state is LeaseState.PUBLISHED or by_stream) and table is not None
+                     and lease.pool_id in self.gpu_pools and not table.is_ready(slot, lease.gen)
+                     and reason is not EndReason.SHUTDOWN)
+        # What a later lookup or waited ack of it says: for a published unwritten one, that its reads were lost.
+        lost = unwritten and lease.state is LeaseState.PUBLISHED
+        self._ended[slot] = END_CODE[EndReason.UNWRITTEN if lost else reason]
+        if lost:
             self.counters.unready_ended += 1
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         if table is not None:
