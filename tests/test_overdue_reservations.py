@@ -126,6 +126,42 @@ def test_an_expired_reservation_counts_against_its_quota_until_its_discard_or_it
     assert gone["counters"]["reclaimed_on_disconnect"] == 1 and gone["counters"]["expired"] == 2
 
 
+def test_a_retained_reservation_published_past_its_deadline_is_refused_and_its_slot_goes_on_clean(
+        reloadable, children) -> None:  # noqa: F811
+    """A retained reservation (no key) published after its reserve_ttl raises STALE, as every other
+    publish does: nothing is published and its slot comes back. A bare publish request past the deadline
+    is refused by the daemon alike. The next owner of the slot publishes in it and its consumer reads
+    its bytes, its READY word naming its own generation."""
+    d, cfg = reloadable
+    late, nxt = _Producer(children, d), _Producer(children, d)
+    try:
+        _reload(d, cfg, reserve_ttl=0.5, ack_ttl=300.0)
+        _, slot, _ = late.ask("reserve", SMALL, 300.0)
+        d.wait_for(lambda s: s["expired_reserved"] == 1, what="the retained reservation's reserve_ttl to pass")
+        refused = late.ask("publish", 7)
+        assert refused[:2] == ("refused", "STALE") and "reserve_ttl" in refused[2], refused
+        _, raw_slot, _ = late.ask("raw_reserve", SMALL, 300.0)
+        d.wait_for(lambda s: s["expired_reserved"] == 1, what="the bare reservation's reserve_ttl to pass")
+        raw_refused = late.ask("raw_publish")
+        assert raw_refused[:2] == ("refused", "STALE") and "past its deadline" in raw_refused[2], raw_refused
+        after = d.stats()
+        _reload(d, cfg, reserve_ttl=30.0, ack_ttl=300.0)
+        _, next_slot, _ = nxt.ask("reserve", BIG, None)
+        _, blob = nxt.ask("publish", 9)
+        read = _read(children, d, blob, 9)
+        end = d.wait_for(lambda s: s["pools"][0]["used"] == 0, what="every range back")
+        failures = [late.finish(), nxt.finish()]
+    finally:
+        late.kill()
+        nxt.kill()
+    assert after["counters"]["publishes"] == 0 and after["counters"]["late_publishes"] == 1, after["counters"]
+    assert after["leases"]["RESERVED"] == 0 and after["expired_reserved"] == 0
+    assert raw_slot == slot == next_slot, (slot, raw_slot, next_slot)  # the lowest free slot, each time
+    assert read == ("read", True, True), f"the slot's next owner's consumer read {read}"
+    assert end["counters"]["publishes"] == 1 and end["leases"] == {"RESERVED": 0, "PUBLISHED": 0}
+    assert failures == [{}, {}]
+
+
 def test_a_late_publish_behind_a_gpu_stream_keeps_its_range_until_the_stream_wrote_it() -> None:
     """The daemon's own table and ledger in this process, the clock passed in: a GPU reservation published
     past its deadline with stream_ready is refused STALE and nothing is published, but its range and slot

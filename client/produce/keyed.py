@@ -4,14 +4,16 @@ key, holds and eviction (SPEC.md, section 3, "Keys and lifetimes").
 A keyed or retained put never goes through an arena: the daemon must know the key before anyone can
 find the feature, and a retained feature must not be ended by a reader's ack in the lease table. So it
 takes a reserve (which answers the live feature at once when the key has one: no byte is copied) and
-a publish that waits for its reply (which answers the live feature when another producer published
-under the key meanwhile: this one's bytes are let go).
+a publish by the lease's deadline (client/produce/in_time.py) that, under a key, waits for its reply
+(which answers the live feature when another producer published under the key meanwhile: this one's
+bytes are let go).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Optional, Union
 
 import torch
@@ -21,11 +23,12 @@ from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.keys import check_key, check_keys
 from mmfeat.protos.lease_table import GEN_MASK
 from mmfeat.protos.messages import MAX_CONSUMERS, MAX_KEPT_DESCRIPTOR_BYTES, MAX_RETAIN_TTL_S, TOKEN_BYTES, \
-    FallbackReason, HoldReply, LeaseReply, LookupKeyReply, PoolInfo
+    FallbackReason, HoldReply, LookupKeyReply, PoolInfo
 
 from ..link.channel import ControlChannel
 from ..link.session import Session
 from . import packing
+from .in_time import lease_life, publish_in_time
 from .producer import Producer, _write, check_consumers
 from .put_in_flight import PutInFlight
 
@@ -83,9 +86,11 @@ class KeyedPuts:
         pool, _ = p._target(session, device)
         if "key" in keyed:
             check_kept_descriptor(put, session, p._channel.endpoint, pool)
+        asked_at = time.monotonic()  # before the request: the deadline here is never later than the daemon's
         session, reply = p._reserve(session, pool, put, writing, keyed)
         if reply.descriptor is not None:
             return Descriptor.from_bytes(reply.descriptor)  # the key's live feature: nothing was reserved
+        deadline = asked_at + lease_life(reply.expires_in, session)
         lease = reply.lease
         desc = put.descriptor(session, p._channel.endpoint, lease.pool, lease.lease, lease.gen, lease.token,
                               lease.offset)
@@ -99,13 +104,7 @@ class KeyedPuts:
         except BaseException:
             p._release_quietly(session, desc)
             raise
-        try:
-            return publish_keyed(session, desc, "key" in keyed)
-        except MmfeatError as exc:
-            if not isinstance(exc, DaemonUnavailableError):
-                # Refused, so never published: nothing else would free it before reserve_ttl.
-                p._release_quietly(session, desc)
-            raise
+        return publish_in_time(session, desc, asked_at, deadline, _late, key="key" in keyed)
 
 
 def check_kept_descriptor(put: PutInFlight, session: Session, endpoint: str, pool: PoolInfo) -> None:
@@ -123,18 +122,10 @@ def check_kept_descriptor(put: PutInFlight, session: Session, endpoint: str, poo
                           "key; nothing was placed")
 
 
-def publish_keyed(session: Session, desc: Descriptor, keyed: bool) -> Descriptor:
-    """Publish a reserved keyed or retained lease whose bytes are written; the descriptor that names the
-    key's feature (another producer's, where its publish came first)."""
-    if not keyed:
-        session.table.mark_ready(desc.lease, desc.gen)
-        session.publish(desc.lease_ref())  # retained, no key: nobody can find it first, nothing to wait for
-        return desc
-    sent = desc.to_bytes()
-    reply = LeaseReply.from_wire(session.fd.call("publish", lease=desc.lease_ref(), descriptor=sent))
-    if reply.descriptor is not None and reply.descriptor != sent:
-        return Descriptor.from_bytes(reply.descriptor)
-    return desc
+def _late(why: str) -> MmfeatError:
+    said = f" ({why})" if why else ""
+    return MmfeatError(ErrorCode.STALE, f"the feature's reserved lease ended before its publish{said}: the daemon's "
+                       "reserve_ttl is shorter than this put's copy; raise reserve_ttl and put again")
 
 
 class KeyLookups:

@@ -33,7 +33,8 @@ from . import packing
 from ..link.arenas import Placement
 from ..fork_locks import renew_in_child
 from ..neutral import outside_inference
-from .keyed import KeyedPuts, check_kept_descriptor, publish_keyed
+from .in_time import lease_life, publish_in_time
+from .keyed import KeyedPuts, check_kept_descriptor
 from .producer import _FALLBACK_ERRORS, Producer, check_consumers
 from .put_in_flight import PutInFlight
 from ..link.session import Session
@@ -250,39 +251,8 @@ class Reservations:
             assert r.placed is not None and session.arenas is not None
             session.arenas.publish(r.placed, r.put.nbytes, r.put.consumers, desc.token, ready=not by_stream)
             return desc
-        if r.keyed:
-            try:
-                return publish_keyed(session, desc, "key" in r.keyed)
-            except MmfeatError as exc:
-                if isinstance(exc, DaemonUnavailableError):
-                    raise
-                self._give_back(r)  # refused, so never published: nothing else frees it before reserve_ttl
-                raise MmfeatError(exc.code, f"the reservation was not published: {exc.message}") from None
-        now = time.monotonic()
-        if now >= r.deadline:
-            if by_stream:  # the fill must not land after the range went back
-                session.settle_ready_writes()
-            try:  # waited for: an ended lease's refusal is the expected answer, not an async failure
-                session.fd.call("release", lease=desc.lease_ref())
-            except MmfeatError:
-                pass
-            raise _expired(r)
-        if now - r.reserved_at < (r.deadline - r.reserved_at) / 2:
-            if not by_stream:
-                session.table.mark_ready(desc.lease, desc.gen)
-            session.publish(desc.lease_ref(), by_stream)  # as put does: in the daemon's socket buffer on return
-            return desc
-        # Near its deadline the lease may end before the publish arrives, and another feature may own
-        # the bytes then: wait for the daemon's word rather than hand out a descriptor of something else.
-        try:
-            session.publish(desc.lease_ref(), by_stream, wait=True)
-        except MmfeatError as exc:
-            if isinstance(exc, DaemonUnavailableError):
-                raise
-            if exc.code in (ErrorCode.NOT_FOUND, ErrorCode.STALE):
-                raise _expired(r, exc.message) from None
-            raise MmfeatError(exc.code, f"the reservation was not published: {exc.message}") from None
-        return desc
+        key = bool(r.keyed) and "key" in r.keyed
+        return publish_in_time(session, desc, r.reserved_at, r.deadline, lambda why: _expired(r, why), by_stream, key)
 
     def discard(self, tensors: TensorOrList) -> None:
         r, _ = self._take(tensors, "discard", DISCARDED)
@@ -395,12 +365,6 @@ class Reservations:
             pass  # the session is gone: the daemon freed its reserved leases with it
         except OSError:
             pass  # closed under us
-
-
-def lease_life(expires_in: Optional[float], session: Session) -> float:
-    """Seconds a reserved lease lives from its reserve: its reply's own, else (a daemon that does not
-    send it) hello's reserve_ttl."""
-    return float(expires_in) if expires_in is not None else session.reserve_ttl
 
 
 def _expired(r: Reservation, why: str = "") -> MmfeatError:
