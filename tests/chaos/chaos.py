@@ -36,8 +36,8 @@ def _write_config(path: Path, reserve_ttl: float, ack_ttl: float) -> None:
     path.write_text(f"[mmfeatd]\npool_mb = 256\nreserve_ttl = {reserve_ttl}\nack_ttl = {ack_ttl}\n")
 
 
-def _spawn(args: list[str], device: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.chaos.worker", *args], stdout=subprocess.DEVNULL,
+def _spawn(args: list[str], device: str, module: str = "tests.chaos.worker") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "MMFEAT_CHAOS_DEVICE": device})
 
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--consumers", type=int, default=3)
     p.add_argument("--keyed", type=int, default=1, help="producers of retained features under keys")
     p.add_argument("--holders", type=int, default=2, help="processes that hold keys and read and ack the holds")
+    p.add_argument("--late", type=int, default=1, help="producers that write and publish past their reservations")
     p.add_argument("--kill-every", type=float, default=0.2, help="seconds between worker kills")
     p.add_argument("--daemon-kill-every", type=float, default=20.0, help="seconds between daemon kills")
     p.add_argument("--seed", type=int, default=1)
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             workers[name] = _spawn(["keyed", str(runtime), str(run), name, str(args.seconds * 2)], device)
         elif name.startswith("h"):
             workers[name] = _spawn(["holder", str(runtime), str(run), name], device)
+        elif name.startswith("l"):
+            workers[name] = _spawn([str(runtime), str(run), name, str(args.seconds * 2)], device,
+                                   "tests.chaos.late_worker")
         elif name.startswith("p"):
             workers[name] = _spawn(["producer", str(runtime), str(run), name, str(args.seconds * 2),
                                     ",".join(endpoints)], device)
@@ -161,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [f"p{i}" for i in range(args.producers)] + [f"c{i}" for i in range(args.consumers)]
     names += [f"k{i}" for i in range(args.keyed)] + [f"h{i}" for i in range(args.holders)]
-    roles = {"p": "producer", "c": "consumer", "k": "keyed", "h": "holder"}
-    kills = {"producer": 0, "consumer": 0, "keyed": 0, "holder": 0, "daemon": 0}
+    names += [f"l{i}" for i in range(args.late)]
+    roles = {"p": "producer", "c": "consumer", "k": "keyed", "h": "holder", "l": "late"}
+    kills = {"producer": 0, "consumer": 0, "keyed": 0, "holder": 0, "late": 0, "daemon": 0}
     reloads: list[str] = []
 
     def reload(reserve_ttl: float, ack_ttl: float) -> None:
@@ -226,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             "modes": {"grad_puts": totals.get("grad_puts", 0), "inference_gets": totals.get("inference_gets", 0)},
             "refused_reads": {k[8:]: v for k, v in totals.items() if k.startswith("refused_")},
             "put_errors": {k[10:]: v for k, v in totals.items() if k.startswith("put_error_")},
+            "late_producer": {k[5:]: v for k, v in totals.items() if k.startswith("late_")},
             "bytes_leased_after_ttls": leaked,
             "leases_after_ttls": s["leases"],
             "daemon_counters": {k: s["counters"][k] for k in ("expired", "reclaimed_on_disconnect", "late_requests",
