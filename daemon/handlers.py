@@ -189,7 +189,7 @@ def arena_return(core: DaemonCore, req: m.ArenaReturnRequest, now: float) -> m.E
     a = core.arenas.get(req.arena)
     if a is None or a.session != req.session:
         raise MmfeatError(ErrorCode.NOT_FOUND, f"this session holds no arena {req.arena}")
-    core.sweep(now, slots=range(a.slot_base, a.slot_base + a.slots))  # adopt what it published there first
+    core.sweep(now, slots=(), blocks=[(a.slot_base, a.slot_base + a.slots)])  # adopt what it published there first
     core.arenas.give_back(a)
     return m.EmptyReply()
 

@@ -44,7 +44,8 @@ class Counters:
     bad_table_words: int = 0  # words a client wrote that the daemon refused (SPEC.md, section 9)
     sessions_cut: int = 0  # sessions cut for words refused in slots they hold, past max_refused_words
     leases_cut: int = 0  # their leases, ended with them
-    sweeps: int = 0
+    sweeps: int = 0  # sweeps that found a STATE or ACKS word changed since the daemon last accounted for it
+    sweeps_skipped: int = 0  # sweeps, and requests' sweeps of their own slots, that found none changed
     # Request frames taken, on the control socket and the fd channels: the steady state of features in
     # arenas takes none per feature, so a rate that follows the features' says a producer left that path.
     requests: int = 0

@@ -14,7 +14,7 @@ import fcntl
 import mmap
 import os
 import struct
-from typing import Optional
+from typing import Collection, Optional
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from mmfeat.protos.lease_table import (
 )
 
 _ENTRY = struct.Struct(f"<{ENTRY_WORDS}Q")
+# Up to this many slots, ``unchanged`` compares word by word in Python: a request's handful of slots costs
+# a few hundred nanoseconds that way, where numpy's calls on small arrays cost microseconds each, cache-cold.
+_FEW_SLOTS = 32
 
 
 class LeaseTable:
@@ -35,7 +38,8 @@ class LeaseTable:
         os.ftruncate(self._fd, self.size)
         self._mm: Optional[mmap.mmap] = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED)
         self._epoch = epoch
-        self._mm[:HEADER_BYTES] = self._header(False)
+        self._headers = (self._header(False), self._header(True))  # the daemon's own, not draining and draining
+        self._mm[:HEADER_BYTES] = self._headers[0]
         # Clients map it writable (they publish and ack in it), so only its size is sealed: a client
         # cannot shrink it under the daemon's mapping (SIGBUS) or grow it.
         fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
@@ -55,6 +59,12 @@ class LeaseTable:
         # words that differ (daemon/leases/sweeper.py).
         self.seen_state = np.zeros(slots, dtype=np.uint64)
         self.seen_acks = np.zeros(slots, dtype=np.uint64)
+        # The same words as Python ints, for ``unchanged`` over a few slots: plain loads, as the sweep's
+        # column copies are (it decides only whether to sweep; the sweep reads again, in order).
+        self._plain: Optional[memoryview] = memoryview(self._mm).cast("Q")
+        self._seen_words = (memoryview(self.seen_state).cast("B").cast("Q"),
+                            memoryview(self.seen_acks).cast("B").cast("Q"))
+        self._columns = (word_offset(slots, 0, STATE) // 8, word_offset(slots, 0, ACKS) // 8)
         # Where the STATE column and the entries start: the sweep writes a STATE and reads an entry per
         # feature.
         self._states_at = word_offset(slots, 0, STATE)
@@ -145,6 +155,30 @@ class LeaseTable:
             self.ready[slot] = gen & GEN_MASK
         self.store_state(slot, state_word(gen, state))
 
+    def unchanged(self, slots: Collection[int], blocks: Collection[tuple[int, int]] = ()) -> bool:
+        """Whether the STATE and ACKS words of ``slots`` (slot numbers; any outside the table are skipped,
+        as no sweep reads them) and of each block ``[lo, hi)`` are what the daemon last accounted for
+        (``seen_*``): a sweep of them would then find nothing to apply."""
+        assert self._plain is not None
+        if len(slots) > _FEW_SLOTS:
+            picked = np.fromiter(slots, dtype=np.int64, count=len(slots))
+            picked = picked[(picked >= 0) & (picked < self.slots)]
+            if not (np.array_equal(self.acks[picked], self.seen_acks[picked])
+                    and np.array_equal(self.states[picked], self.seen_state[picked])):
+                return False
+        else:
+            words, (seen_state, seen_acks), (states_at, acks_at) = self._plain, self._seen_words, self._columns
+            n = self.slots
+            for slot in slots:
+                if 0 <= slot < n and (words[acks_at + slot] != seen_acks[slot]
+                                      or words[states_at + slot] != seen_state[slot]):
+                    return False
+        for lo, hi in blocks:
+            if (self.acks[lo:hi].tobytes() != self.seen_acks[lo:hi].tobytes()
+                    or self.states[lo:hi].tobytes() != self.seen_state[lo:hi].tobytes()):
+                return False
+        return True
+
     def cas(self, slot: int, word: int, expected: int, new: int) -> tuple[bool, int]:
         return self.words.cas(self._offset(slot, word) // 8, expected, new)
 
@@ -154,14 +188,18 @@ class LeaseTable:
     def _header(self, draining: bool) -> bytes:
         return HEADER.pack(MAGIC, self._epoch, self.slots, ENTRY_BYTES, 1 if draining else 0).ljust(HEADER_BYTES, b"\0")
 
+    def header_intact(self, draining: bool) -> bool:
+        """Whether the header is the daemon's own (``keep_header`` would change nothing)."""
+        assert self._mm is not None
+        return self._mm[:HEADER_BYTES] == self._headers[draining]
+
     def keep_header(self, draining: bool) -> bool:
         """Put back a header a client rewrote (every member maps the table read-write); whether it had
         to. Clients take the table's shape from hello, not from here, so a rewritten header misleads
         nobody but a reader of the DRAINING flag, until this runs."""
-        assert self._mm is not None
-        want = self._header(draining)
-        if self._mm[:HEADER_BYTES] == want:
+        if self.header_intact(draining):
             return False
+        want = self._headers[draining]
         for i in range(HEADER_BYTES // 8):
             self.words.store(i, int.from_bytes(want[8 * i: 8 * i + 8], "little"))
         return True
@@ -170,6 +208,9 @@ class LeaseTable:
         if self._mm is not None:
             self.words.close()
             del self.states, self.acks, self.ready, self.entries
+            if self._plain is not None:
+                self._plain.release()
+                self._plain = None
             self._mm.close()
             self._mm = None
         if self._fd is not None:

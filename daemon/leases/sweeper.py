@@ -67,6 +67,7 @@ class Sweeper:
         self._last_unheld_warning = float("-inf")
         self._last_warning = float("-inf")
         self._settled: set[int] = set()  # slots this sweep ended out of order (DONE), not to apply again
+        self._found = False  # whether this sweep found a word changed
         # Fresh publishes timer sweeps left for later ones, per slot: the STATE word (0: none) and when a
         # sweep first saw it. Arrays, so that a burst of features waiting for their consumers costs each
         # later sweep array operations, not a Python step per feature.
@@ -87,9 +88,12 @@ class Sweeper:
         A producer ahead of its consumers (a burst of hundreds) is the case this pays most in. A feature
         still unacked at the limit is adopted as of when it was first seen, so its ``ack_ttl`` runs from
         then all the same. Sweeps before a reply (stats, lookup, ...) adopt everything: what they answer
-        stays exact."""
-        self.ledger.counters.sweeps += 1
+        stays exact.
+
+        A sweep that finds no word changed in what it reads counts in ``sweeps_skipped``, any other in
+        ``sweeps``."""
         self._settled = set()
+        self._found = False
         ranges = self.ledger.space.ranges()
         if slots is None:
             parts: list = [slice(lo, hi) for lo, hi in ranges]
@@ -99,7 +103,13 @@ class Sweeper:
             for lo, hi in ranges:
                 inside |= (slots >= lo) & (slots < hi)
             parts = [slots[inside]] if inside.any() else []
-        return sum(self._sweep_part(part, now, defer_unacked) for part in parts)
+        applied = sum(self._sweep_part(part, now, defer_unacked) for part in parts)
+        counters = self.ledger.counters
+        if self._found:
+            counters.sweeps += 1
+        else:
+            counters.sweeps_skipped += 1
+        return applied
 
     def _sweep_part(self, part, now: float, defer_unacked: bool) -> int:
         """Sweep ``part`` of the table: a slice of slots, or an array of slot numbers."""
@@ -117,6 +127,7 @@ class Sweeper:
         if (states.tobytes() == table.seen_state[part].tobytes()
                 and acks.tobytes() == table.seen_acks[part].tobytes()):
             return 0
+        self._found = True
         ids = np.arange(part.start, part.stop) if isinstance(part, slice) else part  # index -> slot
         changed = 0
         published = np.flatnonzero(states != table.seen_state[part])

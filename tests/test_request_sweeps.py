@@ -1,0 +1,196 @@
+"""A request sweeps the lease table only once a word its reply depends on changed: lookups, holds and
+pings of features nobody writes read a few words and sweep nothing, and any word a client writes (an
+ack, a DONE, a publish, a forged word, a rewritten header) still makes the next request that depends on
+it sweep and answer from it. First on the daemon's own core in this process, word by word, then against
+a real daemon with producers, readers and a scheduler in processes of their own."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from typing import Iterator
+
+import pytest
+import torch
+
+from mmfeat import atomics
+from mmfeat.client import Client, Namespace
+from mmfeat.protos.lease_table import (
+    ACKS, CONSUMERS, DONE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, TOKEN, ack_word, state_word, table_bytes,
+    word_offset,
+)
+
+from . import key_workers
+
+pytestmark = pytest.mark.skipif(not atomics.AVAILABLE, reason="libatomic not found: no arenas, no table acks")
+
+SLOTS = 256
+_U64 = struct.Struct("<Q")
+NS = Namespace(framework="test", version="1", model="quiet-sweeps", dtype="float32")
+
+
+class Core:
+    """The daemon's core, handlers and table in this process, with the table mapped a second time as a
+    client maps it, and one attached session."""
+
+    def __init__(self) -> None:
+        from mmfeat.daemon import handlers
+        from mmfeat.daemon.config import Settings
+        from mmfeat.daemon.core import DaemonCore
+        from mmfeat.daemon.leases.sessions import PeerCred
+        from mmfeat.daemon.pools.host import HostPool
+        from mmfeat.protos import messages as m
+
+        self.h, self.m = handlers, m
+        self.core = DaemonCore(Settings(max_leases=SLOTS, arena_slots=16, arena_mb=1), [HostPool(0, 1 << 25)])
+        self.mm = mmap.mmap(self.core.table.fd, table_bytes(SLOTS), flags=mmap.MAP_SHARED)
+        self.token = handlers.hello(self.core, m.HelloRequest(name="producer", pid=os.getpid()), 1.0).session
+        self.core.sessions.attach(self.token, PeerCred(os.getpid(), os.getuid(), os.getgid()))
+
+    def published(self, consumers: int = 2, retain_ttl: float | None = None):
+        """A reserved lease, published: its LeaseRef."""
+        m = self.m
+        reply = self.h.reserve(self.core, m.ReserveRequest(session=self.token, nbytes=4096, consumers=consumers,
+                                                           retain_ttl=retain_ttl), 1.0)
+        ref = m.LeaseRef(**{k: getattr(reply.lease, k) for k in ("pool", "epoch", "lease", "gen", "token", "offset",
+                                                                  "nbytes")})
+        self.h.publish(self.core, m.PublishRequest(session=self.token, lease=ref), 1.0)
+        return ref
+
+    def write(self, slot: int, word: int, value: int) -> None:
+        _U64.pack_into(self.mm, word_offset(SLOTS, slot, word), value)
+
+    def read(self, slot: int, word: int) -> int:
+        return _U64.unpack_from(self.mm, word_offset(SLOTS, slot, word))[0]
+
+    def swept(self, **request) -> bool:
+        """Whether a request's sweep of ``slots`` / ``blocks`` swept (True) or was skipped (False)."""
+        c = self.core.counters
+        before = (c.sweeps, c.sweeps_skipped)
+        self.core.sweep(5.0, **request)
+        ran, skipped = c.sweeps - before[0], c.sweeps_skipped - before[1]
+        assert ran + skipped == 1, (ran, skipped)
+        return ran == 1
+
+    def close(self) -> None:
+        self.mm.close()
+        self.core.close()
+
+
+@pytest.fixture
+def core() -> Iterator[Core]:
+    c = Core()
+    yield c
+    c.close()
+
+
+def test_a_request_sweeps_its_slots_once_a_word_there_changed_and_never_misses_one(core) -> None:
+    """Over one slot, over more slots than are compared one by one, and over an arena's block: nothing
+    written, no sweep; each kind of word a client writes there makes the next one sweep and apply it."""
+    refs = [core.published() for _ in range(40)]
+    counters = core.core.counters
+    one = dict(slots=(refs[3].lease,))
+    many = dict(slots=[r.lease for r in refs])
+    for request in (one, many):
+        assert not core.swept(**request)
+    # A consumer's ack (one of two): applied by the sweep it makes happen.
+    core.write(refs[3].lease, ACKS, ack_word(refs[3].gen, 1))
+    acks = counters.table_acks
+    assert core.swept(**one) and counters.table_acks == acks + 1
+    assert not core.swept(**one) and not core.swept(**many)
+    # A forged STATE in a live feature's slot: read and refused (put back).
+    forged = state_word(refs[20].gen + 5, PUBLISHED)
+    core.write(refs[20].lease, STATE, forged)
+    bad = counters.bad_table_words
+    assert not core.swept(**one), "another slot's word made this request sweep"
+    assert core.swept(**many) and counters.bad_table_words == bad + 1
+    assert core.read(refs[20].lease, STATE) == state_word(refs[20].gen, PUBLISHED)
+    # Its last consumer's ack and DONE: the feature ends.
+    core.write(refs[5].lease, ACKS, ack_word(refs[5].gen, 2))
+    core.write(refs[5].lease, STATE, state_word(refs[5].gen, DONE))
+    assert core.swept(**many) and core.core.ledger.live_lease(refs[5].lease) is None
+    # A rewritten header: a request puts it back, though no slot of its changed.
+    core.mm[:8] = b"FORGED!!"
+    bad = counters.bad_table_words
+    core.core.sweep(5.0, **one)
+    assert counters.bad_table_words == bad + 1 and core.core.table.header_intact(False)
+    # Slot numbers outside the table are nobody's: skipped, not read.
+    assert not core.swept(slots=(-1, SLOTS, SLOTS + 7))
+
+    # An arena's block: a publish there, then its consumer's ack.
+    grant = core.h.arena(core.core, core.m.ArenaRequest(session=core.token), 6.0).arena
+    block = dict(slots=(), blocks=[(grant.slot_base, grant.slot_base + grant.slots)])
+    assert not core.swept(**block)
+    slot, gen = grant.slot_base + 2, core.read(grant.slot_base + 2, STATE) // 4 + 1
+    for word, value in ((ACKS, ack_word(gen)), (POOL, grant.pool), (OFFSET, grant.offset), (NBYTES, 4096),
+                        (CONSUMERS, 1), (TOKEN, 1), (TOKEN + 1, 2)):
+        core.write(slot, word, value)
+    core.write(slot, STATE, state_word(gen, PUBLISHED))
+    publishes = counters.arena_publishes
+    assert core.swept(**block) and counters.arena_publishes == publishes + 1
+    assert not core.swept(**block)
+    core.write(slot, ACKS, ack_word(gen, 1))
+    assert core.swept(**block) and core.core.ledger.live_lease(slot) is None
+
+
+def test_lookups_holds_and_pings_of_unwritten_features_sweep_nothing_against_a_daemon(daemon, children) -> None:
+    """A scheduler looks retained features up, holds them and pings while nobody writes the table: the
+    daemon sweeps nothing. A reader's ack in the table (another process), and a producer's publish in its
+    arena, are still applied before the reply that depends on them."""
+    keys = [NS.key(f"img{i}") for i in range(4)]
+    q = children.Queue()
+    p = children.Process(target=key_workers.keyed_producer, args=(str(daemon.runtime_dir), keys, 300.0, q))
+    p.start()
+    assert len(q.get(timeout=60)) == len(keys)
+    p.join(30)
+    assert p.exitcode == 0
+    with daemon.client(map_pools=False) as scheduler:
+        before = scheduler.stats()["counters"]
+        for i in range(20):
+            assert scheduler.has_many(keys) == [True] * len(keys)
+            assert scheduler.lookup(keys[i % len(keys)]) is not None
+            assert scheduler.hold(keys[i % len(keys)]) is not None
+            scheduler.ping()
+        after = scheduler.stats()["counters"]
+        assert after["sweeps"] == before["sweeps"], "requests swept a table nobody wrote"
+        assert after["sweeps_skipped"] - before["sweeps_skipped"] >= 4 * 20
+
+        # A counted keyed feature, read and acked in the table by its one consumer in another process.
+        counted = NS.key("counted")
+        with daemon.client() as producer:
+            producer.put(torch.ones(4096), key=counted)
+        desc = scheduler.lookup(counted)
+        assert desc is not None
+        q = children.Queue()
+        r = children.Process(target=_read_and_ack_in_table, args=(str(daemon.runtime_dir), desc.to_bytes(), q))
+        r.start()
+        assert q.get(timeout=60) == 4096.0
+        r.join(30)
+        assert scheduler.lookup(counted) is None and scheduler.has_many([counted]) == [False]
+        acked = scheduler.stats()["counters"]
+        assert acked["sweeps"] > after["sweeps"] and acked["table_acks"] == after["table_acks"] + 1
+
+        # A feature its producer published in its arena, with no message: acked by message from another
+        # process, whose ack's sweep (or a timer's) adopts it first.
+        with daemon.client(inline_threshold=0, fallback="error") as producer:
+            desc = producer.put(torch.ones(4096))
+            r = children.Process(target=_ack_by_message, args=(str(daemon.runtime_dir), desc.to_bytes(), q))
+            r.start()
+            assert q.get(timeout=60) == (0, True)
+            r.join(30)
+        assert scheduler.stats()["counters"]["sweeps"] > acked["sweeps"]
+
+
+def _read_and_ack_in_table(runtime_dir: str, desc: bytes, out_q) -> None:
+    """A consumer: read the feature, ack it in the lease table (its last ack: DONE), report the sum."""
+    c = Client(runtime_dir)
+    total = float(c.get(desc, copy=True).sum())
+    c.ack(desc)
+    out_q.put(total)  # before close: no flush, no request that would sweep for this ack
+
+
+def _ack_by_message(runtime_dir: str, desc: bytes, out_q) -> None:
+    with Client(runtime_dir) as c:
+        reply = c.ack(desc, wait=True)
+    out_q.put((reply["remaining"], reply["freed"]))
