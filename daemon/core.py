@@ -135,10 +135,11 @@ class DaemonCore:
         if 0 <= ref.lease < self.table.slots:
             self.sweep(now, slots=(ref.lease,))
 
-    def sweep_session(self, now: float, token: bytes, defer_unacked: bool = False) -> None:
+    def sweep_session(self, now: float, token: bytes, defer_unacked: bool = False, also: Sequence[int] = ()) -> None:
         """Sweep the slots a session holds by the daemon's records (its reserved leases, its holds, its
-        arenas' blocks): words refused there may cut it, and acks there give back its quota."""
-        slots = list(self.books.slots_of(token))
+        arenas' blocks), and ``also`` these, in one sweep: words refused there may cut it, and acks there
+        give back its quota."""
+        slots = [*self.books.slots_of(token), *also]
         blocks = [(a.slot_base, a.slot_base + a.slots) for a in self.arenas.of_session(token)]
         self.sweep(now, defer_unacked, slots, blocks)
 

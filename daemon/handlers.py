@@ -258,8 +258,9 @@ def hold(core: DaemonCore, req: m.HoldRequest, now: float) -> m.HoldReply:
     found = ledger.keys.find(req.key) if req.key is not None else None
     slots = [s for s in (req.lease.lease if req.lease is not None else None,
                          found.lease_id if found is not None else None) if s is not None]
-    core.sweep_session(now, req.session)  # a hold is a slot of this session's: it may cut it
-    core.sweep(now, slots=slots)
+    # A hold is a slot of this session's, so words there may cut it; acks in the feature's slot may have
+    # ended it. One sweep reads both.
+    core.sweep_session(now, req.session, also=slots)
     if ledger.live >= ledger.max_leases or not ledger.space.has_single:
         core.sweep(now)  # other sessions' acks may have freed a slot for the hold
     _attached(core, req.session, "holding")

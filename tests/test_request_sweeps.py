@@ -134,6 +134,32 @@ def test_a_request_sweeps_its_slots_once_a_word_there_changed_and_never_misses_o
     assert core.swept(**block) and core.core.ledger.live_lease(slot) is None
 
 
+def test_a_hold_sweeps_its_sessions_slots_and_its_features_in_one_sweep(core) -> None:
+    """A hold reads its session's slots (words there may cut it) and the held feature's (acks there may
+    have ended it): one sweep reads both, and none runs while neither changed."""
+    base = core.published(consumers=1, retain_ttl=300.0)
+    m, counters = core.m, core.core.counters
+
+    def hold():
+        return core.h.hold(core.core, m.HoldRequest(session=core.token, lease=base, count=1), 7.0).lease
+
+    h = hold()
+    before = (counters.sweeps, counters.sweeps_skipped)
+    h2 = hold()
+    assert (counters.sweeps, counters.sweeps_skipped) == (before[0], before[1] + 1), "not one skipped sweep"
+    # The first hold's reader acks it (and marks it DONE), and a reader acks the retained feature's own
+    # descriptor: words in the session's slots and in the feature's.
+    core.write(h.lease, ACKS, ack_word(h.gen, 1))
+    core.write(h.lease, STATE, state_word(h.gen, DONE))
+    core.write(base.lease, ACKS, ack_word(base.gen, 1))
+    ended, retained = counters.holds_ended, counters.retained_acks
+    before = (counters.sweeps, counters.sweeps_skipped)
+    hold()
+    assert (counters.sweeps, counters.sweeps_skipped) == (before[0] + 1, before[1])
+    assert counters.holds_ended == ended + 1 and counters.retained_acks == retained + 1
+    assert core.core.ledger.live_lease(h2.lease) is not None
+
+
 def test_lookups_holds_and_pings_of_unwritten_features_sweep_nothing_against_a_daemon(daemon, children) -> None:
     """A scheduler looks retained features up, holds them and pings while nobody writes the table: the
     daemon sweeps nothing. A reader's ack in the table (another process), and a producer's publish in its
