@@ -19,7 +19,7 @@ from .leases.allocator import Allocator
 from .leases.arenas import Arenas
 from .leases.counters import Counters
 from .leases.lease import FreeObserver, QuickObserver
-from .leases.lease_table import LeaseTable
+from .leases.lease_table import FEW_SLOTS, LeaseTable
 from .leases.ledger import Ledger
 from .leases.session_books import SessionBooks
 from .leases.sessions import ATTACH_GRACE_S, PeerCred, SessionTable
@@ -114,15 +114,24 @@ class DaemonCore:
 
         A request's sweep of its own slots first compares their words, and the header, with what the
         daemon last accounted for, in a few word loads: where nothing changed, a sweep would apply
-        nothing, and none runs (``sweeps_skipped``)."""
-        if slots is not None and self.table.header_intact(self.draining) and self.table.unchanged(slots, blocks):
-            self.counters.sweeps_skipped += 1
-            return 0
-        picked = None
+        nothing, and none runs (``sweeps_skipped``). Over a few slots whose changed words are all in
+        slots of live features, the sweep runs word by word (Sweeper.sweep_held)."""
+        applied = None
         if slots is not None:
-            picked = np.concatenate([np.fromiter(slots, dtype=np.int64, count=len(slots)),
-                                     *(np.arange(lo, hi, dtype=np.int64) for lo, hi in blocks)])
-        applied = self.sweeper.sweep(now, defer_unacked, picked)
+            few = not blocks and len(slots) <= FEW_SLOTS
+            changed = self.table.changed(slots) if few else None
+            quiet = not changed if few else self.table.unchanged(slots, blocks)
+            if quiet and self.table.header_intact(self.draining):
+                self.counters.sweeps_skipped += 1
+                return 0
+            if changed and not defer_unacked:
+                applied = self.sweeper.sweep_held(changed, now)
+        if applied is None:
+            picked = None
+            if slots is not None:
+                picked = np.concatenate([np.fromiter(slots, dtype=np.int64, count=len(slots)),
+                                         *(np.arange(lo, hi, dtype=np.int64) for lo, hi in blocks)])
+            applied = self.sweeper.sweep(now, defer_unacked, picked)
         if self.table.keep_header(self.draining):
             self.counters.bad_table_words += 1
         for token in self.sweeper.take_over():

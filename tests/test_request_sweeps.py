@@ -160,6 +160,82 @@ def test_a_hold_sweeps_its_sessions_slots_and_its_features_in_one_sweep(core) ->
     assert core.core.ledger.live_lease(h2.lease) is not None
 
 
+def _held_books() -> tuple[Core, dict[str, object]]:
+    """A core with counted features (two consumers each), retained ones and a hold of two readers: the
+    slots of each, by name."""
+    c = Core()
+    slots: dict[str, object] = {f"s{i}": c.published() for i in range(6)}
+    slots.update(r0=c.published(consumers=1, retain_ttl=300.0), r1=c.published(consumers=1, retain_ttl=300.0))
+    slots["hold"] = c.h.hold(c.core, c.m.HoldRequest(session=c.token, lease=slots["r0"], count=2), 1.0).lease
+    return c, slots
+
+
+def _state_of(c: Core) -> tuple:
+    """What a sweep can change: the STATE and ACKS columns, what the daemon accounted for, the live
+    features, the counters (but the sweep counts) and the session's refused words."""
+    table, ledger = c.core.table, c.core.ledger
+    counters = {k: v for k, v in c.core.counters.as_dict().items() if k not in ("sweeps", "sweeps_skipped")}
+    live = {}
+    for slot in range(SLOTS):
+        lease = ledger.live_lease(slot)
+        if lease is not None:
+            live[slot] = (lease.gen, lease.remaining, lease.state.value, lease.holds)
+    return (bytes(c.mm[64: 64 + 16 * SLOTS]), table.seen_state.tobytes(), table.seen_acks.tobytes(), live, counters,
+            c.core.sessions.get(c.token).refused)
+
+
+def test_a_few_held_slots_swept_word_by_word_end_as_the_array_sweep_ends_them() -> None:
+    """Acks, a last ack's DONE, a DONE with an ack missing, a forged STATE, acks of another generation,
+    a retained feature's acks and a DONE written over it, a hold's acks: the same words in two daemons'
+    tables, swept word by word in one (a request's few slots of live features) and by the array sweep
+    in the other, leave the same table, books and counters; a slot that holds no live feature is left to
+    the array sweep."""
+    import numpy as np
+
+    (a, slots), (b, _) = _held_books(), _held_books()
+    try:
+        def write(slot: str, word: int, gen_delta: int = 0, acks: int | None = None, state: int | None = None):
+            ref = slots[slot]
+            value = ack_word(ref.gen + gen_delta, acks) if word == ACKS else state_word(ref.gen + gen_delta, state)
+            for c in (a, b):
+                c.write(ref.lease, word, value)
+
+        def sweep_both(now: float) -> None:
+            picked = sorted(ref.lease for ref in slots.values())
+            applied = a.core.sweeper.sweep_held(a.core.table.changed(picked), now)
+            assert applied is not None, "a few slots of live features were not swept word by word"
+            assert applied == b.core.sweeper.sweep(now, False, np.array(picked, dtype=np.int64))
+            assert _state_of(a) == _state_of(b)
+
+        write("s0", ACKS, acks=1)
+        write("s1", ACKS, acks=2)
+        write("s1", STATE, state=DONE)
+        write("s2", ACKS, acks=1)
+        write("s2", STATE, state=DONE)
+        write("s3", ACKS, acks=1)  # read with the forged word below: left for the next sweep
+        write("s3", STATE, gen_delta=5, state=PUBLISHED)
+        write("s4", ACKS, gen_delta=3, acks=2)
+        write("s5", ACKS, acks=2)
+        write("r0", ACKS, acks=1)
+        write("r1", STATE, state=DONE)
+        write("hold", ACKS, acks=1)
+        sweep_both(2.0)
+        assert a.core.counters.bad_table_words == 3  # s2's missing ack, s3's forged word, r1's DONE
+        write("s0", ACKS, acks=2)
+        write("s0", STATE, state=DONE)
+        write("hold", ACKS, acks=2)
+        write("hold", STATE, state=DONE)
+        write("r1", ACKS, acks=3)
+        sweep_both(3.0)
+        assert a.core.ledger.live_lease(slots["hold"].lease) is None
+        # s1 ended: a word there is no live feature's, for the array sweep to judge.
+        a.write(slots["s1"].lease, STATE, state_word(slots["s1"].gen + 9, PUBLISHED))
+        assert a.core.sweeper.sweep_held(a.core.table.changed([slots["s1"].lease]), 4.0) is None
+    finally:
+        a.close()
+        b.close()
+
+
 def test_lookups_holds_and_pings_of_unwritten_features_sweep_nothing_against_a_daemon(daemon, children) -> None:
     """A scheduler looks retained features up, holds them and pings while nobody writes the table: the
     daemon sweeps nothing. A reader's ack in the table (another process), and a producer's publish in its

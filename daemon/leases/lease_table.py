@@ -18,16 +18,16 @@ from typing import Collection, Optional
 
 import numpy as np
 
-from mmfeat.atomics import PLAIN_ORDERED, Words
+from mmfeat.atomics import FENCE_NEEDED, PLAIN_ORDERED, Words, fence_acquire
 from mmfeat.protos.lease_table import (
     ACKS, ENTRY_BYTES, ENTRY_WORDS, FREE, GEN_MASK, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, NOT_READY, POOL,
     PUBLISHED, READY, STATE, ack_word, is_ready, state_word, table_bytes, word_offset,
 )
 
 _ENTRY = struct.Struct(f"<{ENTRY_WORDS}Q")
-# Up to this many slots, ``unchanged`` compares word by word in Python: a request's handful of slots costs
-# a few hundred nanoseconds that way, where numpy's calls on small arrays cost microseconds each, cache-cold.
-_FEW_SLOTS = 32
+# Up to this many slots, ``changed`` reads word by word in Python: a request's handful of slots costs a few
+# hundred nanoseconds that way, where numpy's calls on small arrays cost microseconds each, cache-cold.
+FEW_SLOTS = 32
 
 
 class LeaseTable:
@@ -155,24 +155,40 @@ class LeaseTable:
             self.ready[slot] = gen & GEN_MASK
         self.store_state(slot, state_word(gen, state))
 
-    def unchanged(self, slots: Collection[int], blocks: Collection[tuple[int, int]] = ()) -> bool:
-        """Whether the STATE and ACKS words of ``slots`` (slot numbers; any outside the table are skipped,
-        as no sweep reads them) and of each block ``[lo, hi)`` are what the daemon last accounted for
-        (``seen_*``): a sweep of them would then find nothing to apply."""
+    def changed(self, slots: Collection[int]) -> list[tuple[int, int, int]]:
+        """The slots among a few ``slots`` (slot numbers; any outside the table are skipped, as no sweep
+        reads them) whose STATE or ACKS word differs from what the daemon last accounted for
+        (``seen_*``), each once, in slot order, with its ACKS and STATE words as read: ACKS first, then
+        (after an acquire fence) STATE, as the sweep reads them."""
         assert self._plain is not None
-        if len(slots) > _FEW_SLOTS:
+        words, (seen_state, seen_acks), (states_at, acks_at) = self._plain, self._seen_words, self._columns
+        n, out = self.slots, []
+        for slot in slots:
+            if 0 <= slot < n:
+                acks = words[acks_at + slot]
+                if FENCE_NEEDED:
+                    fence_acquire()
+                state = words[states_at + slot]
+                if acks != seen_acks[slot] or state != seen_state[slot]:
+                    out.append((slot, acks, state))
+        if len(out) > 1:
+            out = sorted(dict((slot, (slot, acks, state)) for slot, acks, state in out).values())
+        if out and FENCE_NEEDED:
+            fence_acquire()  # the entries a sweep reads next come after the STATE words that named them
+        return out
+
+    def unchanged(self, slots: Collection[int], blocks: Collection[tuple[int, int]] = ()) -> bool:
+        """Whether the STATE and ACKS words of ``slots`` (as for ``changed``) and of each block ``[lo, hi)``
+        are what the daemon last accounted for: a sweep of them would then find nothing to apply."""
+        if len(slots) <= FEW_SLOTS:
+            if self.changed(slots):
+                return False
+        else:
             picked = np.fromiter(slots, dtype=np.int64, count=len(slots))
             picked = picked[(picked >= 0) & (picked < self.slots)]
             if not (np.array_equal(self.acks[picked], self.seen_acks[picked])
                     and np.array_equal(self.states[picked], self.seen_state[picked])):
                 return False
-        else:
-            words, (seen_state, seen_acks), (states_at, acks_at) = self._plain, self._seen_words, self._columns
-            n = self.slots
-            for slot in slots:
-                if 0 <= slot < n and (words[acks_at + slot] != seen_acks[slot]
-                                      or words[states_at + slot] != seen_state[slot]):
-                    return False
         for lo, hi in blocks:
             if (self.acks[lo:hi].tobytes() != self.seen_acks[lo:hi].tobytes()
                     or self.states[lo:hi].tobytes() != self.seen_state[lo:hi].tobytes()):

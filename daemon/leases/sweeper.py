@@ -111,6 +111,36 @@ class Sweeper:
             counters.sweeps_skipped += 1
         return applied
 
+    def sweep_held(self, changed: list[tuple[int, int, int]], now: float) -> Optional[int]:
+        """A request's sweep of a few slots, word by word, where each slot whose words changed holds a live
+        feature: ``changed`` lists those slots (in slot order, each once) with their ACKS and STATE words
+        as read (LeaseTable.changed); the number of words applied. None, having done nothing, where one
+        of them holds no live feature: ``sweep`` judges those.
+
+        In slots that hold live features the array steps of ``_sweep_part`` find nothing to do (no word
+        is refused as unheld, none ends in the batch, none is left for a later sweep), so what is left
+        is its steps one by one, in its order: each changed STATE word, then each changed ACKS word."""
+        ledger, seen_state, seen_acks = self.ledger, self.table.seen_state, self.table.seen_acks
+        if any(ledger.live_lease(slot) is None for slot, _, _ in changed):
+            return None
+        ledger.counters.sweeps += 1
+        settled = self._settled = set()
+        published = [(slot, state) for slot, _, state in changed if state != seen_state[slot]]
+        for slot, state in published:
+            published_at = float(self._defer_at[slot]) if self._defer_word[slot] == state else now
+            self._defer_word[slot] = 0
+            if slot in settled or (self._over and self._owner(slot) in self._over):
+                continue
+            self._on_state(slot, state, now, published_at)
+        moved = settled.union(slot for slot, _ in published)
+        stale = [(slot, acks) for slot, acks, _ in changed if slot not in moved and acks != seen_acks[slot]]
+        live = [ledger.live_lease(slot) is not None for slot, _ in stale]
+        for (slot, acks), held in zip(stale, live):
+            # An ACKS word of a slot no longer live changes no lease (_on_acks counts it as _stray_acks does).
+            if not (held and self._over and self._owner(slot) in self._over):
+                self._on_acks(slot, acks, now)
+        return len(published) + len(stale)
+
     def _sweep_part(self, part, now: float, defer_unacked: bool) -> int:
         """Sweep ``part`` of the table: a slice of slots, or an array of slot numbers."""
         table = self.table
