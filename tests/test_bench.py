@@ -199,3 +199,19 @@ def test_bench_steps_times_the_clients_steps_for_the_pool_and_inline_paths() -> 
         assert all(s > 0 for s in steps) and copy > 0, (path, steps)
         assert abs(sum(steps) - total) < 0.05, (path, steps, total)
     assert "unacknowledged" not in r.stderr
+
+
+def test_bench_keys_reports_the_daemons_cpu_per_keyed_request() -> None:
+    r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "bench", "--keys", "--sizes", "4K", "--count", "50"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("keyed requests from a scheduler process") and lines[1].split() == [
+        "mix", "round", "requests", "req/s", "mmfeatd", "us", "sweeps", "skipped"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert set(rows) == {"lookups", "holds"}
+    assert rows["lookups"][1] == "100" and rows["holds"][1] == "50"
+    assert float(rows["lookups"][3]) > 0 and float(rows["holds"][3]) > 0
+    # Nobody writes the lease table while the scheduler looks features up: none of its requests sweeps it.
+    assert rows["lookups"][4] == "0"
+    assert "unacknowledged" not in r.stderr

@@ -68,6 +68,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="instead of the handoff between processes, time the client's steps (put, to_bytes, "
                         "from_bytes, get, ack) for one feature at a time in this process, pool and inline, at each "
                         "--sizes (--count features, default 2000)")
+    p.add_argument("--keys", action="store_true",
+                   help="instead of the handoff, have a scheduler process look up (has_many, lookup) and hold (then "
+                        "ack) retained features under keys, of the first of --sizes, --count times each (default "
+                        "2000), and report mmfeatd's CPU per request")
     p.add_argument("--remote", action="store_true",
                    help="features pulled between two private daemons meshed on 127.0.0.1, against a bare NIXL READ "
                         "and plain ZMQ TCP bytes (needs mmfeat[mesh])")
@@ -306,6 +310,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
             count = args.count or 2000
             print(render_steps(run_steps(runtime_dir, sizes, count), count))
+            return 0
+        if args.keys:
+            from .keyed import render_keyed, run_keyed
+
+            print(render_keyed(run_keyed(runtime_dir, sizes[0], args.count or 2000, args.rounds, daemon_pid,
+                                         _cpu_seconds)))
             return 0
         if RAY in modes and device != "cpu":
             # Ray's actors would need GPUs of their own and its object store holds host memory only.
