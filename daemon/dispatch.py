@@ -60,6 +60,8 @@ def dispatch(core: DaemonCore, frame: bytes, now: Optional[float] = None, sessio
     if model is None:
         core.counters.bad_requests += 1
         return error_frame(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(HANDLERS)}")
+    by_op = core.counters.requests_by_op
+    by_op[op] = by_op.get(op, 0) + 1
     try:
         if session is not None and "session" in model.model_fields:
             fields["session"] = session

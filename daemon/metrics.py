@@ -131,6 +131,10 @@ class _StateCollector:
         for reason, n in sorted(counters["fallbacks"].items()):
             fallbacks.add_metric([reason], n)
         yield fallbacks
+        by_op = CounterMetricFamily("mmfeat_requests_by_op", "Request frames taken, by op", labels=["op"])
+        for op, n in sorted(counters["requests_by_op"].items()):
+            by_op.add_metric([op], n)
+        yield by_op
 
 
 # (stats key per peer, metric, help): what crossed between this node and each peer.

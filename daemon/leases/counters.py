@@ -49,6 +49,7 @@ class Counters:
     # Request frames taken, on the control socket and the fd channels: the steady state of features in
     # arenas takes none per feature, so a rate that follows the features' says a producer left that path.
     requests: int = 0
+    requests_by_op: dict[str, int] = field(default_factory=dict)  # of those, each known op's
     # Keys and lifetimes (SPEC.md, section 3, "Keys and lifetimes").
     dedups: int = 0  # keyed puts answered with the feature already live under their key
     key_hits: int = 0
