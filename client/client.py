@@ -419,6 +419,16 @@ class Client:
         dies gives its holds back). None when nothing is live under the key."""
         return self._keys.hold(target if isinstance(target, str) else _as_descriptor(target), count)
 
+    def hold_many(self, keys: Sequence[str], count: int = 1,
+                  timeout: Optional[float] = None) -> list[Optional[tuple[Descriptor, bool]]]:
+        """``lookup`` and ``hold`` of each key in one round trip (at most MAX_LOOKUP_KEYS keys): per key,
+        None when nothing is live under it, else ``(descriptor, held)``. A retained feature is held for
+        ``count`` readers as ``hold`` does (``held`` True: acks of the descriptor end the hold); a counted
+        one is answered with its own descriptor (``held`` False: its consumer count protects its
+        readers, and each ack takes one of it). All of the holds or none: OVER_QUOTA or POOL_FULL as
+        ``hold`` raises them. ``timeout``: seconds to wait for the answer (default: the client's)."""
+        return self._keys.hold_keys(keys if isinstance(keys, list) else list(keys), count, timeout)
+
     def evict(self, key: str) -> bool:
         """No key finds the feature any more; a retained one is freed once nothing holds it. False when
         nothing was live under ``key``."""

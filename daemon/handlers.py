@@ -21,6 +21,7 @@ from mmfeat.protos.keys import MAX_LOOKUP_KEYS
 from .core import DaemonCore, Remote
 from .leases.allocator import align_up
 from .leases.keys import dedups, hold_descriptor
+from .leases.lease import EndReason
 from .leases.sessions import MAX_PENDING_SESSIONS
 
 log = logging.getLogger("mmfeatd")
@@ -279,6 +280,49 @@ def hold(core: DaemonCore, req: m.HoldRequest, now: float) -> m.HoldReply:
     return m.HoldReply(_lease_ref(core, h), hold_descriptor(base, h))
 
 
+def hold_keys(core: DaemonCore, req: m.HoldKeysRequest, now: float) -> m.HoldKeysReply:
+    """A lookup and a hold in one request (a scheduler's, for the items it is about to load): each live
+    retained key held for ``count`` readers, a counted one answered with its own descriptor (its consumer
+    count protects its readers), a miss with nil. All of the holds or none: a refused hold gives back
+    those this request took before it."""
+    if len(req.keys) > MAX_LOOKUP_KEYS:
+        core.counters.too_large += 1
+        raise MmfeatError(ErrorCode.TOO_LARGE, f"{len(req.keys)} keys in one hold_keys, over the {MAX_LOOKUP_KEYS} "
+                          "a request may carry: split the list")
+    ledger = core.ledger
+    core.sweep_session(now, req.session)  # its holds are slots of this session's: it may cut it
+    core.sweep(now, slots=[lease.lease_id for lease in map(ledger.keys.find, req.keys) if lease is not None])
+    if ledger.live + len(req.keys) > ledger.max_leases or not ledger.space.has_single:
+        core.sweep(now)  # other sessions' acks may have freed slots for the holds
+    _attached(core, req.session, "holding")
+    descs: list[Optional[bytes]] = []
+    held: list[bool] = []
+    taken = []
+    try:
+        for key in req.keys:
+            base = ledger.keys.find(key)
+            ledger.keys.count(key, "misses" if base is None else "hits")
+            if base is None:
+                core.counters.key_misses += 1
+                descs.append(None)
+                held.append(False)
+                continue
+            core.counters.key_hits += 1
+            if base.retain_ttl is None:
+                descs.append(base.descriptor)
+                held.append(False)
+                continue
+            h = ledger.hold(base, req.session, req.count, now)
+            taken.append(h)
+            descs.append(hold_descriptor(base, h))
+            held.append(True)
+    except MmfeatError:
+        for h in taken:
+            ledger.end(h, EndReason.RELEASED, now)
+        raise
+    return m.HoldKeysReply(tuple(descs), tuple(held))
+
+
 def evict(core: DaemonCore, req: m.EvictRequest, now: float) -> m.EvictReply:
     """No key finds the feature from now on; a retained one is freed as soon as nothing holds it."""
     live = _found(core, req.key, now)
@@ -330,6 +374,7 @@ HANDLERS: dict[str, Handler] = {
     "lookup": lookup,
     "lookup_key": lookup_key,
     "hold": hold,
+    "hold_keys": hold_keys,
     "evict": evict,
     "remote_get": remote_get,
     "arena": arena,

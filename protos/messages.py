@@ -134,6 +134,14 @@ class LookupKeyRequest(_Message):
     descriptors: bool = False  # also answer each live key's descriptor (lookup), not only whether it is live
 
 
+class HoldKeysRequest(_Message):
+    """A lookup and a hold in one request: each live retained key held for ``count`` readers."""
+
+    session: Token
+    keys: Annotated[list[Key], Field(min_length=1)]
+    count: Consumers = 1
+
+
 class EvictRequest(_Message):
     key: Key
 
@@ -185,6 +193,7 @@ REQUEST_MODELS: dict[str, type[_Message]] = {
     "lookup": LookupRequest,
     "lookup_key": LookupKeyRequest,
     "hold": HoldRequest,
+    "hold_keys": HoldKeysRequest,
     "evict": EvictRequest,
     "remote_get": RemoteGetRequest,
     "arena": ArenaRequest,
@@ -198,7 +207,7 @@ REQUEST_MODELS: dict[str, type[_Message]] = {
 
 # The replies, for the many callers that name them from here.
 from .replies import (  # noqa: E402, F401
-    LeaseRefReply, LeaseReply, AckReply, LookupKeyReply, HoldReply, EvictReply, ReleaseReply, EmptyReply,
+    LeaseRefReply, LeaseReply, AckReply, LookupKeyReply, HoldReply, HoldKeysReply, EvictReply, ReleaseReply, EmptyReply,
     PoolInfo, HelloReply, PoolInfoReply, PingReply, ArenaReply, FabricPool, RemoteGetReply, StatsReply, Reply,
     REPLY_TYPES,
 )

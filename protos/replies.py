@@ -227,6 +227,28 @@ class HoldReply(_Reply):
 
 
 @dataclass(slots=True)
+class HoldKeysReply(_Reply):
+    """Per key asked, in order: the descriptor its readers get and ack, or nil for no live feature; and
+    whether it is a hold's (a retained feature's) rather than a counted feature's own."""
+
+    descriptors: tuple[Optional[bytes], ...]
+    held: tuple[bool, ...]
+    _WIRE = {"descriptors": list, "held": list}
+
+    @classmethod
+    def from_wire(cls, body: Any) -> "HoldKeysReply":
+        out = _read(cls, body)
+        descs, held = tuple(out["descriptors"]), tuple(out["held"])
+        if (len(descs) != len(held) or not all(type(d) in _OPT_BYTES for d in descs)
+                or not all(type(h) is bool and (not h or d is not None) for d, h in zip(descs, held))):
+            raise _reply_error(cls, "has descriptors and held flags that are not one bin or nil and one bool per key")
+        return cls(descs, held)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"descriptors": list(self.descriptors), "held": list(self.held)}
+
+
+@dataclass(slots=True)
 class EvictReply(_Reply):
     evicted: bool  # a feature was live under the key; it is not findable by it any more
     held: bool  # holds still protect it: its bytes go once the last of them ends
@@ -378,6 +400,7 @@ REPLY_TYPES: dict[str, type[_Reply]] = {
     "lookup": LeaseReply,
     "lookup_key": LookupKeyReply,
     "hold": HoldReply,
+    "hold_keys": HoldKeysReply,
     "evict": EvictReply,
     "remote_get": RemoteGetReply,
     "arena": ArenaReply,

@@ -345,3 +345,59 @@ def test_namespace_metrics_for_prometheus(daemon_factory) -> None:
         assert all(line in text for line in want), text
         c.ack(h)
         assert c.evict(key)
+
+
+def test_hold_many_looks_up_and_holds_in_one_request_all_or_none(daemon_factory) -> None:
+    """hold_keys: a retained key's answer is a hold of its own, a counted key's its own descriptor (no
+    hold), a key evicted or never put a miss; a refused hold gives back the ones the request took."""
+    d = daemon_factory("--pool-mb", "16", "--max-session-leases", "2")
+    ret, counted, gone = [NS.key("hk0"), NS.key("hk1")], NS.key("hk-counted"), NS.key("hk-gone")
+    for i, k in enumerate([*ret, gone, counted]):  # a session each: max_session_leases caps what one holds
+        with d.client() as producer:
+            if k == counted:
+                own = producer.put(torch.ones(10000), key=counted)
+            else:
+                producer.put(torch.full((10000,), float(i)), key=k, retain_ttl=300.0)
+    with d.client() as evictor:
+        assert evictor.evict(gone)
+    holder = d.client(map_pools=False)
+    try:
+        before = d.stats()["counters"]
+        found = holder.hold_many([ret[0], counted, gone, NS.key("never"), ret[1]], count=2)
+        s = d.stats()
+        assert s["counters"]["requests_by_op"]["hold_keys"] - before["requests_by_op"].get("hold_keys", 0) == 1
+        assert [f is not None and f[1] for f in found] == [True, False, False, False, True]
+        assert found[2] is None and found[3] is None and found[1][0].to_bytes() == own.to_bytes()
+        assert s["holds"] == 2 and s["namespaces"][NS.id]["hits"] == 3 and s["namespaces"][NS.id]["misses"] == 2
+        with d.client() as reader:  # a hold reads and acks as any feature: two readers end it
+            for i in (0, 4):
+                assert torch.equal(reader.get(found[i][0], copy=True), torch.full((10000,), float(i // 4)))
+                reader.ack(found[i][0], count=2)
+        d.wait_for(lambda s: s["holds"] == 0, timeout=15, what="the holds ended by their readers' acks")
+        # Past max_session_leases on the third hold: the request fails whole, the first two go back.
+        with pytest.raises(MmfeatError) as e:
+            holder.hold_many([ret[0], ret[1], ret[0]])
+        assert e.value.code is ErrorCode.OVER_QUOTA
+        s = d.stats()
+        assert s["holds"] == 0 and s["counters"]["holds_ended"] == s["counters"]["holds"] == 4
+        # Refused keys, lists and counts, by the client before sending and by the daemon whatever it is sent.
+        too_many = [NS.key(str(i)) for i in range(MAX_LOOKUP_KEYS + 1)]
+        for keys, code in ((["no-namespace"], ErrorCode.BAD_REQUEST), ([], ErrorCode.BAD_REQUEST),
+                           (too_many, ErrorCode.TOO_LARGE)):
+            if keys:
+                with pytest.raises(MmfeatError) as e:
+                    holder.hold_many(keys)
+                assert e.value.code is code
+            with pytest.raises(MmfeatError) as e:
+                holder.request("hold_keys", session=holder.session.token, keys=keys)
+            assert e.value.code is code, keys
+        for bad in ({"count": 0}, {"count": 4097}, {"timeout": 0}):
+            with pytest.raises(ValueError):
+                holder.hold_many([ret[0]], **bad)
+        assert d.stats()["holds"] == 0
+    finally:
+        holder.close()
+    with d.client() as c:
+        c.ack(own)
+        assert [c.evict(k) for k in ret] == [True, True]
+    books_balance(d)

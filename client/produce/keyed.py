@@ -23,7 +23,7 @@ from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.keys import check_key, check_keys
 from mmfeat.protos.lease_table import GEN_MASK
 from mmfeat.protos.messages import MAX_CONSUMERS, MAX_KEPT_DESCRIPTOR_BYTES, MAX_RETAIN_TTL_S, TOKEN_BYTES, \
-    FallbackReason, HoldReply, LookupKeyReply, PoolInfo
+    FallbackReason, HoldKeysReply, HoldReply, LookupKeyReply, PoolInfo
 
 from ..link.channel import ControlChannel
 from ..link.session import Session
@@ -129,7 +129,7 @@ def _late(why: str) -> MmfeatError:
 
 
 class KeyLookups:
-    """has, has_many, lookup, hold and evict: control requests, which need no pool."""
+    """has, has_many, lookup, hold, hold_many and evict: control requests, which need no pool."""
 
     def __init__(self, channel: ControlChannel, connect: Any) -> None:
         self._channel = channel
@@ -147,8 +147,7 @@ class KeyLookups:
         return Descriptor.from_bytes(data) if data is not None else None
 
     def hold(self, target: Union[str, Descriptor], count: int) -> Optional[Descriptor]:
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CONSUMERS:
-            raise ValueError(f"count must be an int between 1 and {MAX_CONSUMERS}, not {count!r}")
+        _check_count(count)
         session: Session = self._connect()
         fields: dict[str, Any] = {"session": session.token, "count": count}
         if isinstance(target, str):
@@ -172,3 +171,28 @@ class KeyLookups:
 
     def evict(self, key: str) -> bool:
         return bool(self._channel.call("evict", key=check_key(key))["evicted"])
+
+    def hold_keys(self, keys: list[str], count: int,
+                  timeout: Optional[float]) -> list[Optional[tuple[Descriptor, bool]]]:
+        keys = check_keys(keys)
+        _check_count(count)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < math.inf):
+            raise ValueError(f"timeout must be None or a finite number of seconds > 0, not {timeout!r}")
+        if not keys:
+            return []
+        session: Session = self._connect()
+        try:
+            reply = HoldKeysReply.from_wire(self._channel.call("hold_keys", timeout=timeout, session=session.token,
+                                                               keys=keys, count=count))
+        except MmfeatError as exc:
+            if exc.code is ErrorCode.NOT_FOUND:
+                return [None] * len(keys)  # a session from before a daemon restart, which forgot every key
+            raise
+        return [None if d is None else (Descriptor.from_bytes(d), held)
+                for d, held in zip(reply.descriptors, reply.held)]
+
+
+def _check_count(count: int) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CONSUMERS:
+        raise ValueError(f"count must be an int between 1 and {MAX_CONSUMERS}, not {count!r}")
