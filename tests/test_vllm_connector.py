@@ -139,18 +139,27 @@ def test_a_step_no_rank_ran_is_given_back_whole_once_a_later_step_reports(daemon
     _books_balance(daemon, ["img-a", "img-b"])
 
 
-def test_an_item_gone_between_lookup_and_hold_fails_its_request_instead_of_loading_nothing(daemon, children) -> None:
+def test_an_item_evicted_after_the_lookup_still_loads_because_the_hold_came_with_it(daemon, children) -> None:
+    """The lookup and the hold are one request: an item found is already held when has_cache_item says
+    so, and vLLM is committed from then on. An eviction (by key, or the pool's need for space) before
+    the ranks copy it unbinds the key and leaves the bytes to the hold."""
     rt = str(daemon.runtime_dir)
     _produce(children, rt, ["img-a"])
-    cons = Engine(rt, _settings(), producer=False, consumer=True, ctx=children)
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children)
     req = _requests("pd", ["img-a"])[0]
     assert cons.side.ensure_cache_available(req, 0) and cons.side.has_cache_item("img-a")
     with Client(rt, map_pools=False) as evictor:
         assert evictor.evict(Namespace(**NS).key("img-a"))
+        assert not evictor.has(Namespace(**NS).key("img-a"))
     cons.side.update_state_after_alloc(req, 0)
-    assert cons.side.take_unavailable_requests() == {req.request_id}
-    assert cons.side.build_connector_meta(None).loads == {}
-    cons.close()
+    meta = cons.side.build_connector_meta(None)
+    assert list(meta.loads) == ["img-a"] and cons.side.take_unavailable_requests() == set()
+    report = cons.run(meta, [])
+    assert report.loaded == {"img-a": 2} and not report.failed
+    cons.finish([req])
+    assert cons.close() == 2  # each rank read the item's own bytes
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["holds"] == 0, timeout=15,
+                    what="the evicted item freed once its hold ended")
 
 
 def test_eviction_under_pressure_takes_unheld_items_and_never_a_held_one(daemon_factory, children) -> None:

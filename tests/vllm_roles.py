@@ -15,6 +15,7 @@ import hashlib
 import multiprocessing
 import os
 import signal
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -100,6 +101,7 @@ class Engine:
     def schedule(self, requests: list[Request]) -> tuple[StepLoads, list[str]]:
         """The scheduler's part of one step, as vLLM calls it: ensure, has, alloc, build."""
         compute: list[str] = []
+        scheduled: dict[str, int] = {}
         for req in requests:
             if not self.side.ensure_cache_available(req, 0):
                 continue
@@ -107,7 +109,19 @@ class Engine:
                 if not self.side.has_cache_item(f.identifier):
                     compute.append(f.identifier)
                 self.side.update_state_after_alloc(req, i)
-        return self.side.build_connector_meta(None), compute
+            scheduled[req.request_id] = 1
+        # What the connector reads of vLLM's SchedulerOutput: the requests that ran this step.
+        so = SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=set())
+        return self.side.build_connector_meta(so), compute
+
+    def decode(self, requests: list[Request]) -> StepLoads:
+        """A later step of requests that run on: vLLM asks ensure_cache_available of each, and nothing
+        more of their items (its encoder cache has them, or their tokens are computed), then builds
+        the step's metadata."""
+        for req in requests:
+            assert self.side.ensure_cache_available(req, 1 << 20)
+        so = SimpleNamespace(num_scheduled_tokens={r.request_id: 1 for r in requests}, preempted_req_ids=set())
+        return self.side.build_connector_meta(so)
 
     def run(self, meta: StepLoads, compute: list[str], kill_rank: Optional[int] = None,
             apply: bool = True) -> StepReport:

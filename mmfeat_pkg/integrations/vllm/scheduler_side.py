@@ -2,15 +2,23 @@
 and what to do with the workers' reports. It runs in vLLM's EngineCore process on a control-only
 client, which maps no pool.
 
-Per step, vLLM asks ``ensure_cache_available`` for each request, then ``has_cache_item`` for each of
-its items it would otherwise encode, then ``update_state_after_alloc`` for each item it allocated
-encoder-cache space for, then ``build_connector_meta`` once. A True from ``has_cache_item`` commits
-the scheduler (the item gets no encoder budget and the runner will not encode it), so it must be
-honest until the ranks have copied the item: the hold taken at allocation protects it from eviction
-and from its TTL until each rank acked it, and an item gone by then fails its request cleanly
-(``take_unavailable_requests``) instead of feeding the model bytes it does not have. What each load
-still owes the item is kept in ``LoadBooks`` (books.py), which settles it by the load's own step's
-report whatever order vLLM finishes requests and applies reports in.
+Per step, vLLM takes its requests one by one: ``ensure_cache_available`` for a request, then
+``has_cache_item`` for each of its items in this step's token window that its own encoder cache
+lacks, then ``update_state_after_alloc`` for each item it allocated encoder-cache space for (to load
+or to encode), and ``build_connector_meta`` once after the last request. A True from
+``has_cache_item`` commits the scheduler (the item gets no encoder budget and the runner will not
+encode it), so it must be honest until the ranks have copied the item: a request's first
+``ensure_cache_available`` looks its items up and holds the live ones in one request (``hold_many``),
+so the answer comes with the hold that protects the item from eviction and from its TTL until each
+rank acked it. What each load still owes the item is kept in ``LoadBooks`` (books.py), which settles it
+by the load's own step's report whatever order vLLM finishes requests and applies reports in.
+
+Round trips: one per new request with items to ask for (vLLM asks ``ensure_cache_available`` request
+by request, answering each before it takes the next, so requests cannot share one), none for a running
+request's later steps, and one per item that a request's later chunk first reaches. Holds of items
+vLLM did not allocate (its own encoder cache had them, or the request did not run this step) are given
+back at ``build_connector_meta``, as acks in the lease table: no round trip. A producer asks nothing
+per item unless its daemon is meshed (``request_finished``).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Optional, Protocol, Sequence
 
 from mmfeat.client import MAX_LOOKUP_KEYS, Descriptor, MmfeatError
@@ -30,11 +38,11 @@ from .settings import ConnectorSettings
 log = logging.getLogger("mmfeat.integrations.vllm")
 
 PARAMS_KEY = "mmfeat"  # the key of our entry in each item of ec_transfer_params
-MAX_SAVED = 65536  # saved descriptors kept for request_finished; a request that never finishes drops out
+RETRY_S = 5.0  # how often an absent daemon is asked again for its node and mesh
 
 
 class Feature(Protocol):  # vllm.multimodal.inputs.MultiModalFeatureSpec, as far as we read it
-    identifier: str
+    identifier: str  # and mm_position (offset, length), where it has one
 
 
 class Request(Protocol):  # vllm.v1.request.Request, as far as we read it
@@ -49,23 +57,69 @@ def has_many(client: Any, keys: list[str]) -> list[bool]:
             for hit in client.has_many(keys[i:i + MAX_LOOKUP_KEYS])]
 
 
+def _ahead(feature: Feature, num_computed_tokens: int) -> bool:
+    """Whether vLLM may still want the item: its placeholders do not all lie in tokens already computed
+    (vLLM's window starts there). One without a position may always be wanted."""
+    pos = getattr(feature, "mm_position", None)
+    return pos is None or pos.offset + pos.length > num_computed_tokens
+
+
 class SchedulerSide:
     def __init__(self, client: Any, namespace: Any, settings: ConnectorSettings, is_producer: bool,
                  is_consumer: bool, loading_ranks: int) -> None:
         self._client, self._ns, self._settings = client, namespace, settings
         self._producer, self._consumer, self._ranks = is_producer, is_consumer, loading_ranks
-        self._known: dict[str, bool] = {}  # this step's answers, mm_hash -> in the pool
+        # This step's answers, mm_hash -> (descriptor bytes, held) or None for a miss: the descriptor is a
+        # hold's (held) or a counted item's own.
+        self._answers: dict[str, Optional[tuple[bytes, bool]]] = {}
+        self._asked: set[str] = set()  # requests whose items were asked; their later steps ask nothing
+        self._asked_now: set[str] = set()  # of those, the ones asked this step
         self._remote: dict[str, Descriptor] = {}  # another node's descriptors named by a request's params
         self._prefetched: dict[str, float] = {}  # mm_hash -> when its pull was started
-        self._loads: dict[str, bytes] = {}  # this step's holds, mm_hash -> hold descriptor bytes
+        self._loads: dict[str, bytes] = {}  # this step's loads, mm_hash -> the descriptor bytes its ranks ack
         self._saves: list[str] = []
         # Not reset per step: reports may come a step late (vLLM's async scheduling builds the next step
         # before the last one's output is in), and a request may end before its step's report.
         self._books = LoadBooks(loading_ranks)
-        self._saved: OrderedDict[str, bytes] = OrderedDict()  # producer: what the workers saved, until asked
+        # Producer: what its running requests encode here (request id -> mm_hashes, and how many of them
+        # want each), and the descriptors the workers reported saving for them, until they finish.
+        self._saving: dict[str, set[str]] = {}
+        self._wanted: Counter[str] = Counter()
+        self._saved: dict[str, bytes] = {}
         self._node_id: Optional[str] = None
+        self._meshed = False
+        self._retry_at = 0.0
         self._unavailable: set[str] = set()
         self.counters: Counter[str] = Counter()
+        self._start()
+
+    def _start(self) -> None:
+        """Open the session and learn the daemon's node and mesh now, not in the first step: the first
+        hold pays for no handshake, and request_finished knows without asking whether a descriptor is
+        worth asking for. A daemon that is away is no reason to stop the engine: it is asked again when
+        needed, and meanwhile the model encodes its items itself."""
+        try:
+            self._client.connect()
+        except MmfeatError as e:
+            log.warning("mmfeat EC connector: no daemon yet (%s); lookups will retry", e)
+            return
+        self._daemon_known()
+
+    def _daemon_known(self) -> bool:
+        """Whether this daemon's node id and mesh are known, asking it (at most every RETRY_S) if not."""
+        if self._node_id is not None:
+            return True
+        now = time.monotonic()
+        if now < self._retry_at:
+            return False
+        self._retry_at = now + RETRY_S
+        try:
+            s = self._client.stats()
+        except MmfeatError as e:
+            log.warning("mmfeat: the daemon did not say its node (%s); asking again in %.0f s", e, RETRY_S)
+            return False
+        self._node_id, self._meshed = str(s["node"]), s.get("mesh") is not None
+        return True
 
     # --- lookups ---------------------------------------------------------------------------------
 
@@ -73,10 +127,14 @@ class SchedulerSide:
         if not self._consumer:
             return True
         self._note_remote(request)
-        wanted = [f.identifier for f in request.mm_features
-                  if f.identifier not in self._known and f.identifier not in self._remote]
-        if wanted:
-            self._lookup(wanted)
+        rid = request.request_id
+        if rid not in self._asked:
+            self._asked.add(rid)
+            self._asked_now.add(rid)
+            wanted = dict.fromkeys(f.identifier for f in request.mm_features if _ahead(f, num_computed_tokens))
+            ask = [h for h in wanted if h not in self._answers and h not in self._remote]
+            if ask:
+                self._ask(ask)
         # A pull another node serves starts here, a step before the ranks read it: the request waits one
         # step for it, then the ranks' gets find it under way or done (each waits up to load_wait_s).
         now = time.monotonic()
@@ -94,20 +152,25 @@ class SchedulerSide:
             return False
         if identifier in self._remote:
             return True
-        if identifier not in self._known:
-            self._lookup([identifier])
-        return self._known[identifier]
+        if identifier not in self._answers:
+            self._ask([identifier])  # a running request's item that this step's chunk reaches first
+        return self._answers[identifier] is not None
 
-    def _lookup(self, hashes: list[str]) -> None:
-        try:
-            found = has_many(self._client, [self._ns.key(h) for h in hashes])
-        except MmfeatError as e:
-            # The daemon is away: nothing is in the pool, and the model encodes its items itself.
-            log.warning("mmfeat: lookup failed (%s); encoding locally", e)
-            found = [False] * len(hashes)
-        for h, hit in zip(hashes, found):
-            self._known[h] = hit
-            self.counters["hits" if hit else "misses"] += 1
+    def _ask(self, hashes: list[str]) -> None:
+        """Look ``hashes`` up and hold the live ones for this step's loads: one round trip per
+        MAX_LOOKUP_KEYS of them."""
+        for i in range(0, len(hashes), MAX_LOOKUP_KEYS):
+            part = hashes[i:i + MAX_LOOKUP_KEYS]
+            try:
+                found = self._client.hold_many([self._ns.key(h) for h in part], count=self._ranks)
+            except MmfeatError as e:
+                # The daemon is away, or refused the holds (OVER_QUOTA, POOL_FULL): none was taken, and
+                # the model encodes these items itself.
+                log.warning("mmfeat: lookup failed (%s); encoding locally", e)
+                found = [None] * len(part)
+            for h, hit in zip(part, found):
+                self._answers[h] = None if hit is None else (hit[0].to_bytes(), hit[1])
+                self.counters["hits" if hit else "misses"] += 1
 
     def _note_remote(self, request: Request) -> None:
         for h, item in (request.ec_transfer_params or {}).items():
@@ -120,13 +183,8 @@ class SchedulerSide:
                 log.warning("mmfeat: request %s names item %s with an unreadable descriptor (%s); ignored",
                             request.request_id, h, e)
                 continue
-            if desc.is_inline or desc.node != self._node():
+            if desc.is_inline or (self._daemon_known() and desc.node != self._node_id):
                 self._remote[h] = desc
-
-    def _node(self) -> str:
-        if self._node_id is None:
-            self._node_id = str(self._client.ping()["node"])
-        return self._node_id
 
     # --- allocation and the step's metadata ------------------------------------------------------
 
@@ -134,33 +192,23 @@ class SchedulerSide:
         h = request.mm_features[index].identifier
         if self._producer and not self._consumer:
             self._saves.append(h)
+            self._note_save(request.request_id, h)
             return
         if h in self._remote:
             self._add_load(request, h, self._remote[h].to_bytes(), held=False)
             return
-        if not self._known.get(h):
-            return  # vLLM encodes it here
+        answer = self._answers.get(h)
+        if answer is None:
+            if self._producer:
+                self._note_save(request.request_id, h)  # encoded here, then saved by the first rank
+            return
         if h in self._loads:
             self._books.add(request.request_id, h, None)  # another request of this step loads it
             return
-        try:
-            if self._settings.lifetime == "retained":
-                hold = self._client.hold(self._ns.key(h), count=self._ranks)
-            else:
-                # A counted item is freed by its consumers' acks: each rank's ack is one of them, so the
-                # ranks read the item's own descriptor and nothing else protects it.
-                hold = self._client.lookup(self._ns.key(h))
-        except MmfeatError as e:
-            log.warning("mmfeat: hold of %s failed (%s)", h, e)
-            hold = None
-        if hold is None:
-            # Gone between the lookup and now (evicted, expired, its daemon restarted): the scheduler is
-            # committed to loading it, so the request fails cleanly and a retry encodes it.
-            self.counters["hold_misses"] += 1
-            self._unavailable.add(request.request_id)
-            return
+        # A hold (retained), or a counted item's own descriptor: each rank's ack is one of its consumers,
+        # so the ranks read the item's descriptor and nothing else protects it.
         self.counters["holds"] += 1
-        self._add_load(request, h, hold.to_bytes(), held=True)
+        self._add_load(request, h, answer[0], held=True)
 
     def _add_load(self, request: Request, h: str, blob: bytes, held: bool) -> None:
         self._loads[h] = blob
@@ -168,9 +216,19 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> StepLoads:
         meta = StepLoads(loads=dict(self._loads), saves=list(self._saves), step=self._books.send())
+        for h, answer in self._answers.items():
+            if answer is not None and answer[1] and h not in self._loads:
+                self._release(h, answer[0], self._ranks, "holds_unused")
+        # A request asked this step that did not run asks again when it does: its holds went back. One
+        # preempted starts over (vLLM freed its encoder cache entries).
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+        if scheduled is not None:
+            self._asked.difference_update(self._asked_now.difference(scheduled))
+        self._asked.difference_update(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._loads.clear()
         self._saves.clear()
-        self._known.clear()
+        self._answers.clear()
+        self._asked_now.clear()
         return meta
 
     # --- the workers' reports --------------------------------------------------------------------
@@ -178,9 +236,11 @@ class SchedulerSide:
     def update_connector_output(self, report: Optional[StepReport]) -> None:
         if not report:
             return
-        self._saved.update(report.saved)
-        while len(self._saved) > MAX_SAVED:
-            self._saved.popitem(last=False)
+        # Only what a running request will ask for: vLLM finishes an encode-only request before it reads
+        # the report of the step that saved its items.
+        for h, blob in report.saved.items():
+            if h in self._wanted:
+                self._saved[h] = blob
         self.counters["loads"] += sum(report.loaded.values())
         waiting, releases = self._books.report(report.step, report.acked) if report.step else ({}, [])
         for h, why in report.failed.items():
@@ -194,15 +254,22 @@ class SchedulerSide:
         """Units of holds that no rank acked (a rank died, or never ran the step), so that no hold
         outlives its request and no counted item waits for a load that will not come."""
         for r in releases:
-            try:
-                self._client.ack(r.blob, count=r.units)
-                self.counters["holds_released"] += 1
-            except MmfeatError as e:
-                log.info("mmfeat: release of the hold on %s: %s", r.mm_hash, e)
+            self._release(r.mm_hash, r.blob, r.units, "holds_released")
+
+    def _release(self, h: str, blob: bytes, units: int, counter: str) -> None:
+        try:
+            self._client.ack(blob, count=units)  # into the lease table: no round trip
+            self.counters[counter] += 1
+        except MmfeatError as e:
+            log.info("mmfeat: release of the hold on %s: %s", h, e)
 
     def unsettled_loads(self) -> int:
         """Held loads whose units are neither acked nor given back yet: none once the scheduler is idle."""
         return self._books.pending()
+
+    def kept_descriptors(self) -> int:
+        """Saved items' descriptors kept for producer requests still running: none once they finished."""
+        return len(self._saved)
 
     def take_unavailable_requests(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()
@@ -213,22 +280,38 @@ class SchedulerSide:
         # report (Scheduler.update_from_output), and an abort may come while a step that loads for it is
         # on the ranks: the books give back now only what a report already settled.
         self._give_back(self._books.finish(request.request_id))
+        self._asked.discard(request.request_id)
         for f in request.mm_features:
             self._remote.pop(f.identifier, None)
             self._prefetched.pop(f.identifier, None)
         if not self._producer:
             return False, None
         items: dict[str, Any] = {}
-        for f in request.mm_features:
-            blob = self._saved.pop(f.identifier, None) or self._lookup_saved(f.identifier)
+        for h in dict.fromkeys(f.identifier for f in request.mm_features):
+            blob = self._saved.get(h)
+            if blob is None and self._daemon_known() and self._meshed:
+                blob = self._lookup_saved(h)
             if blob is not None:
-                items[f.identifier] = {PARAMS_KEY: {"desc": base64.b64encode(blob).decode("ascii"),
-                                                    "node": self._node()}}
+                items[h] = {PARAMS_KEY: {"desc": base64.b64encode(blob).decode("ascii"),
+                                         "node": Descriptor.from_bytes(blob).node}}
+        for h in self._saving.pop(request.request_id, ()):
+            self._wanted[h] -= 1
+            if not self._wanted[h]:
+                del self._wanted[h]
+                self._saved.pop(h, None)
         return False, items or None
 
+    def _note_save(self, rid: str, h: str) -> None:
+        saving = self._saving.setdefault(rid, set())
+        if h not in saving:
+            saving.add(h)
+            self._wanted[h] += 1
+
     def _lookup_saved(self, h: str) -> Optional[bytes]:
-        """The descriptor of an item saved by a step whose report has not come back: vLLM finishes an
-        encode-only request in the step that encoded it, before it reads the workers' reports."""
+        """The descriptor of an item saved by a step whose report has not come back (vLLM finishes an
+        encode-only request in the step that encoded it, before it reads the workers' reports), for a
+        consumer on another node, which can reach this one only through a mesh: one round trip per
+        item. A consumer on this node looks the key up itself."""
         try:
             desc = self._client.lookup(self._ns.key(h))
         except MmfeatError as e:
