@@ -290,7 +290,11 @@ def hold_keys(core: DaemonCore, req: m.HoldKeysRequest, now: float) -> m.HoldKey
         raise MmfeatError(ErrorCode.TOO_LARGE, f"{len(req.keys)} keys in one hold_keys, over the {MAX_LOOKUP_KEYS} "
                           "a request may carry: split the list")
     ledger = core.ledger
-    core.sweep_session(now, req.session)  # its holds are slots of this session's: it may cut it
+    # Not this session's own slots first, as for an arena: the holds depend on no word there while its
+    # quota has room for them, and a session whose words would cut it is cut by the timer's next sweep.
+    # Acks of its earlier holds there give back quota: swept when the holds would not fit without them.
+    if not core.books.admits_holds(req.session, len(req.keys)):
+        core.sweep_session(now, req.session)
     core.sweep(now, slots=[lease.lease_id for lease in map(ledger.keys.find, req.keys) if lease is not None])
     if ledger.live + len(req.keys) > ledger.max_leases or not ledger.space.has_single:
         core.sweep(now)  # other sessions' acks may have freed slots for the holds

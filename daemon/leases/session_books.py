@@ -48,6 +48,10 @@ class SessionBooks:
         return ((not self.quota_bytes or held + size <= self.quota_bytes)
                 and not (self.max_singles and self._singles.get(session, 0) - less_singles >= self.max_singles))
 
+    def admits_holds(self, session: bytes, n: int) -> bool:
+        """``n`` more holds would keep the session within max_session_leases; nothing counted."""
+        return not self.max_singles or self._singles.get(session, 0) + n <= self.max_singles
+
     def bytes_of(self, session: bytes) -> int:
         """The bytes the session holds, as max_session_mb counts them."""
         return self._bytes.get(session, 0)
