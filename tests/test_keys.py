@@ -406,3 +406,31 @@ def test_hold_many_looks_up_and_holds_in_one_request_all_or_none(daemon_factory)
         c.ack(own)
         assert [c.evict(k) for k in ret] == [True, True]
     books_balance(d)
+
+
+def test_hold_many_across_a_daemon_restart_misses_then_holds_on_the_new_daemon(runtime_dir) -> None:
+    """A scheduler connected before a restart: its next hold_many answers misses (the keys went with the
+    epoch), never an error, and the same client holds on the new daemon after."""
+    key = NS.key("across-many")
+    d = start_daemon(runtime_dir, "--pool-mb", "16")
+    scheduler = Client(runtime_dir, map_pools=False, timeout=5.0)
+    try:
+        scheduler.connect()
+        with Client(runtime_dir) as p:
+            p.put(torch.ones(4096), key=key, retain_ttl=300.0)
+        assert d.stop() == 0
+        d.proc.communicate()
+        d = start_daemon(runtime_dir, "--pool-mb", "16")
+        assert scheduler.hold_many([key], count=2) == [None]
+        with Client(runtime_dir) as p:
+            p.put(torch.full((4096,), 3.0), key=key, retain_ttl=300.0)
+            (found,) = scheduler.hold_many([key], count=1)
+            assert found is not None and found[1] and d.stats()["holds"] == 1
+            assert torch.equal(p.get(found[0], copy=True), torch.full((4096,), 3.0))
+            p.ack(found[0])
+            p.flush()
+        assert d.stats()["holds"] == 0 and scheduler.evict(key)
+        books_balance(d)
+    finally:
+        scheduler.close()
+        d.stop()
