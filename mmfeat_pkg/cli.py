@@ -38,11 +38,13 @@ def render_stats(s: dict[str, Any]) -> str:
             f" {p['arenas']['count']:>6} {_mib(p['arenas']['slack']):>9}"
         )
     lines.append("")
-    counters = [(k, v) for k, v in c.items() if k != "fallbacks"]
+    counters = [(k, v) for k, v in c.items() if k not in ("fallbacks", "requests_by_op")]
     for i in range(0, len(counters), 4):
         lines.append("  ".join(f"{k}={v}" for k, v in counters[i : i + 4]))
     fb = c.get("fallbacks") or {}
     lines.append("fallbacks reported by clients: " + (", ".join(f"{k}={v}" for k, v in sorted(fb.items())) or "none"))
+    by_op = c.get("requests_by_op") or {}
+    lines.append("requests by op: " + (", ".join(f"{k}={v}" for k, v in sorted(by_op.items())) or "none"))
     namespaces = s.get("namespaces") or {}
     if namespaces:
         lines += ["", f"{'namespace':<16} {'keys':>7} {'retained MiB':>12} {'hits':>9} {'misses':>9} {'holds':>8} "
