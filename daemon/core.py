@@ -101,6 +101,9 @@ class DaemonCore:
         self.sweeper.charge = self._charge
         # Set by the server: closes a cut session's fd channel (without ending the session again).
         self.close_channel: Callable[[bytes], None] = lambda token: None
+        # Set by the server: handles every request already waiting on the fd channels. A lookup that
+        # missed calls it, so that a bind sent before the lookup was (daemon/handlers.py) is never missed.
+        self.read_waiting: Callable[[], None] = lambda: None
         self._cut_logged_at = float("-inf")
         # Arenas need compare-and-swap in the lease table (clients ack there): without libatomic, every
         # feature takes the message path.

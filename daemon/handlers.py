@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from mmfeat.protos import messages as m
 from mmfeat.protos.codec import MAX_REQUEST_BYTES
@@ -95,6 +95,7 @@ def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> m.HelloReply:
         # Producers may ask for arenas and ack in the lease table (SPEC.md, section 5).
         arenas=core.arenas_enabled,
         gpu_publish=core.gpu_publish,
+        bind=core.arenas_enabled,  # keyed and retained features in arenas, bound by a message (SPEC.md, bind)
         # CLOCK_MONOTONIC here: a client on the same kernel sees the same clock and may then send
         # request deadlines (SPEC.md, section 2).
         clock=now,
@@ -204,6 +205,30 @@ def publish(core: DaemonCore, req: m.PublishRequest, now: float) -> m.LeaseReply
     return _lease_reply(core, lease, now, lease.descriptor)
 
 
+def bind(core: DaemonCore, req: m.BindRequest, now: float) -> m.LeaseReply:
+    """A key and a lifetime for a feature the producer published in its arena: the key finds it from here
+    (unless it names a live feature already, which it keeps naming), and a retained one counts no
+    consumers from here."""
+    core.sweep_lease(now, req.lease)  # its table store: adopted here if no sweep has yet
+    lease, descriptor = core.ledger.bind(req.lease, req.session, now, req.key, req.retain_ttl, req.descriptor)
+    return _lease_reply(core, lease, now, descriptor)
+
+
+def _read_binds_first(core: DaemonCore, keys: Sequence[str] = (), ref: Optional[m.LeaseRef] = None) -> None:
+    """Handle what waits on the fd channels before a lookup by key would miss, or before a hold names a
+    feature awaiting its bind. A producer's put returns once its bind is in its fd channel's buffer,
+    and the request that looks the feature up was sent after that (its consumer learnt of the feature
+    from the producer): so what was put is found, however the daemon reads its sockets."""
+    ledger = core.ledger
+    if ref is not None:
+        lease = ledger.live_lease(ref.lease)
+        unbound = lease is None or lease.gen != ref.gen or lease.awaiting_bind
+    else:
+        unbound = any(ledger.keys.find(key) is None for key in keys)
+    if unbound:
+        core.read_waiting()
+
+
 def ack(core: DaemonCore, req: m.AckRequest, now: float) -> Union[m.AckReply, Deferred]:
     """``count`` consumers are done; acks beyond what the lease expects are counted, not applied. An ack
     of another node's feature is relayed to its daemon, batched; a waiting one is answered from there."""
@@ -235,6 +260,7 @@ def lookup_key(core: DaemonCore, req: m.LookupKeyRequest, now: float) -> m.Looku
         raise MmfeatError(ErrorCode.TOO_LARGE, f"{len(req.keys)} keys in one lookup_key, over the {MAX_LOOKUP_KEYS} "
                           "a request may carry: split the list")
     index = core.ledger.keys
+    _read_binds_first(core, req.keys)
     # Acks in the table may have ended some: the slots of the features found, not the whole table.
     core.sweep(now, slots=[lease.lease_id for lease in map(index.find, req.keys) if lease is not None])
     found, descs = [], []
@@ -256,6 +282,7 @@ def hold(core: DaemonCore, req: m.HoldRequest, now: float) -> m.HoldReply:
     if (req.key is None) == (req.lease is None):
         raise MmfeatError(ErrorCode.BAD_REQUEST, "hold: name the feature by key or by lease, exactly one of them")
     ledger = core.ledger
+    _read_binds_first(core, (req.key,) if req.key is not None else (), req.lease)
     found = ledger.keys.find(req.key) if req.key is not None else None
     slots = [s for s in (req.lease.lease if req.lease is not None else None,
                          found.lease_id if found is not None else None) if s is not None]
@@ -329,6 +356,7 @@ def hold_keys(core: DaemonCore, req: m.HoldKeysRequest, now: float) -> m.HoldKey
 
 def evict(core: DaemonCore, req: m.EvictRequest, now: float) -> m.EvictReply:
     """No key finds the feature from now on; a retained one is freed as soon as nothing holds it."""
+    _read_binds_first(core, (req.key,))
     live = _found(core, req.key, now)
     if live is not None and live.holds:
         core.sweep(now)  # acks of its holds, in their holders' slots, may have ended them
@@ -373,6 +401,7 @@ HANDLERS: dict[str, Handler] = {
     "hello": hello,
     "reserve": reserve,
     "publish": publish,
+    "bind": bind,
     "ack": ack,
     "release": release,
     "lookup": lookup,

@@ -114,6 +114,7 @@ class Server:
         ), ControlSocket.close)
         self.core.endpoint = self._control.endpoint
         self.core.close_channel = self._fds.drop_session
+        self.core.read_waiting = self._fds.read_waiting
         self.core.resource_stats = self._resource_stats
         if self.settings.listen:
             # Imported only here: the mesh's modules (ZeroMQ's authenticator, asyncio) are a tenth of a

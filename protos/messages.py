@@ -84,6 +84,19 @@ class PublishRequest(_Message):
     stream_ready: bool = False
 
 
+class BindRequest(_Message):
+    """A keyed or retained feature its producer published in its arena: the key and the lifetime the
+    daemon binds to it (SPEC.md, section 3, ``bind``), sent once, after the table store that published it."""
+
+    session: Token  # on the fd channel the connection's own session is used instead
+    lease: LeaseRef
+    key: Optional[Key] = None
+    # Retained: published with the CONSUMERS word no count of acks reaches (the lease table's 2**32 - 1).
+    retain_ttl: Optional[RetainTTL] = None
+    # Required with a key (the feature's pool descriptor, which lookups by key answer), refused without.
+    descriptor: Optional[KeptDescriptor] = None
+
+
 NodeName = Annotated[str, Field(min_length=1, max_length=128)]
 
 
@@ -180,7 +193,7 @@ class EmptyRequest(_Message):
 
 # Ops a client may also send on its fd channel after the handshake (SPEC.md, section 4): there a send
 # is a synchronous write into the daemon's socket buffer, so it is read before the channel's EOF.
-FD_CHANNEL_OPS = frozenset({"publish", "ack", "release", "ping", "arena", "arena_return"})
+FD_CHANNEL_OPS = frozenset({"publish", "bind", "ack", "release", "ping", "arena", "arena_return"})
 
 # op name -> request model. The daemon's handler table (daemon/handlers.py) has the same keys;
 # tests/test_spec.py checks that SPEC.md documents each of them.
@@ -188,6 +201,7 @@ REQUEST_MODELS: dict[str, type[_Message]] = {
     "hello": HelloRequest,
     "reserve": ReserveRequest,
     "publish": PublishRequest,
+    "bind": BindRequest,
     "ack": AckRequest,
     "release": ReleaseRequest,
     "lookup": LookupRequest,

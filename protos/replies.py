@@ -294,10 +294,14 @@ class HelloReply(_Reply):
     arenas: bool
     gpu_publish: str
     clock: float
+    # The daemon takes ``bind``: keyed and retained features published in arenas. False from a daemon
+    # that predates it, whose producers reserve such features.
+    bind: bool = False
     _WIRE = {"session": bytes, "epoch": int, "node": str, "endpoint": str, "pools": list, "reserve_ttl": _NUM,
              "ack_ttl": _NUM, "max_request_bytes": int, "table_slots": int, "arenas": bool, "gpu_publish": str,
-             "clock": _NUM}
+             "clock": _NUM, "bind": bool}
     _ITEMS = {"pools": PoolInfo}
+    _OPTIONAL = frozenset({"bind"})
 
 
 @dataclass(slots=True)
@@ -395,6 +399,7 @@ REPLY_TYPES: dict[str, type[_Reply]] = {
     "hello": HelloReply,
     "reserve": LeaseReply,
     "publish": LeaseReply,
+    "bind": LeaseReply,
     "ack": AckReply,
     "release": ReleaseReply,
     "lookup": LeaseReply,

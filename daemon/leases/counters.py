@@ -51,7 +51,8 @@ class Counters:
     requests: int = 0
     requests_by_op: dict[str, int] = field(default_factory=dict)  # of those, each known op's
     # Keys and lifetimes (SPEC.md, section 3, "Keys and lifetimes").
-    dedups: int = 0  # keyed puts answered with the feature already live under their key
+    dedups: int = 0  # keyed puts whose key named a live feature already: answered with it, or left unkeyed (bind)
+    binds: int = 0  # keys and lifetimes bound to features published in arenas
     key_hits: int = 0
     key_misses: int = 0
     holds: int = 0  # holds granted

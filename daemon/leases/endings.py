@@ -94,15 +94,21 @@ class Endings:
         return len(leases), self.arenas.give_back_session(session)
 
     def reclaim_session(self, session: bytes, now: float) -> int:
-        """Free the RESERVED leases of a session whose process is gone, and end its published GPU
-        features whose READY word is behind (its GPU never wrote them: a client that closes waits for
-        its writes first; their ranges go back after a grace); the others stay for consumers."""
+        """Free the RESERVED leases of a session whose process is gone, its arena features still awaiting
+        their bind, and its published GPU features whose READY word is behind (its GPU never wrote them:
+        a client that closes waits for its writes first; their ranges go back after a grace); the others
+        stay for consumers."""
         ids = self.books.pop_reserved(session)
         for lease_id in ids:
             lease = self._leases.get(lease_id)
             if lease is not None:
                 self.counters.reclaimed_on_disconnect += 1
                 self._free(lease, EndReason.RECLAIMED, now)
+        # Retained features its arenas still show awaiting their bind: every bind it sent came before the
+        # channel's end, so these were never bound, and the puts that stored them never returned.
+        for lease in [lease for lease in self._own.get(session, {}).values() if lease.awaiting_bind]:
+            self.counters.reclaimed_on_disconnect += 1
+            self._free(lease, EndReason.RECLAIMED, now)
         table = self._table
         if table is not None and self.gpu_pools:
             unwritten = [lease for lease in self._own.get(session, {}).values()

@@ -72,6 +72,10 @@ class Lease:
     # writing there. Its publish is then refused; its release or its session's end frees it.
     keeps_range: bool = False
     overdue: bool = False
+    # An arena feature published with the CONSUMERS word no acks reach (a retained one) whose ``bind``
+    # has not arrived: no ack ends it, no key finds it, and it ends with its session or after ack_ttl.
+    awaiting_bind: bool = False
+    bound: bool = False  # an arena feature whose bind was applied (once)
 
 
 # Why a slot's last generation ended, as stored per slot (one byte each): 0 while it never ended (or was

@@ -2,7 +2,8 @@
 
 A lease goes RESERVED -> PUBLISHED -> freed. It is freed when its last expected ack arrives, when the
 producer releases it, when its deadline passes, or (RESERVED only) when its producer's session ends.
-A feature a producer published in its arena enters PUBLISHED directly, when the sweep adopts it.
+A feature a producer published in its arena enters PUBLISHED directly, when the sweep adopts it
+(daemon/leases/arena_features.py, which also binds a key and a lifetime to one).
 Lease ids index a slot table; a slot's generation grows every time it is reused, so a descriptor
 that outlived its lease is told STALE instead of touching someone else's feature.
 """
@@ -21,6 +22,7 @@ from mmfeat.protos.lease_table import ACK_COUNT_MASK, FREE, PUBLISHED, RESERVED
 from mmfeat.protos.messages import TOKEN_BYTES, LeaseRef
 
 from .allocator import Allocator, align_up
+from .arena_features import ArenaFeatures
 from .arenas import BLOCK_SIZE, Arena, Arenas
 from .counters import Counters
 from .deadlines import Deadlines
@@ -34,7 +36,6 @@ from .slots import SlotSpace
 from .unwritten import Unwritten
 
 
-_ACKED = END_CODE[EndReason.ACKED]
 LIVE_GATE = np.iinfo(np.uint64).max  # the gate of a slot with a live lease
 
 
@@ -46,7 +47,7 @@ class AckResult:
     duplicate: bool = False
 
 
-class Ledger(Retention, Endings):
+class Ledger(Retention, Endings, ArenaFeatures):
     def __init__(
         self,
         allocators: dict[int, Allocator],
@@ -174,37 +175,6 @@ class Ledger(Retention, Endings):
         self.counters.reserves += 1
         return lease
 
-    def adopt(self, arena: Arena, slot_id: int, gen: int, nbytes: int, offset: int, consumers: int, token: bytes,
-              now: float) -> Lease:
-        """A feature its producer published in its arena: PUBLISHED from here, acked and expired like any."""
-        alloc = self.allocators[arena.pool_id]
-        lease = Lease(
-            lease_id=slot_id,
-            gen=gen,
-            pool_id=arena.pool_id,
-            offset=offset,
-            nbytes=nbytes,
-            token=token,
-            consumers=consumers,
-            remaining=consumers,
-            state=LeaseState.PUBLISHED,
-            session=arena.session,
-            deadline=now + self.ack_ttl,
-            reserved_at=now,
-            published_at=now,
-            size=align_up(nbytes, alloc.alignment),
-            arena=arena,
-        )
-        self._go_live(lease)
-        self.live += 1
-        self._account(lease, +1)
-        self.arenas.feature_added(arena, slot_id, offset, lease.size)
-        self._deadlines.push(lease)
-        self.counters.publishes += 1
-        self.counters.arena_publishes += 1
-        self.counters.arena_adoptions += 1
-        return lease
-
     def publish(self, ref: LeaseRef, session: bytes, now: float, descriptor: Optional[bytes] = None,
                 stream_ready: bool = False) -> Lease:
         """The lease published, or for a keyed one whose key another feature took meanwhile, that feature
@@ -272,7 +242,7 @@ class Ledger(Retention, Endings):
 
     def apply_acks(self, lease: Lease, count: int, now: float) -> AckResult:
         """``count`` acks for a live lease, from a message or from the lease table's ack word."""
-        if lease.retain_ttl is not None:
+        if lease.retain_ttl is not None or lease.awaiting_bind:
             # A reader of a retained feature without a hold acked its descriptor: nothing counts them.
             self.counters.retained_acks += count
             return AckResult(remaining=0, freed=False, over_acked=0)
@@ -301,28 +271,6 @@ class Ledger(Retention, Endings):
         return self.resolve(ref)
 
     # --- the sweep's --------------------------------------------------------------------------------
-
-    def adopt_acked(self, slots: np.ndarray, gens: np.ndarray, consumers: np.ndarray, acks: np.ndarray) -> None:
-        """Features their producers published and all their consumers acked between two sweeps (the
-        sweep checked every word against the arenas, and that a GPU-pool feature's READY word is
-        written): counted as published, acked and freed without ever becoming live leases (no Lease, no
-        expiry entry, no arena bookkeeping, so nothing keeps their range once the arena goes back).
-        Arrays, one element per feature: slot, generation, consumers expected, acks counted."""
-        self.gens[slots] = gens
-        self.gate[slots] = gens
-        self._ended[slots] = _ACKED
-        if self._table is not None:
-            self._table.free_many(slots, gens, ready=False)
-        n, expected, counted = len(slots), int(consumers.sum()), int(acks.sum())
-        c = self.counters
-        c.publishes += n
-        c.arena_publishes += n
-        c.acks += expected
-        c.over_acks += counted - expected
-        c.table_acks += counted
-        c.frees += n
-        for observe in self._quick_observers:
-            observe(n)
 
     def clear_block(self, arena: Arena) -> None:
         """A block just granted: no sweep read it before, so words a peer wrote there meanwhile would be

@@ -138,7 +138,10 @@ class Retention:
             if lease is keep:
                 continue
             short_of_slots = self.live >= self.max_leases or not self.space.has_single
-            if pool_id is not None and lease.pool_id != pool_id and not short_of_slots:
+            if short_of_slots or pool_id is None:
+                if lease.arena is not None:
+                    continue  # its slot is its arena's, never a single one
+            elif lease.pool_id != pool_id or not _range_goes_back(lease):
                 continue  # its range would not help this pool
             self.counters.evictions += 1
             self.keys.count(lease.key, "evictions")
@@ -158,6 +161,8 @@ class Retention:
                 break
             if lease.session != session or lease is keep:
                 continue
+            if lease.arena is not None and (not lease.arena.returned or self.books.short_of_singles(session)):
+                continue  # what it would give back counts for nothing in this quota
             self.counters.evictions += 1
             self.keys.count(lease.key, "evictions")
             self._free(lease, EndReason.EVICTED, now)
@@ -190,14 +195,16 @@ class Retention:
         retained feature of its own that nothing holds were evicted (evict_own evicts only as many as
         that takes)."""
         own = [lease for lease in self.keys.evictable() if lease.session == session and lease is not keep]
-        return self.books.admits_single(session, size, sum(lease.size for lease in own), len(own))
+        return self.books.admits_single(session, size, sum(lease.size for lease in own if _range_goes_back(lease)),
+                                        sum(1 for lease in own if lease.arena is None))
 
     def _no_room_after_evictions(self, pool_id: Optional[int], nbytes: int,
                                  keep: Optional[Lease] = None) -> Optional[str]:
         """None if evicting the retained features nothing holds (evict_for) would make room for a reserve
         of ``nbytes`` in pool ``pool_id`` (None: a hold, which needs a slot only); else why not."""
         evictable = [lease for lease in self.keys.evictable() if lease is not keep]
-        if self.live - len(evictable) >= self.max_leases or not (self.space.has_single or evictable):
+        singles = sum(1 for lease in evictable if lease.arena is None)  # an arena's slots are never single ones
+        if self.live - singles >= self.max_leases or not (self.space.has_single or singles):
             return (f"every lease slot is in use ({self.live} leases live, max_leases {self.max_leases}, arenas "
                     "included) and evicting the retained features nothing holds would not free one; retry or "
                     "fall back to inline")
@@ -207,9 +214,17 @@ class Retention:
         table = self._table
         # A GPU feature whose READY word is behind gives its range back only later (unwritten.py).
         ranges = [(lease.offset, lease.size) for lease in evictable if lease.pool_id == pool_id
-                  and not (pool_id in self.gpu_pools and table is not None
+                  and _range_goes_back(lease) and not (pool_id in self.gpu_pools and table is not None
                            and not table.is_ready(lease.lease_id, lease.gen))]
         if alloc.largest_after(ranges) >= align_up(nbytes, alloc.alignment):
             return None
         return (f"pool {pool_id} has no free range of {nbytes} B (free {alloc.free} B, largest {alloc.largest_free} "
                 "B), even with every retained feature nothing holds evicted; fall back to inline or wait for acks")
+
+
+def _range_goes_back(lease: Lease) -> bool:
+    """Whether freeing ``lease`` gives its range back to the pool (and its bytes to its session's quota):
+    not while it lies in an arena its producer still places features in, where the range is the
+    producer's ring's (a producer returns an arena whose ring a retained feature blocks, SPEC.md,
+    section 5, and from then on its features are evicted as any)."""
+    return lease.arena is None or lease.arena.returned

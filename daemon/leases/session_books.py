@@ -52,6 +52,10 @@ class SessionBooks:
         """``n`` more holds would keep the session within max_session_leases; nothing counted."""
         return not self.max_singles or self._singles.get(session, 0) + n <= self.max_singles
 
+    def short_of_singles(self, session: bytes) -> bool:
+        """The session holds max_session_leases single slots: only freeing one of them admits another."""
+        return bool(self.max_singles) and self._singles.get(session, 0) >= self.max_singles
+
     def bytes_of(self, session: bytes) -> int:
         """The bytes the session holds, as max_session_mb counts them."""
         return self._bytes.get(session, 0)

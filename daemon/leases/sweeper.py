@@ -294,7 +294,7 @@ class Sweeper:
         gen, state = word >> 2, word & 3
         lease = ledger.live_lease(slot)
         if lease is not None and state == DONE and gen == lease.gen and lease.state is LeaseState.PUBLISHED:
-            if lease.retain_ttl is not None:
+            if lease.retain_ttl is not None or lease.awaiting_bind:
                 # No count of acks reaches a retained feature's: a peer of the group wrote that DONE.
                 self._refuse(slot, word, lease.session, f"slot {slot} holds a retained feature, which no ack "
                              "ends, and was marked DONE")
@@ -315,8 +315,10 @@ class Sweeper:
         # it refused.
         pool, offset, nbytes, consumers, tok0, tok1 = self.table.entry(slot)
         acked = state == DONE and self._all_acked(slot, gen, consumers)
+        # CONSUMERS 2**32 - 1: a retained feature awaiting its bind, which no ack ends (never DONE).
+        retained = consumers == ACK_COUNT_MASK and state == PUBLISHED
         valid = ((state == PUBLISHED or acked) and pool == arena.pool_id and not offset % LEASE_ALIGNMENT
-                 and nbytes >= 1 and 1 <= consumers <= MAX_CONSUMERS)
+                 and nbytes >= 1 and (1 <= consumers <= MAX_CONSUMERS or retained))
         if valid and not arena.fits(offset, nbytes):
             # Its producer may reuse the space of features whose last consumer marked them DONE before
             # this daemon has ended them: end those first.

@@ -5,7 +5,7 @@ sends ``{v, session}`` (msgpack), and gets ``{v, ok, pools, table}`` with one fd
 then the lease table's fd attached.
 The connection then stays open for the life of the client: its EOF is the signal that the process died.
 After the handshake the client may send request frames for the ops in FD_CHANNEL_OPS
-(publish, ack, release, ping).
+(publish, bind, ack, release, ping, arena, arena_return).
 A send there is a synchronous write into this socket's buffer, and the kernel delivers every datagram
 before the EOF, so a publish whose send returned is handled even if its producer dies at once.
 """
@@ -13,10 +13,12 @@ before the EOF, so a publish whose send returned is handled even if its producer
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import select
 import socket
 import struct
+import termios
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -158,11 +160,28 @@ class FdChannel:
             self._last_warning = now
             log.warning("%s", message)
 
-    def on_readable(self, fileno: int) -> None:
+    def read_waiting(self) -> None:
+        """Handle every request already queued on the attached connections: all that their peers sent
+        before this call, and no more, whatever they send meanwhile (SIOCINQ of a SOCK_SEQPACKET socket
+        counts the bytes of every queued datagram). A control request calls it where its answer must
+        reflect what a client sent here before it (a lookup by key after a producer's bind)."""
+        for fileno, _ in self._epoll.poll(0, len(self) + 2):
+            conn = self._attached.get(fileno)
+            if conn is not None:
+                try:
+                    queued = struct.unpack("i", fcntl.ioctl(fileno, termios.FIONREAD, b"\0" * 4))[0]
+                except OSError:
+                    queued = _MAX_BATCH * _MAX_DATAGRAM
+                self.on_readable(fileno, queued)
+
+    def on_readable(self, fileno: int, queued: Optional[int] = None) -> None:
+        """Handle up to _MAX_BATCH datagrams of a readable connection; with ``queued``, datagrams until
+        that many bytes are read instead (an empty one counts as a byte)."""
         conn = self._attached.get(fileno) or self._pending.get(fileno)
         if conn is None:
             return
-        for _ in range(_MAX_BATCH):
+        left = _MAX_BATCH if queued is None else queued
+        while left > 0:
             try:
                 data = conn.sock.recv(_MAX_DATAGRAM)
             except (BlockingIOError, InterruptedError):
@@ -174,6 +193,7 @@ class FdChannel:
                 # EOF: the process exited or crashed, after everything it sent was read.
                 self._drop(fileno)
                 return
+            left -= 1 if queued is None else max(1, len(data))
             if conn.session is None:
                 self._handshake(fileno, conn, data)
                 return
