@@ -225,7 +225,7 @@ class Client:
     # --- producer ------------------------------------------------------------------------------
 
     def put(self, tensor: torch.Tensor, consumers: int = 1, key: Optional[str] = None,
-            retain_ttl: Optional[float] = None) -> Descriptor:
+            retain_ttl: Optional[float] = None, wait: bool = True) -> Descriptor:
         """Place one tensor in the pool for ``consumers`` consumers; returns its descriptor.
 
         ``key`` (``Namespace(...).key(name)``): the feature is found by it (has, lookup, hold, get(key=))
@@ -233,17 +233,25 @@ class Client:
         (these bytes are not kept). ``retain_ttl`` (seconds): retained instead of counted, kept after any
         number of reads until that long after its publish with no hold on it, or until the pool needs the
         space (then features nothing holds go, oldest first, before any put goes inline), or evict(key).
-        Either costs two round trips (the daemon learns of the feature before anyone can find it)."""
+        Either costs two round trips (the daemon learns of the feature before anyone can find it).
+
+        ``wait=False`` (with a key or a retain_ttl): no round trip. The feature goes into this client's
+        arena and one message it does not wait for binds its key and lifetime; any lookup made after put
+        returned finds it. The bytes are always copied: where the key names a live feature already, the
+        key keeps naming that one, and the descriptor returned names this put's own feature, readable for
+        its own lifetime but found by no key. A refused bind is counted in ``async_failures``. Where no
+        arena takes the feature (or the daemon predates bind) it reserves and waits, as ``wait=True``."""
         if self.readonly or not self.map_pools:
             self._check_writable()
         if key is not None or retain_ttl is not None:
-            return self._keyed.put([tensor], False, consumers, check_lifetime(key, retain_ttl, consumers))
+            return self._keyed.put([tensor], False, consumers, check_lifetime(key, retain_ttl, consumers),
+                                   _check_wait(wait))
         return self._producer.put_one(tensor, consumers)
 
     def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1, key: Optional[str] = None,
-                 retain_ttl: Optional[float] = None) -> Descriptor:
-        """Place several tensors in one lease (one descriptor, one ack per consumer); ``key`` and
-        ``retain_ttl`` as for put. The daemon keeps a keyed feature's descriptor for lookups, of at most
+                 retain_ttl: Optional[float] = None, wait: bool = True) -> Descriptor:
+        """Place several tensors in one lease (one descriptor, one ack per consumer); ``key``,
+        ``retain_ttl`` and ``wait`` as for put. The daemon keeps a keyed feature's descriptor for lookups, of at most
         ``mmfeat.protos.messages.MAX_KEPT_DESCRIPTOR_BYTES``: too many tensors under one key raise
         BAD_REQUEST before anything is placed (put them under several keys, or without a key)."""
         if isinstance(tensors, torch.Tensor):
@@ -253,7 +261,8 @@ class Client:
             raise ValueError("put_many needs at least one tensor")
         self._check_writable()
         if key is not None or retain_ttl is not None:
-            return self._keyed.put(list(tensors), True, consumers, check_lifetime(key, retain_ttl, consumers))
+            return self._keyed.put(list(tensors), True, consumers, check_lifetime(key, retain_ttl, consumers),
+                                   _check_wait(wait))
         return self._producer.put(list(tensors), consumers, many=True)
 
     def _check_writable(self) -> None:
@@ -467,6 +476,12 @@ def _check_device(device: Any) -> None:
         torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be None, an int, 'cuda:N' or a torch.device, not {device!r}") from None
+
+
+def _check_wait(wait: object) -> bool:
+    if not isinstance(wait, bool):
+        raise TypeError(f"wait must be True or False, not {wait!r}")
+    return wait
 
 
 def _as_descriptor(desc: DescLike) -> Descriptor:

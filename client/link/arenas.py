@@ -7,7 +7,9 @@ it: all acks, or expiry). The slot of a DONE feature comes back later, once the 
 Space that comes back at the last ack, not at the daemon's next sweep, keeps the ring short, so the
 features in flight stay in the CPU caches, and keeps a ring of a few large features from filling.
 A feature that does not fit goes to the next arena, or reserves; a new arena is asked for without
-waiting when the current one runs low, and arenas unused for ``IDLE_S`` go back to the pool.
+waiting when the current one runs low, and arenas unused for ``IDLE_S`` go back to the pool. A retained
+feature ends only at its retain_ttl or an eviction: an arena whose ring it blocks goes back as soon as
+a feature finds no room there, so that it holds no producer up.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Optional
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.handshake import ArenaGrant
-from mmfeat.protos.lease_table import DONE, GEN_MASK, PUBLISHED
+from mmfeat.protos.lease_table import ACK_COUNT_MASK, DONE, GEN_MASK, PUBLISHED
 from mmfeat.protos.messages import ArenaReply
 
 from .fd_transport import FdTransport
@@ -71,6 +73,7 @@ class Placement:
     # Published behind a GPU stream's write (READY word): its space is not taken back before the word
     # is written, whatever its consumers acked, so a write still queued never lands under the next.
     by_stream: bool = False
+    retained: bool = False  # no ack ends it: its space comes back only at its retain_ttl, or an eviction
 
 
 def _drop(p: "Placement") -> None:
@@ -188,6 +191,13 @@ class ProducerArena:
             return head if ahead else None
         return head if head + size <= tail else None  # wrapped: room only in [head, tail)
 
+    def pinned(self) -> bool:
+        """Whether the oldest feature still live is a retained one: nothing comes back to this ring until
+        its retain_ttl passes or it is evicted, and until then the ring takes only what fits before it."""
+        self.reclaim()
+        p = self._ring[0] if self._ring else None
+        return p is not None and p.retained and p.published and self._table.state_word(p.slot) == p.live_word
+
     def low(self) -> bool:
         """Past half its bytes, or half its slots under live features (a burst of small features runs out
         of slots first)."""
@@ -295,6 +305,11 @@ class ArenaSet:
             fitting = [a for a in arenas or () if nbytes <= a.size * MAX_FEATURE_FRACTION]
         for arena in fitting:
             p = arena.place(nbytes)
+            if p is None and arena.pinned() and arena.returnable():
+                # Returned, its retained features stay readable, each range going back to the pool when
+                # it ends, and evictable as any there; the next arena asked for takes new features.
+                self._arenas[pool].remove(arena)
+                self._fd.send("arena_return", arena=arena.arena_id)
             if p is not None:
                 assert arenas is not None
                 if arena is not arenas[0]:  # keep the arena that had room first next time
@@ -320,8 +335,10 @@ class ArenaSet:
 
     def publish(self, p: Placement, nbytes: int, consumers: int, token: bytes, ready: bool = True) -> None:
         """Make a placed feature visible: its lease-table entry, then its STATE word. ``ready`` False:
-        its GPU stream writes the slot's READY word behind the write."""
+        its GPU stream writes the slot's READY word behind the write. ``consumers`` ACK_COUNT_MASK: a
+        retained feature, which no count of acks ends."""
         p.by_stream = not ready
+        p.retained = consumers == ACK_COUNT_MASK
         self._table.publish(p.slot, p.gen, p.arena.pool, p.offset, nbytes, consumers, token, ready)
         # Not under the lock: a KeyboardInterrupt while waiting for it would leave a feature that STATE shows
         # published counted as being written, and its ring would stop there for good. One attribute store

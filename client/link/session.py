@@ -44,6 +44,8 @@ class Session:
         self.reserve_ttl = float(hello.reserve_ttl)
         # "ready_word": GPU features may be published behind their stream's write (client/gpu/ready_word.py).
         self.gpu_publish = hello.gpu_publish
+        # Keyed and retained features may go into arenas, their key and lifetime bound by a message (bind).
+        self.binds = hello.bind
         self.ready_devices: set[int] = set()  # devices whose streams hold READY writes of ours (close waits)
         self.endpoint = endpoint
         self.pools: dict[int, PoolInfo] = {p.pool: p for p in hello.pools}

@@ -1,12 +1,17 @@
 """Keyed and retained features, the client's part: puts that the daemon learns the key of, lookups by
 key, holds and eviction (SPEC.md, section 3, "Keys and lifetimes").
 
-A keyed or retained put never goes through an arena: the daemon must know the key before anyone can
-find the feature, and a retained feature must not be ended by a reader's ack in the lease table. So it
-takes a reserve (which answers the live feature at once when the key has one: no byte is copied) and
-a publish by the lease's deadline (client/produce/in_time.py) that, under a key, waits for its reply
-(which answers the live feature when another producer published under the key meanwhile: this one's
-bytes are let go).
+A keyed or retained put waits for the daemon by default: it takes a reserve (which answers the live
+feature at once when the key has one: no byte is copied) and a publish by the lease's deadline
+(client/produce/in_time.py) that, under a key, waits for its reply (which answers the live feature when
+another producer published under the key meanwhile: this one's bytes are let go).
+
+With ``wait=False`` it waits for nothing: the feature goes into one of the session's arenas as an
+unkeyed one does (a retained one with the CONSUMERS word no ack reaches), and one quiet ``bind`` on the
+fd channel, in the daemon's socket buffer when put returns, carries its key and lifetime. A lookup made
+after put returned finds it (the daemon reads what waits on its fd channels before it answers a miss).
+Where the key names a live feature already, the key keeps naming that one and this feature stays,
+unkeyed, readable by the descriptor put returned for its own lifetime.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.keys import check_key, check_keys
-from mmfeat.protos.lease_table import GEN_MASK
+from mmfeat.protos.lease_table import ACK_COUNT_MASK, GEN_MASK
 from mmfeat.protos.messages import MAX_CONSUMERS, MAX_KEPT_DESCRIPTOR_BYTES, MAX_RETAIN_TTL_S, TOKEN_BYTES, \
     FallbackReason, HoldKeysReply, HoldReply, LookupKeyReply, PoolInfo
 
@@ -56,7 +61,8 @@ class KeyedPuts:
     def __init__(self, producer: Producer) -> None:
         self._p = producer
 
-    def put(self, tensors: list[torch.Tensor], many: bool, consumers: int, keyed: dict[str, Any]) -> Descriptor:
+    def put(self, tensors: list[torch.Tensor], many: bool, consumers: int, keyed: dict[str, Any],
+            wait: bool = True) -> Descriptor:
         p = self._p
         check_consumers(consumers)  # as put's: the daemon's refusal would come as BAD_REQUEST, after a round trip
         specs, nbytes = packing.layout(tensors)
@@ -70,6 +76,10 @@ class KeyedPuts:
             return p._fallback_or_raise(put, FallbackReason.UNREACHABLE, exc)
         writing: list[Session] = []
         try:
+            if not wait:
+                desc = self._in_arena(put, device, keyed, writing)
+                if desc is not None:
+                    return desc
             return self._in_pool(put, device, keyed, writing)
         except MmfeatError as exc:
             # As put's: a pool with no room even after evicting what nothing held means inline, and no
@@ -78,6 +88,28 @@ class KeyedPuts:
         finally:
             for s in writing:
                 s.end_write()
+
+    def _in_arena(self, put: PutInFlight, device: Optional[int], keyed: dict[str, Any],
+                  writing: list[Session]) -> Optional[Descriptor]:
+        """The feature placed and published in one of the session's arenas, its key and lifetime bound by
+        one quiet message on the fd channel; None where the daemon takes no bind or no arena has room
+        (the caller then reserves, and waits)."""
+        p = self._p
+        session = p._writing_in(p._connect(), writing)
+        if not session.binds or session.arenas is None:
+            return None
+        pool, pool_tensor = p._target(session, device)
+        if "key" in keyed:
+            check_kept_descriptor(put, session, p._channel.endpoint, pool)
+        desc = p._put_in_arena(session, pool, put, pool_tensor, ACK_COUNT_MASK if "retain_ttl" in keyed else None)
+        if desc is None:
+            return None
+        fields = {"lease": desc.lease_ref(), **keyed}
+        if "key" in keyed:
+            fields["descriptor"] = desc.to_bytes()
+        # Its failure (a refusal) is counted and logged when the channel is next read (Client.async_failures).
+        session.fd.send("bind", **fields)
+        return desc
 
     def _in_pool(self, put: PutInFlight, device: Optional[int], keyed: dict[str, Any],
                  writing: list[Session]) -> Descriptor:

@@ -185,9 +185,11 @@ class Producer:
         return desc
 
     def _put_in_arena(self, session: Session, pool: PoolInfo, put: PutInFlight,
-                      pool_tensor: Optional[torch.Tensor] = None) -> Optional[Descriptor]:
+                      pool_tensor: Optional[torch.Tensor] = None,
+                      table_consumers: Optional[int] = None) -> Optional[Descriptor]:
         """The descriptor of the feature placed and published in an arena; None to reserve instead.
-        ``pool_tensor``: the pool's mapping where the caller has it already."""
+        ``pool_tensor``: the pool's mapping where the caller has it already. ``table_consumers``: the
+        CONSUMERS word to publish instead of the put's count (a retained feature's, which no ack reaches)."""
         spot = put.place_in_arena(session, self._channel.endpoint, pool)
         if spot is None:
             return None
@@ -210,7 +212,8 @@ class Producer:
             raise
         # The payload is complete (or, on a GPU, its READY word queued behind it): the STATE store may
         # make it visible.
-        arenas.publish(placed, put.nbytes, put.consumers, token, ready=not by_stream)
+        arenas.publish(placed, put.nbytes, put.consumers if table_consumers is None else table_consumers, token,
+                       ready=not by_stream)
         return desc
 
     def _target(self, session: Session, device: Optional[int]) -> tuple[PoolInfo, Optional[torch.Tensor]]:
