@@ -52,6 +52,8 @@ def test_several_consumer_instances_load_one_saved_item_after_its_producer_exite
     hashes = ["img-a", "img-b", "img-c"]
     params = _produce(children, rt, hashes)
     assert all(p and "mmfeat" in p[h] for p, h in zip(params, hashes)), params
+    saved = daemon.stats()["counters"]  # each save into the arena, its key bound by a message nobody waited for
+    assert saved["reserves"] == 0 and saved["binds"] == len(hashes) and saved["reclaimed_on_disconnect"] == 0
     for instance in range(2):
         cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children)
         reqs = _requests(f"pd{instance}", hashes)

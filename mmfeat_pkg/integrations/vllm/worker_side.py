@@ -64,10 +64,12 @@ class WorkerSide:
     def _save(self, tensor: torch.Tensor, mm_hash: str) -> None:
         key = self._ns.key(mm_hash)
         try:
+            # Waits for nothing: into the rank's arena, its key bound by a message the daemon reads before
+            # it answers any lookup sent after this (so before the request's end, and any consumer's).
             if self._settings.lifetime == "retained":
-                desc = self._client.put(tensor, key=key, retain_ttl=self._settings.retain_ttl_s)
+                desc = self._client.put(tensor, key=key, retain_ttl=self._settings.retain_ttl_s, wait=False)
             else:
-                desc = self._client.put(tensor, key=key, consumers=self._settings.consumers)
+                desc = self._client.put(tensor, key=key, consumers=self._settings.consumers, wait=False)
         except MmfeatError as e:
             # The consumer then finds no item and encodes it itself: slower, never wrong.
             self.counters["save_failures"] += 1
