@@ -63,3 +63,52 @@ def press(runtime_dir: str, key: str, value: str, numel: str, ack: str = "") -> 
             c.ack(bytes.fromhex(ack), wait=True)
         desc = c.put(torch.full((int(numel),), float(value)), key=key, retain_ttl=300.0)
     print("inline" if desc.is_inline else "pool")
+
+
+def key_reader(runtime_dir: str, keys: list[str], out_q: Any) -> None:
+    """A consumer: each key's feature through a hold, copied and acked; per key its first element and
+    whether every element equals it, or None where no key found it."""
+    with Client(runtime_dir) as c:
+        out: list[Any] = []
+        for k in keys:
+            h = c.hold(k, count=1)
+            if h is None:
+                out.append(None)
+                continue
+            t = c.get(h, copy=True)
+            c.ack(h)
+            out.append((float(t[0]), bool(torch.all(t == t[0]))))
+        c.flush()
+    out_q.put(out)
+
+
+def streaming_producer(runtime_dir: str, keys: list[str], counted: list[bool], keys_q: Any) -> None:
+    """Put feature i (all i) under keys[i] with wait=False, counted for one consumer or retained, and hand
+    each key on the moment its put returned, as a producer's request ends once its step returned."""
+    with Client(runtime_dir, fallback="error") as c:
+        for i, (k, one) in enumerate(zip(keys, counted)):
+            t = torch.full((4096,), float(i))
+            if one:
+                c.put(t, key=k, consumers=1, wait=False)
+            else:
+                c.put(t, key=k, retain_ttl=300.0, wait=False)
+            keys_q.put((i, k, one))
+        keys_q.put(None)
+
+
+def streaming_consumer(runtime_dir: str, keys_q: Any, out_q: Any) -> None:
+    """Look each key up as soon as it arrives: a counted feature by lookup (its consumer's ack ends it),
+    a retained one by a hold; report per key whether it was found with the right bytes."""
+    with Client(runtime_dir) as c:
+        out = []
+        while (item := keys_q.get(timeout=120)) is not None:
+            i, k, one = item
+            desc = c.lookup(k) if one else c.hold(k, count=1)
+            if desc is None:
+                out.append((k, False))
+                continue
+            t = c.get(desc, copy=True)
+            c.ack(desc)
+            out.append((k, torch.equal(t, torch.full((4096,), float(i)))))
+        c.flush()
+    out_q.put(out)

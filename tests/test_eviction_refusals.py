@@ -8,7 +8,10 @@ import os
 import signal
 from typing import Any
 
-from mmfeat.client import Namespace
+import pytest
+import torch
+
+from mmfeat.client import ErrorCode, MmfeatError, Namespace
 
 from . import eviction_workers, key_workers
 from .conftest import Daemon
@@ -75,3 +78,25 @@ def test_a_put_refused_for_its_quota_or_for_room_evicts_no_other_sessions_featur
             c.evict(k)
     s = books_balance(d)
     assert s["counters"]["over_quota"] == 1 and s["counters"]["pool_full"] >= 1
+
+
+def test_a_refused_reserve_evicts_no_retained_feature_of_an_arena_still_in_use(daemon_factory) -> None:
+    """Retained features a producer placed in an arena it still places features in: their ranges are
+    that producer's ring's, so evicting them gives the pool nothing. A reserve of another session that
+    finds the pool full is refused POOL_FULL without evicting them, and they stay readable."""
+    d = daemon_factory("--pool-mb", "16")
+    keys = [NS.key(f"ringed{i}") for i in range(2)]
+    with d.client(fallback="error") as producer, d.client() as hog:
+        for i, k in enumerate(keys):  # 300 KiB each in a 1 MiB arena: the ring is not full
+            producer.put(torch.full((75 << 10,), float(i)), key=k, retain_ttl=300.0, wait=False)
+        taken = []
+        with pytest.raises(MmfeatError) as e:
+            while True:  # counted reservations, which no eviction frees, until the pool has no room
+                taken.append(hog.request("reserve", session=hog.session.token, nbytes=256 << 10)["lease"])
+        assert e.value.code is ErrorCode.POOL_FULL
+        assert _evictions(d) == 0 and producer.has_many(keys) == [True, True]
+        assert torch.equal(producer.get(key=keys[1], copy=True), torch.full((75 << 10,), 1.0))
+        for lease in taken:
+            hog.request("release", session=hog.session.token, lease=lease)
+        assert all(producer.evict(k) for k in keys)
+    books_balance(d)

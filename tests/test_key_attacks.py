@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmfeat.client import Client, ErrorCode, MmfeatError, Namespace
-from mmfeat.protos.lease_table import DONE, PUBLISHED, STATE, state_word
+from mmfeat.protos.lease_table import ACK_COUNT_MASK, DONE, PUBLISHED, STATE, state_word
 
 from . import key_workers
 from .conftest import start_daemon
@@ -296,3 +296,49 @@ def test_a_put_larger_than_the_whole_session_quota_evicts_nothing_of_its_produce
         assert producer.fallbacks["over_quota"] == 1 and producer.has_many(keys) == [True] * 3
         assert all(producer.evict(k) for k in keys)
     books_balance(d)
+
+
+def test_binds_that_name_what_their_sender_does_not_hold_are_refused_and_change_nothing(daemon) -> None:
+    """A retained feature stored in its producer's arena awaits its bind. Another session's bind of it,
+    a bind with a wrong generation or a forged token, and its own producer's binds with an oversized or
+    foreign descriptor, without a retain_ttl, or with nothing to bind, are each a typed refusal that
+    leaves it as it was: unbound, found by no key. Then its producer's own bind binds it, once."""
+    key, other = NS.key("awaited"), NS.key("template")
+    with daemon.client(fallback="error") as c, daemon.client() as b:
+        victim = HostileTable(daemon, c)  # the producer's own session, at the protocol's level
+        try:
+            arena = victim.arena()
+            slot, pool, offset = arena["slot_base"], arena["pool"], arena["offset"]
+            gen = (victim.read(slot, STATE) >> 2) + 1
+            victim.publish(slot, gen, pool, offset, 4096, consumers=ACK_COUNT_MASK)
+            token = (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
+            template = b.put(torch.ones(1024), key=other, retain_ttl=300.0, wait=False)  # a real descriptor
+            ref = {"pool": pool, "epoch": template.epoch, "lease": slot, "gen": gen, "token": token,
+                   "offset": offset, "nbytes": 4096}
+            desc = dataclasses.replace(template, pool=pool, lease=slot, gen=gen, token=token, offset=offset)
+            bind = {"key": key, "retain_ttl": 300.0, "descriptor": desc.to_bytes()}
+            for lease, code in ((ref, ErrorCode.FORBIDDEN), ({**ref, "gen": gen + 1}, ErrorCode.STALE),
+                                ({**ref, "token": bytes(16)}, ErrorCode.FORBIDDEN)):
+                with pytest.raises(MmfeatError) as e:
+                    b.request("bind", session=b.session.token, lease=lease, **bind)
+                assert e.value.code is code, e.value
+            for fields in ({**bind, "descriptor": b"\x01" * 2049}, {**bind, "descriptor": template.to_bytes()},
+                           {"key": key, "descriptor": desc.to_bytes()}, {}):
+                reply = victim.request("bind", lease=ref, **fields)
+                assert not reply["ok"] and reply["error"]["code"] == "BAD_REQUEST", reply
+            # A reserved lease takes its key at reserve: a bind of one is refused too.
+            r = b.request("reserve", session=b.session.token, nbytes=4096)["lease"]
+            with pytest.raises(MmfeatError) as e:
+                b.request("bind", session=b.session.token, lease=r, retain_ttl=5.0)
+            assert e.value.code is ErrorCode.BAD_STATE
+            b.request("release", session=b.session.token, lease=r)
+            s = daemon.stats()
+            assert s["counters"]["binds"] == 1 and not b.has(key)  # the template's bind alone
+            assert b.request("lookup", lease=ref)["state"] == "PUBLISHED"
+            assert victim.request("bind", lease=ref, **bind)["ok"]
+            assert b.lookup(key).to_bytes() == desc.to_bytes()
+            assert victim.request("bind", lease=ref, **bind)["error"]["code"] == "BAD_STATE"
+        finally:
+            victim.close()
+        assert b.evict(key) and b.evict(other)
+    books_balance(daemon)

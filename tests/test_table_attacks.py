@@ -67,6 +67,11 @@ class HostileTable:
         reply = msgpack.unpackb(self.sock.recv(4096))
         assert reply["ok"], reply
 
+    def request(self, op: str, **fields) -> dict:
+        """One request on this session's fd channel, and its reply (an error one too, as it came)."""
+        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "id": 3, **fields}))
+        return msgpack.unpackb(self.sock.recv(4096))
+
     def close(self) -> None:
         self.mm.close()
         self.sock.close()
