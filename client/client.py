@@ -240,7 +240,8 @@ class Client:
         returned finds it. The bytes are always copied: where the key names a live feature already, the
         key keeps naming that one, and the descriptor returned names this put's own feature, readable for
         its own lifetime but found by no key. A refused bind is counted in ``async_failures``. Where no
-        arena takes the feature (or the daemon predates bind) it reserves and waits, as ``wait=True``."""
+        arena takes the feature it waits for its reserve alone (its publish and bind follow pipelined);
+        where the daemon predates bind, as ``wait=True``."""
         if self.readonly or not self.map_pools:
             self._check_writable()
         if key is not None or retain_ttl is not None:

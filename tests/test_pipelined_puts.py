@@ -207,3 +207,23 @@ def test_pressure_evicts_retained_features_of_returned_arenas_never_a_held_one(d
             if there:
                 assert p.evict(k)
     books_balance(d)
+
+
+def test_a_feature_no_arena_takes_is_reserved_under_no_key_and_bound_after_its_publish(daemon_factory) -> None:
+    """A feature whose arena would pass an eighth of the pool is reserved (the one round trip such a put
+    waits for), published pipelined and bound by key behind its publish: found by key at once, and under
+    a live key left unkeyed and readable, as in an arena."""
+    d = daemon_factory("--pool-mb", "16")  # arenas of at most 2 MiB: a 1.5 MiB feature's class is 4 MiB
+    key, numel = NS.key("large"), 384 * KIB
+    with d.client(fallback="error") as p, d.client() as c:
+        first = p.put(torch.ones(numel), key=key, retain_ttl=300.0, wait=False)
+        again = p.put(torch.zeros(numel), key=key, retain_ttl=300.0, wait=False)
+        assert c.lookup(key).to_bytes() == first.to_bytes() and again.lease != first.lease
+        assert torch.equal(c.get(key=key, copy=True), torch.ones(numel))
+        assert torch.equal(c.get(again, copy=True), torch.zeros(numel))
+        s = c.stats()["counters"]
+        assert s["reserves"] == 2 and s["binds"] == 2 and s["dedups"] == 1 and s["arena_publishes"] == 0
+        assert p.async_failures == {}
+        assert c.evict(key)
+        p.request("release", session=p.session.token, lease=again.lease_ref())
+    books_balance(d)

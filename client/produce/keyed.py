@@ -11,7 +11,8 @@ unkeyed one does (a retained one with the CONSUMERS word no ack reaches), and on
 fd channel, in the daemon's socket buffer when put returns, carries its key and lifetime. A lookup made
 after put returned finds it (the daemon reads what waits on its fd channels before it answers a miss).
 Where the key names a live feature already, the key keeps naming that one and this feature stays,
-unkeyed, readable by the descriptor put returned for its own lifetime.
+unkeyed, readable by the descriptor put returned for its own lifetime. A feature no arena takes is
+reserved under no key (the one round trip it waits for), and its publish and bind follow pipelined.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class KeyedPuts:
                 desc = self._in_arena(put, device, keyed, writing)
                 if desc is not None:
                     return desc
-            return self._in_pool(put, device, keyed, writing)
+            return self._in_pool(put, device, keyed, writing, wait)
         except MmfeatError as exc:
             # As put's: a pool with no room even after evicting what nothing held means inline, and no
             # key finds that feature.
@@ -112,14 +113,19 @@ class KeyedPuts:
         return desc
 
     def _in_pool(self, put: PutInFlight, device: Optional[int], keyed: dict[str, Any],
-                 writing: list[Session]) -> Descriptor:
+                 writing: list[Session], wait: bool = True) -> Descriptor:
+        """A reserved lease. Without ``wait`` (where the daemon takes bind) it is reserved under no key and
+        published pipelined, and its key goes in a bind after the publish: one waited round trip, the
+        reserve, and the same outcome as in an arena under a live key."""
         p = self._p
         session = p._writing_in(p._connect(), writing)
         pool, _ = p._target(session, device)
         if "key" in keyed:
             check_kept_descriptor(put, session, p._channel.endpoint, pool)
+        bind = not wait and session.binds and "key" in keyed
+        reserved = {"retain_ttl": keyed["retain_ttl"]} if bind and "retain_ttl" in keyed else {} if bind else keyed
         asked_at = time.monotonic()  # before the request: the deadline here is never later than the daemon's
-        session, reply = p._reserve(session, pool, put, writing, keyed)
+        session, reply = p._reserve(session, pool, put, writing, reserved)
         if reply.descriptor is not None:
             return Descriptor.from_bytes(reply.descriptor)  # the key's live feature: nothing was reserved
         deadline = asked_at + lease_life(reply.expires_in, session)
@@ -136,7 +142,10 @@ class KeyedPuts:
         except BaseException:
             p._release_quietly(session, desc)
             raise
-        return publish_in_time(session, desc, asked_at, deadline, _late, key="key" in keyed)
+        desc = publish_in_time(session, desc, asked_at, deadline, _late, key="key" in reserved)
+        if bind:  # behind the publish on the same channel: the daemon handles it after
+            session.fd.send("bind", lease=desc.lease_ref(), key=keyed["key"], descriptor=desc.to_bytes())
+        return desc
 
 
 def check_kept_descriptor(put: PutInFlight, session: Session, endpoint: str, pool: PoolInfo) -> None:

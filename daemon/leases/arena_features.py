@@ -1,6 +1,7 @@
 """Features producers publish in their arenas, the ledger's part: their adoption by the sweep, and the
-``bind`` that gives one a key and a lifetime. A base of Ledger (daemon/leases/ledger.py), which owns the
-state these methods change; kept apart so each file reads as one subject.
+``bind`` that gives one a key and a lifetime (a reserved lease published under no key takes a key by
+a bind too). A base of Ledger (daemon/leases/ledger.py), which owns the state these methods change;
+kept apart so each file reads as one subject.
 
 A keyed or retained feature is placed in its producer's arena and published by the table store like
 any other; one message on the producer's fd channel, which the put does not wait for, then binds its
@@ -109,7 +110,8 @@ class ArenaFeatures:
     def bind(self, ref: LeaseRef, session: bytes, now: float, key: Optional[str], retain_ttl: Optional[float],
              descriptor: Optional[bytes]) -> tuple[Lease, Optional[bytes]]:
         """Bind ``key`` and ``retain_ttl`` to the feature ``session`` published in its arena that ``ref``
-        names (the sweep adopted it): the lease, and the descriptor a lookup of the key answers (another
+        names (the sweep adopted it), or ``key`` alone to a lease it reserved under no key and published:
+        the lease, and the descriptor a lookup of the key answers (another
         feature's where the key named a live one already: the key keeps naming that one, and this
         feature stays, unkeyed, for its own lifetime; None without a key). Every check comes before
         anything changes: a refused bind leaves the feature as it was."""
@@ -119,17 +121,22 @@ class ArenaFeatures:
             raise MmfeatError(ErrorCode.BAD_REQUEST, "bind: a descriptor is kept for lookups by key; bind without "
                               "a key takes none")
         lease = self._producers_lease(ref, session, "bind")
-        if lease.arena is None:
-            raise MmfeatError(ErrorCode.BAD_STATE, f"lease {lease.lease_id} is not in an arena: a reserved lease "
-                              "takes its key and retain_ttl at reserve, and its publish binds them")
-        if lease.bound:
+        if lease.bound or lease.key is not None:
             raise MmfeatError(ErrorCode.BAD_STATE, f"lease {lease.lease_id} was bound already; bind once")
-        if (retain_ttl is not None) != lease.awaiting_bind:
+        if lease.arena is None:
+            # A reserved lease: its lifetime was set at reserve, and its key may follow its publish.
+            if lease.hold_of is not None or lease.state is not LeaseState.PUBLISHED:
+                raise MmfeatError(ErrorCode.BAD_STATE, f"lease {lease.lease_id} is a hold, or not published yet: "
+                                  "bind a reserved lease's key after its publish (or reserve it with its key)")
+            if retain_ttl is not None:
+                raise MmfeatError(ErrorCode.BAD_REQUEST, f"lease {lease.lease_id} is a reserved one: its lifetime "
+                                  "was set at reserve; bind its key alone")
+        elif (retain_ttl is not None) != lease.awaiting_bind:
             raise MmfeatError(ErrorCode.BAD_REQUEST, f"lease {lease.lease_id} was published with CONSUMERS "
                               f"{ACK_COUNT_MASK if lease.awaiting_bind else lease.consumers}: a retained feature is "
                               f"published with {ACK_COUNT_MASK} and bound with a retain_ttl, a counted one with its "
                               "count and bound without")
-        if now >= lease.deadline:
+        if now >= lease.deadline and lease.retain_ttl is None:
             # Its ack_ttl passed before the bind came, whether or not the timer has ended it yet.
             self.counters.expired += 1
             self._free(lease, EndReason.EXPIRED_PUBLISHED, now)
@@ -139,7 +146,7 @@ class ArenaFeatures:
             descriptor = checked_descriptor(descriptor, lease, self.epoch)
         lease.bound = True
         self.counters.binds += 1
-        if retain_ttl is not None:
+        if lease.awaiting_bind:
             lease.awaiting_bind = False
             lease.retain_ttl = retain_ttl
             lease.deadline = lease.published_at + retain_ttl  # as a reserved one's: from its publish
