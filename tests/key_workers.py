@@ -28,6 +28,17 @@ def holder(runtime_dir: str, key: str, count: int, out_q: Any) -> None:
     time.sleep(600)
 
 
+def ready_holder(runtime_dir: str, keys: Any, count: int, out_q: Any) -> None:
+    """holder, started before what it holds exists: connected, it says "ready", then holds each key it
+    is sent on ``keys`` and reports each hold's descriptor (None: nothing live under the key)."""
+    c = Client(runtime_dir, map_pools=False)
+    c.connect()
+    out_q.put("ready")
+    while True:
+        h = c.hold(keys.get(timeout=600), count=count)
+        out_q.put(h.to_bytes() if h is not None else None)
+
+
 def reader(runtime_dir: str, hold: bytes, out_q: Any) -> None:
     """A worker rank: copy the held feature out, ack one unit of the hold, report the copy's sum."""
     with Client(runtime_dir) as c:

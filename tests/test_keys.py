@@ -15,6 +15,7 @@ from mmfeat.client import MAX_KEY_BYTES, MAX_LOOKUP_KEYS, Client, ErrorCode, Mmf
 
 from . import key_workers
 from .conftest import start_daemon
+from .ttls import put_and_hold, sleep_until
 
 NS = Namespace(framework="vllm", version="0.32.0", model="Qwen/Qwen2-VL", dtype="bfloat16")
 MIB = 1 << 20
@@ -138,17 +139,15 @@ def test_retained_read_by_many_then_freed_after_ttl_unheld(daemon) -> None:
 
 
 def test_held_feature_outlives_its_ttl_until_its_readers_ack(daemon, children) -> None:
-    key = NS.key("held")
-    with daemon.client() as producer:
-        producer.put(torch.ones(4096), key=key, retain_ttl=0.5)
-    with daemon.client(map_pools=False) as scheduler:
-        hold = scheduler.hold(key, count=2)
-        assert hold is not None
+    with daemon.client() as producer, daemon.client(map_pools=False) as scheduler:
+        scheduler.connect()  # before the TTL's clock starts: the hold is one request after the put
+        held = put_and_hold(lambda k, ttl: producer.put(torch.ones(4096), key=k, retain_ttl=ttl),
+                            lambda k: scheduler.hold(k, count=2), lambda n: NS.key(f"held{n}"), 0.5)
+        producer.close()  # gone, as an encoder that exits: the retained feature is the daemon's now
+        key, hold = held.key, held.hold
         # Past the TTL: the hold keeps it, and its key still finds it.
         daemon.wait_for(lambda s: s["uptime_s"] > 0 and s["holds"] == 1, what="the hold")
-        import time
-
-        time.sleep(1.0)
+        sleep_until(held.ran_out_by)
         assert scheduler.has(key)
         q = children.Queue()
         readers = [children.Process(target=key_workers.reader, args=(str(daemon.runtime_dir), hold.to_bytes(), q))
@@ -160,25 +159,34 @@ def test_held_feature_outlives_its_ttl_until_its_readers_ack(daemon, children) -
             r.join(30)
         # The second ack ended the hold; the TTL had passed, so the feature went with it.
         s = books_balance(daemon)
-        assert s["counters"]["holds_ended"] == 1 and s["counters"]["retained_expired"] == 1
+        assert s["counters"]["holds_ended"] == 1 and s["counters"]["retained_expired"] == 1 + held.lost
         assert not scheduler.has(key)
 
 
 def test_a_dead_holders_holds_end_with_its_session(daemon, children) -> None:
-    key = NS.key("orphan")
-    with daemon.client() as producer:
-        producer.put(torch.ones(4096), key=key, retain_ttl=0.5)
-    q = children.Queue()
-    p = children.Process(target=key_workers.holder, args=(str(daemon.runtime_dir), key, 4, q))
+    keys, q = children.Queue(), children.Queue()
+    p = children.Process(target=key_workers.ready_holder, args=(str(daemon.runtime_dir), keys, 4, q))
     p.start()
     try:
-        assert q.get(timeout=60) is not None
+        assert q.get(timeout=60) == "ready"  # started and connected before the TTL's clock starts
+
+        def hold(key: str):
+            keys.put(key)
+            return q.get(timeout=60)
+
+        with daemon.client() as producer:
+            held = put_and_hold(lambda k, ttl: producer.put(torch.ones(4096), key=k, retain_ttl=ttl), hold,
+                                lambda n: NS.key(f"orphan{n}"), 0.5)
         assert daemon.stats()["holds"] == 1
+        sleep_until(held.ran_out_by)  # only the hold keeps the feature now
         os.kill(p.pid, signal.SIGKILL)
-        s = books_balance(daemon)  # ack_ttl is 30 s by default: within seconds, the session's end did it
+        s = books_balance(daemon)  # ack_ttl is 300 s by default: within seconds, the session's end did it
         assert s["counters"]["holds_reclaimed"] == 1 and s["counters"]["holds_expired"] == 0
+        assert s["counters"]["retained_expired"] == 1 + held.lost
     finally:
         p.join(10)
+        if p.is_alive():
+            p.kill()
 
 
 def test_pressure_evicts_the_oldest_unheld_before_inline_and_never_a_held_one(daemon_factory) -> None:
@@ -250,7 +258,7 @@ def test_a_control_only_client_maps_no_pool_and_refuses_puts_and_gets(daemon) ->
         out = {}
         for map_pools in (True, False):
             run = subprocess.run([sys.executable, "-c", _MAPS.format(map_pools=map_pools), str(daemon.runtime_dir),
-                                  desc.to_bytes().hex(), key], capture_output=True, text=True, timeout=120)
+                                  desc.to_bytes().hex(), key], capture_output=True, text=True, timeout=300)
             assert run.returncode == 0, run.stderr
             out[map_pools] = run.stdout.split("\n")
         assert out[True][0].startswith("pool") and out[True][1:4] == ["ok", "ok", "ok"]
@@ -276,7 +284,7 @@ def test_stats_per_namespace(daemon) -> None:
         assert c.evict(key)
         assert c.stats()["namespaces"][NS.id]["evictions"] == 1
     shown = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(daemon.runtime_dir), "stats"],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0, shown.stderr
     row = next(line for line in shown.stdout.splitlines() if line.startswith(NS.id))
     assert row.split()[1:2] == ["0"] and row.split()[3:8] == ["2", "2", "1", "1", "0"]

@@ -5,13 +5,13 @@ an abort before load, an ec_both instance reusing what it saved, and the daemon'
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
 from mmfeat.client import Client, Namespace
 from mmfeat.integrations.vllm import ConnectorSettings
 
+from .ttls import put_and_hold, sleep_until
 from .vllm_roles import NS, Engine, Feature, Request, encoder_output
 
 RETAIN_S = 120.0  # longer than any test: the ends are made by evictions, holds ending and sessions dying
@@ -88,14 +88,14 @@ def test_a_rank_that_dies_holding_a_hold_leaves_nothing_behind(daemon, children,
 
 def test_a_hold_keeps_an_item_past_its_ttl_and_the_holders_death_ends_it(daemon) -> None:
     rt = str(daemon.runtime_dir)
-    key = Namespace(**NS).key("img-a")
     holder = Client(rt, map_pools=False)
+    holder.connect()  # before the TTL's clock starts: the hold is one request after the put
     with Client(rt, inline_threshold=0) as producer:
-        producer.put(encoder_output("img-a"), key=key, retain_ttl=1.0)
-        assert holder.hold(key, count=1) is not None
-    time.sleep(2.5)
+        held = put_and_hold(lambda k, ttl: producer.put(encoder_output("img-a"), key=k, retain_ttl=ttl),
+                            lambda k: holder.hold(k, count=1), lambda n: Namespace(**NS).key(f"img-a{n}"), 1.0)
+    sleep_until(held.ran_out_by + 1.5)  # past the TTL, and past the sweeps that would end it
     with Client(rt, map_pools=False) as other:
-        assert other.has(key), "a held item went at its TTL"
+        assert other.has(held.key), "a held item went at its TTL"
     holder.close()  # the holder's session ends: its hold with it, and the TTL has passed
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["holds"] == 0, timeout=15,
                     what="the item freed once its holder's session ended")
