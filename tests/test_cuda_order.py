@@ -14,6 +14,7 @@ import pytest
 from . import fake_cuda
 from .conftest import Daemon, start_daemon
 from .test_fabric_route import _feature
+from .ttls import ttls
 
 
 @pytest.fixture
@@ -245,13 +246,20 @@ def test_nothing_waits_for_or_lands_in_another_features_fill(fake_libcuda, gpu_d
 def test_a_range_kept_for_an_unwritten_feature_goes_back_after_ack_ttl(fake_libcuda, runtime_dir, tmp_path) -> None:
     """A READY word that never comes (a stuck fill, or a peer of the group rewriting the word) keeps the
     range out of the pool for ack_ttl at most, not for the life of its producer's session."""
-    env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log")}
-    d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", "--ack-ttl", "3", backend="cuda_vmm", env=env)
-    try:
-        log = _run(fake_libcuda, tmp_path, d, "early_ack_of_a_reserved_lease", FAKE_CUDA_KEEP_CAPPED="1")
-    finally:
-        rc = d.stop()
-        d.proc.communicate()
+    for k, ttl in enumerate(ttls(3.0)):
+        run = tmp_path / f"try{k}"
+        run.mkdir()
+        env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(run / "daemon.log")}
+        d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", "--ack-ttl", str(ttl), backend="cuda_vmm",
+                         env=env)
+        try:
+            log = _run(fake_libcuda, run, d, "early_ack_of_a_reserved_lease", FAKE_CUDA_KEEP_CAPPED=str(ttl))
+        finally:
+            rc = d.stop()
+            d.proc.communicate()
+        assert rc == 0
+        if "=== looked within ack_ttl: True" in log:
+            break  # else the range was looked at only after ack_ttl: again, with a longer one
     assert "=== ended: True; range back before the fill: False" in log, log
+    assert "=== looked within ack_ttl: True" in log, log
     assert "=== range back with the fill still queued, past ack_ttl: True; ready: True" in log, log
-    assert rc == 0

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import time
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from mmfeat.client import MmfeatError, Pooled, dumps, loads
 
 from . import parcel_workers as w
 from .conftest import run_ready_child
+from .ttls import ran_out, ttls
 
 
 def test_requests_reach_two_ranks_over_zmq_with_every_tensor_intact(daemon, children) -> None:
@@ -115,13 +117,24 @@ def test_a_forgotten_parcel_acks_when_collected_and_warns_once(daemon) -> None:
 
 
 def test_a_rank_that_dies_holding_a_parcel_costs_ack_ttl(daemon_factory) -> None:
-    d = daemon_factory("--pool-mb", "64", "--ack-ttl", "3")
-    with d.client() as c:
-        code = "from mmfeat.client import loads; p = loads(arg, client=c); os.kill(os.getpid(), signal.SIGKILL)"
-        out = run_ready_child(code, d.runtime_dir, lambda: dumps({"x": torch.ones(300_000)}, client=c))
-        assert out.returncode == -signal.SIGKILL, out.stderr
-        s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="ack_ttl")
-        assert s["leases"]["PUBLISHED"] == 0
+    for ttl in ttls(3.0):
+        d = daemon_factory("--pool-mb", "64", "--ack-ttl", str(ttl))
+        with d.client() as c:
+            code = "from mmfeat.client import loads; p = loads(arg, client=c); os.kill(os.getpid(), signal.SIGKILL)"
+            put_at: list[float] = []
+
+            def put() -> bytes:
+                put_at.append(time.monotonic())
+                return dumps({"x": torch.ones(300_000)}, client=c)
+
+            out = run_ready_child(code, d.runtime_dir, put)
+            if not ran_out(out.stderr, put_at[0], ttl):
+                assert out.returncode == -signal.SIGKILL, out.stderr
+                s = d.wait_for(lambda s: s["counters"]["expired"] == 1, what="ack_ttl")
+                assert s["leases"]["PUBLISHED"] == 0
+                return
+        assert d.stop() == 0  # the rank read only after ack_ttl: again, with a longer one
+    pytest.fail(f"the rank read after ack_ttl {ttl} s too: {out.stderr}")
 
 
 def test_a_multiprocessing_queue_moves_pooled_objects_through_the_pool(daemon, monkeypatch) -> None:
