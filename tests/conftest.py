@@ -33,7 +33,7 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def assert_fds_settle(pid: int, baseline: int, timeout: float = 10.0) -> None:
+def assert_fds_settle(pid: int, baseline: int, timeout: float = 20.0) -> None:
     """ZeroMQ closes a departed peer's socket on its I/O thread, a moment later: wait for that, then
     require no growth over ``baseline``."""
     deadline = time.monotonic() + timeout
@@ -54,7 +54,7 @@ def fan_out(q_prod, q_cons: list) -> None:
         q.put(None)
 
 
-def run_ready_child(code: str, runtime_dir: Path, make_arg, timeout: float = 60.0) -> subprocess.CompletedProcess:
+def run_ready_child(code: str, runtime_dir: Path, make_arg, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter that connects first and says so, and only then make its argument.
 
     A child's start (torch's import) can take seconds on a loaded machine; making the feature after it
@@ -76,11 +76,17 @@ def run_ready_child(code: str, runtime_dir: Path, make_arg, timeout: float = 60.
     return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
+# How long a test waits, by default, for what the daemon does on its own: seconds on a busy machine, but
+# below the default reserve_ttl (30 s), so no TTL can meet a predicate that is waiting for another event.
+WAIT_S = 20.0
+
+
 @dataclass
 class Daemon:
     runtime_dir: Path
     proc: subprocess.Popen
     args: list[str] = field(default_factory=list)
+    logged: str = ""
 
     @property
     def pid(self) -> int:
@@ -97,7 +103,7 @@ class Daemon:
     def pool(self) -> dict:
         return self.stats()["pools"][0]
 
-    def wait_for(self, predicate, timeout: float = 10.0, what: str = "condition") -> dict:
+    def wait_for(self, predicate, timeout: float = WAIT_S, what: str = "condition") -> dict:
         deadline = time.monotonic() + timeout
         while True:
             s = self.stats()
@@ -107,7 +113,24 @@ class Daemon:
                 raise AssertionError(f"timed out waiting for {what}; last stats: {s}")
             time.sleep(0.05)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+    def says(self, text: str, timeout: float) -> bool:
+        """Whether what the daemon logged (its stderr, a pipe) says ``text`` within ``timeout`` seconds. It
+        reads the pipe itself: what it read is in ``logged``, not in a later communicate()."""
+        import select
+
+        fd = self.proc.stderr.fileno()
+        deadline = time.monotonic() + timeout
+        while text not in self.logged:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return False
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return False
+            self.logged += chunk.decode(errors="replace")
+        return True
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)

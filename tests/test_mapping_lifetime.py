@@ -103,7 +103,7 @@ def _put_during_close(daemon, elements: int) -> None:
             mine = other.put(torch.full((elements,), 1.0))
             child.stdin.write("go\n")
             child.stdin.flush()
-            out, err = child.communicate(timeout=60)
+            out, err = child.communicate(timeout=300)
             assert child.returncode == 0, err[-4000:]
             got = other.get(mine)
             assert torch.equal(got, torch.full((elements,), 1.0)), (
@@ -267,7 +267,7 @@ print("ok", flush=True)
         second = daemon_factory("--pool-mb", "16")
         child.stdin.write("restarted\n")
         child.stdin.flush()
-        out, err = child.communicate(timeout=120)
+        out, err = child.communicate(timeout=300)
         assert child.returncode == 0 and out.strip() == "ok", err[-4000:]
     finally:
         if child.poll() is None:
@@ -364,7 +364,9 @@ def connect():
         pass
 caller = threading.Thread(target=connect, daemon=True)
 caller.start()
-time.sleep(0.5)  # it waits for the hello's reply now, inside the client's locks
+deadline = time.monotonic() + 60  # until it waits for the hello's reply, inside the client's locks
+while not (c._connect_lock.locked() and c._channel._lock.locked()) and time.monotonic() < deadline:
+    time.sleep(0.01)
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:
@@ -410,7 +412,7 @@ def test_a_child_forked_during_a_call_in_another_thread_can_use_the_client(daemo
         stopped = False
         child.stdin.write("continued\n")
         child.stdin.flush()
-        out, err = child.communicate(timeout=90)
+        out, err = child.communicate(timeout=300)
         assert child.returncode == 0 and out.strip() == "ok", err[-4000:]
     finally:
         if stopped:

@@ -36,7 +36,7 @@ def _peer(s: dict, endpoint: str) -> dict:
 
 def test_gen_keys_writes_a_private_secret_once(tmp_path) -> None:
     first = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(tmp_path)],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     public = (tmp_path / "mesh.public").read_text().strip()
     assert f'public_key = "{public}"' in first.stdout  # what to list on the other nodes
@@ -44,7 +44,7 @@ def test_gen_keys_writes_a_private_secret_once(tmp_path) -> None:
     assert len(public) == 40 and secret.stat().st_mode & 0o777 == 0o600
     assert load_secret(secret)[0].decode() == public
     again = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(tmp_path)],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=300)
     assert again.returncode == 1 and "exists" in again.stderr
     assert load_secret(secret)[0].decode() == public  # untouched
     secret.chmod(0o640)
@@ -67,7 +67,7 @@ def test_two_nodes_meet_exchange_hellos_and_keep_heartbeats(cluster) -> None:
     s = a.stats()["mesh"]
     assert s["refused"] == 0 and s["bad_messages"] == 0 and s["public_key"] == cluster.keys["a"]
     table = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(a.runtime_dir), "stats"],
-                           capture_output=True, text=True, timeout=60).stdout
+                           capture_output=True, text=True, timeout=300).stdout
     assert "mesh on tcp://127.0.0.1" in table and "b" in table and " up " in table
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -184,7 +184,7 @@ def test_mesh_settings_that_cannot_work_stop_the_daemon_with_a_reason(tmp_path) 
             config.write_text("[mmfeatd]\n" + body)
             r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--config", str(config),
                                 "--runtime-dir", str(runtime), "--backend", "host", "--pool-mb", "8"],
-                               capture_output=True, text=True, timeout=60,
+                               capture_output=True, text=True, timeout=300,
                                env={**os.environ, **env})
             assert r.returncode in (1, 2) and why in r.stderr, (body, r.stderr[-2000:])
     finally:
@@ -230,11 +230,11 @@ def test_a_connection_flood_on_the_mesh_port_is_shed_not_fatal(cluster) -> None:
     cluster.node("a")
     cluster.node("b")
     a = cluster.start("a", ["b"], nofile=4096)
-    flood = subprocess.Popen([sys.executable, "-c", _TCP_FLOOD, str(cluster.ports["a"]), "4500", "60"],
+    flood = subprocess.Popen([sys.executable, "-c", _TCP_FLOOD, str(cluster.ports["a"]), "4500", "600"],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert flood.stdout.readline().strip() == "flooding"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # it floods until killed: however long a busy machine takes
         while a.stats()["mesh"]["connections_refused"] == 0:  # past its fds: it sheds, and lives
             assert a.proc.poll() is None, a.proc.communicate()[1][-3000:]
             assert fd_count(a.pid) < 4096
@@ -259,7 +259,11 @@ port, seconds = int(sys.argv[1]), float(sys.argv[2])
 held, end = [], time.monotonic() + seconds
 print("flooding", flush=True)
 while time.monotonic() < end:
-    s = socket.socket()
+    try:
+        s = socket.socket()
+    except OSError:  # out of fds: it holds what it has, a listener full of strangers all the same
+        time.sleep(0.1)
+        continue
     s.setblocking(False)
     try:
         s.bind(("127.0.0.2", 0))
@@ -279,7 +283,8 @@ def test_a_listed_peer_gets_in_and_stays_in_while_strangers_flood_the_mesh_port(
     cluster.node("a")
     cluster.node("b")
     a = cluster.start("a", ["b"])
-    flood = subprocess.Popen([sys.executable, "-c", _STRANGER_FLOOD, str(cluster.ports["a"]), "30"],
+    # Until it is killed: b's start and the acks below take what a busy machine makes them take.
+    flood = subprocess.Popen([sys.executable, "-c", _STRANGER_FLOOD, str(cluster.ports["a"]), "600"],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert flood.stdout.readline().strip() == "flooding"
@@ -287,7 +292,7 @@ def test_a_listed_peer_gets_in_and_stays_in_while_strangers_flood_the_mesh_port(
         b = cluster.start("b", ["a"])
         # b hears a's pongs only over its own connection to a's flooded listener; a's hello, over a's.
         b.wait_for(lambda s: s["mesh"]["peers"][0]["state"] == "up" and s["mesh"]["peers"][0]["node"] == "a",
-                   timeout=10, what="a up for b during the flood")
+                   timeout=60, what="a up for b during the flood")
         with a.client(inline_threshold=0, fallback="error") as producer, b.client(timeout=5.0) as consumer:
             descs = [producer.put(torch.ones(64)) for _ in range(20)]
             for desc in descs:  # each waits for a's answer, over b's connection to a
@@ -296,7 +301,7 @@ def test_a_listed_peer_gets_in_and_stays_in_while_strangers_flood_the_mesh_port(
         s = idle(a, "a to free the acked features")
         assert s["mesh"]["connections_evicted"] >= 1 and s["mesh"]["connections_refused"] > 50
         table = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(a.runtime_dir), "stats"],
-                               capture_output=True, text=True, timeout=60).stdout
+                               capture_output=True, text=True, timeout=300).stdout
         assert re.search(r"shed \d+, evicted for peers [1-9]", table), table
     finally:
         flood.kill()
