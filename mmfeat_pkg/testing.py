@@ -47,9 +47,10 @@ class DaemonStartError(RuntimeError):
     """mmfeatd exited or did not answer in time; the message carries what it printed, if it was piped."""
 
 
-def spawn_daemon(runtime_dir: Path, args: Sequence[str] = (), timeout: float = 20.0, wrap: Sequence[str] = (),
+def spawn_daemon(runtime_dir: Path, args: Sequence[str] = (), timeout: float = 60.0, wrap: Sequence[str] = (),
                  **popen: Any) -> subprocess.Popen:
-    """``python -m mmfeat.daemon --runtime-dir DIR ARGS``, returned once it answers a ping. ``wrap``: a
+    """``python -m mmfeat.daemon --runtime-dir DIR ARGS``, returned once it answers a ping (a busy machine can
+    take many seconds to start an interpreter: ``timeout`` only bounds a daemon that never will). ``wrap``: a
     command that execs the daemon in its place (``ip netns exec NS``: the Popen's pid stays the daemon's).
     ``popen`` goes to subprocess.Popen (env, stdout, stderr, text, preexec_fn, ...)."""
     proc = subprocess.Popen([*wrap, sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir), *args],

@@ -121,7 +121,7 @@ def meshed(cluster: Cluster, *args: str, nodes: tuple[str, ...] = ("a", "b"), po
         cluster.node(n)
     daemons = [cluster.start(n, [m for m in nodes if m != n], "--pool-mb", str(pool_mb), *args) for n in nodes]
     for d in daemons:
-        d.wait_for(lambda s: all(p["state"] == "up" and p["node"] for p in s["mesh"]["peers"]), timeout=20,
+        d.wait_for(lambda s: all(p["state"] == "up" and p["node"] for p in s["mesh"]["peers"]), timeout=60,
                    what="every peer up")
     return daemons
 

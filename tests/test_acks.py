@@ -265,6 +265,6 @@ with Client(sys.argv[1], inline_threshold=0) as p, Client(sys.argv[1]) as c:
     print(c.stats()["counters"]["acks"])
 """
     out = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=300)
     assert out.returncode == 0 and out.stdout.split() == ["1"], out.stderr[-2000:]
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the acked feature to be freed")

@@ -129,5 +129,5 @@ malloc_trim()
 from mmfeat.daemon.mesh.data_plane import interface_addresses
 assert interface_addresses()
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

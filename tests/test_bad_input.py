@@ -214,7 +214,7 @@ def test_floods_of_hellos_and_silent_connections_are_bounded(daemon, raw) -> Non
         s.setblocking(False)
     try:
         closed: set[int] = set()
-        deadline = time.monotonic() + 20  # the daemon accepts them as fast as a loaded machine lets it
+        deadline = time.monotonic() + 60  # the daemon accepts them as fast as a loaded machine lets it
         while len(closed) < 50:
             for i, s in enumerate(silent):  # the daemon drops the oldest ones
                 try:

@@ -188,7 +188,7 @@ def test_remote_goals_show_only_when_asked() -> None:
 
 def test_bench_steps_times_the_clients_steps_for_the_pool_and_inline_paths() -> None:
     r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "bench", "--steps", "--sizes", "64K", "--count", "100"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert lines[0].startswith("client steps in one process") and lines[1].split() == [

@@ -70,7 +70,7 @@ def test_asking_for_ray_without_ray_says_how_to_install_it() -> None:
     r = subprocess.run(
         [sys.executable, "-c", _WITHOUT_RAY, "bench", "--modes", "ray,zmq_bytes", "--sizes", "64K", "--consumers", "1",
          "--control-clients", ""],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=300,
     )
     assert r.returncode != 0
     assert "the ray mode needs Ray" in r.stderr and "pip install 'mmfeat[ray]'" in r.stderr, r.stderr[-2000:]
@@ -80,11 +80,11 @@ def test_asking_for_ray_without_ray_says_how_to_install_it() -> None:
 def test_the_default_modes_name_ray_only_where_it_is_installed() -> None:
     code = _WITHOUT_RAY.replace("sys.exit(main(sys.argv[1:]))",
                                 "from mmfeat.bench.cli import DEFAULT_MODES; print(','.join(DEFAULT_MODES))")
-    without = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    without = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert without.returncode == 0, without.stderr[-2000:]
     assert "ray" not in without.stdout.strip().split(",") and "zmq_bytes" in without.stdout
     helped = subprocess.run([sys.executable, "-c", _WITHOUT_RAY, "bench", "--help"], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=300)
     assert "and ray where Ray is installed" in " ".join(helped.stdout.split())
     from mmfeat.bench.cli import DEFAULT_MODES
 

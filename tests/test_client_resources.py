@@ -91,7 +91,7 @@ def test_a_killed_daemons_leftover_sockets_are_known_at_once(daemon_factory) -> 
         assert time.monotonic() - t0 < 10
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(runtime_dir), "--timeout", "30",
-                        "health"], capture_output=True, text=True, timeout=60)
+                        "health"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and gone in r.stderr, r.stderr
     assert time.monotonic() - t0 < 20
 
@@ -263,6 +263,6 @@ def test_inline_max_is_validated(tmp_path) -> None:
 
 def test_inline_max_comes_from_the_environment(tmp_path) -> None:
     code = f"from mmfeat.client import Client; print(Client({str(tmp_path)!r}).inline_max)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MMFEAT_INLINE_MAX": str(3 << 20)})
     assert r.returncode == 0 and r.stdout.strip() == str(3 << 20), r.stderr[-2000:]

@@ -96,5 +96,5 @@ def test_inline_views_from_bytes_raise_no_warning(tmp_path) -> None:
         "assert torch.equal(c.get(b), torch.arange(10, dtype=torch.bfloat16))\n"
     )
     r = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

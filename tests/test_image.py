@@ -48,7 +48,7 @@ def test_the_containerfile_runs_mmfeatd_as_the_daemonsets_user() -> None:
 def test_make_image_builds_the_image_the_daemonset_names() -> None:
     _, c = _daemonset_container()
     out = subprocess.run(["make", "-n", "image", "CONTAINER_ENGINE=podman"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+                         timeout=300, check=True).stdout
     build = next(shlex.split(line) for line in out.splitlines() if line.startswith("podman build"))
     assert build[build.index("-t") + 1] == c["image"]
     assert build[build.index("-f") + 1] == "deploy/container/Containerfile"
@@ -57,7 +57,7 @@ def test_make_image_builds_the_image_the_daemonset_names() -> None:
 
 
 def test_make_image_without_an_engine_says_what_it_needs() -> None:
-    r = subprocess.run(["make", "image", "CONTAINER_ENGINE="], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(["make", "image", "CONTAINER_ENGINE="], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "needs podman, buildah or docker" in r.stdout + r.stderr
 
 

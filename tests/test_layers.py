@@ -66,7 +66,7 @@ def test_importing_the_whole_client_loads_no_tool() -> None:
             "    importlib.import_module(m.name)\n"
             "from mmfeat.client import Client, Parcel, Pooled, dumps, loads\n"
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('mmfeat.'))))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     loaded = r.stdout.split()
     assert "mmfeat.client.client" in loaded and "mmfeat.client.parcel" in loaded, loaded
@@ -288,7 +288,7 @@ def test_the_clients_public_names_stay_put() -> None:
             "offered = sorted(n for n in dir(c) if not n.startswith('_') and n not in ('Any', 'TYPE_CHECKING')\n"
             "                 and not isinstance(getattr(c, n), types.ModuleType))\n"
             "print(json.dumps({'all': sorted(c.__all__), 'star': star, 'same': same, 'offered': offered}))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 

@@ -256,6 +256,6 @@ with Client(sys.argv[1], inline_threshold=0) as c:  # maps them again
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code, str(daemon.runtime_dir)], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
     daemon.wait_for(lambda s: s["pools"][0]["used"] == 0, what="the feature to be freed")

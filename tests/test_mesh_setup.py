@@ -40,7 +40,7 @@ def test_the_operations_pages_mesh_example_starts_a_daemon_as_written(tmp_path) 
     command = re.search(r"^(?:sudo )?\S*mmfeatd --gen-keys /etc/mmfeat\b", OPERATIONS, re.M)
     assert command is not None, "docs/operations.md's key command changed; update this test with it"
     r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--gen-keys", str(etc)], capture_output=True, text=True,
-                       timeout=60)
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     example = re.search(r"```toml\n# /etc/mmfeat/mmfeatd.toml on node A\n(.*?)```", OPERATIONS, re.S)
     assert example is not None, "docs/operations.md's mesh example changed; update this test with it"
@@ -124,9 +124,9 @@ def test_a_meshed_daemon_whose_nixl_cannot_start_is_unhealthy(cluster) -> None:
     assert _samples(s)[("mmfeat_mesh_transport_up", ())] == 0
     health = [sys.executable, "-m", "mmfeat.cli", "--timeout", "10"]
     r = subprocess.run([*health, "--runtime-dir", str(b.runtime_dir), "health"], capture_output=True, text=True,
-                       timeout=60)
+                       timeout=300)
     assert r.returncode == 1 and "cannot pull" in r.stderr and s["transport_error"] in r.stderr, (r.stdout, r.stderr)
     r = subprocess.run([*health, "--runtime-dir", str(a.runtime_dir), "health"], capture_output=True, text=True,
-                       timeout=60)
+                       timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("mmfeatd ok"), r.stderr
     assert _samples(a.stats()["mesh"])[("mmfeat_mesh_transport_up", ())] == 1

@@ -53,7 +53,7 @@ def test_unit_file_verifies(tmp_path) -> None:
     unit = unit.replace("/opt/mmfeat/bin/mmfeatd", str(mmfeatd))
     path = tmp_path / "mmfeatd.service"
     path.write_text(unit)
-    r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=300)
     problems = [line for line in r.stderr.splitlines() if "mmfeatd.service" in line]
     assert r.returncode == 0 and not problems, r.stderr
     for needed in ("Type=notify", "RuntimeDirectory=mmfeat", "Restart=on-failure", "LimitNOFILE=", "ExecReload=",
@@ -65,11 +65,11 @@ def test_sd_notify_ready_status_watchdog_stopping_in_order(runtime_dir) -> None:
     sock_path = runtime_dir / "notify.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(sock_path))
-    listener.settimeout(10)
+    listener.settimeout(60)
     d = start_daemon(runtime_dir, "--pool-mb", "8", env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "600000"})
     messages, pings = [], []
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while len(pings) < 6 and time.monotonic() < deadline:
             messages.append(listener.recv(4096).decode())
             if "WATCHDOG=1" in messages[-1]:
@@ -136,7 +136,7 @@ def test_sighup_reloads_what_it_can_and_logs_it(runtime_dir) -> None:
         assert _hello_ttls(runtime_dir) == (30.0, 300.0)
         cfg.write_text('[mmfeatd]\npool_mb = 16\nack_ttl = 0.4\nreserve_ttl = 7.0\nlog_level = "DEBUG"\n')
         d.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while _hello_ttls(runtime_dir) != (7.0, 0.4):
             assert time.monotonic() < deadline, "reload did not apply"
             time.sleep(0.05)
@@ -161,7 +161,7 @@ def test_sigterm_drains_then_exits_when_acked(runtime_dir) -> None:
     with d.client(inline_threshold=0) as producer, d.client() as consumer:
         desc = producer.put(torch.arange(1000), consumers=1)
         d.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while not producer.ping()["draining"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -191,7 +191,7 @@ def test_the_ack_that_ends_a_drain_is_answered(runtime_dir) -> None:
         channel = ControlChannel(producer.endpoint, timeout=5.0)
         channel.call("ping")
         d.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while not channel.call("ping")["draining"]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -231,7 +231,7 @@ def test_metrics_endpoint_parses_with_prometheus_client(runtime_dir) -> None:
                 c.ack(desc, count=3)  # one over-ack each
             c.put(torch.ones(100), consumers=1)  # stays published
         families = {}
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while True:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -287,7 +287,7 @@ def test_journal_level_prefixes_and_quiet_info(runtime_dir, tmp_path) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "mmfeat.daemon", "--runtime-dir", str(runtime_dir),
                                  "--backend", "host", "--pool-mb", "8"], stderr=err, env=env)
         try:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 300  # a busy machine takes many seconds to start it
             while "serving ipc://" not in err_path.read_text():  # the last line logged at start
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
@@ -320,7 +320,7 @@ def test_print_config_names_sources(tmp_path) -> None:
     cfg.write_text("[mmfeatd]\nack_ttl = 12.0\n")
     r = subprocess.run([sys.executable, "-m", "mmfeat.daemon", "--config", str(cfg), "--pool-mb", "64",
                         "--print-config"],
-                       capture_output=True, text=True, timeout=60, env={**os.environ, "MMFEAT_RESERVE_TTL": "9"})
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "MMFEAT_RESERVE_TTL": "9"})
     assert r.returncode == 0, r.stderr
     assert "pool_mb = 64  # from flag" in r.stdout
     assert f"ack_ttl = 12.0  # from file {cfg}" in r.stdout
@@ -334,7 +334,7 @@ def test_stats_watch_redraws_in_place(daemon) -> None:
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)
     out = b""
-    deadline = time.monotonic() + 30  # a loaded machine may take seconds to start the CLI
+    deadline = time.monotonic() + 300  # a loaded machine may take a minute to start the CLI
     while out.count(b"posix_fd") < 3:
         assert proc.poll() is None and time.monotonic() < deadline, out
         try:
@@ -414,14 +414,14 @@ def test_the_systemd_unit_verifies(tmp_path) -> None:
     unit = tmp_path / "mmfeatd.service"
     # The unit names the installed entry point; verify checks that it exists, so point it at ours.
     unit.write_text((DEPLOY / "mmfeatd.service").read_text().replace("/opt/mmfeat/bin/mmfeatd", str(mmfeatd)))
-    out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=300)
     complaints = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode == 0 and not complaints, complaints
     # The mesh's drop-in, where the README says to install it (verify reads drop-ins beside the unit).
     dropin = DEPLOY / "mmfeatd-mesh.conf"
     (tmp_path / "mmfeatd.service.d").mkdir()
     (tmp_path / "mmfeatd.service.d" / "mesh.conf").write_text(dropin.read_text())
-    out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=300)
     complaints = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode == 0 and not complaints, complaints
     assert "LoadCredential=mesh.secret:/etc/mmfeat/mesh.secret" in dropin.read_text()

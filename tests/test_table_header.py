@@ -26,7 +26,7 @@ with Client(sys.argv[1], timeout=5.0, inline_threshold=0) as c:
 
 def _new_process_puts(runtime_dir) -> str:
     done = subprocess.run([sys.executable, "-c", _NEW_CLIENT, str(runtime_dir)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 

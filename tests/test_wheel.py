@@ -104,10 +104,10 @@ def short_runtime_dir() -> Iterator[Path]:
 
 def test_the_wheel_installs_and_serves_outside_the_checkout(installed, tmp_path, short_runtime_dir) -> None:
     config = subprocess.run([installed.bin("mmfeatd"), "--print-config"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=300)
     assert config.returncode == 0 and "pool_mb" in config.stdout and "arena_mb" in config.stdout, config.stderr
     used = subprocess.run([installed.bin("python"), "-c", _USE, str(short_runtime_dir), str(installed.site)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert used.returncode == 0 and "wheel ok" in used.stdout, used.stderr[-3000:]
 
 
@@ -122,7 +122,7 @@ def test_the_image_installs_no_torch_and_its_daemon_and_probes_need_none(install
     `mmfeat health` probe of the DaemonSet must run without it."""
     listed = subprocess.run([sys.executable, str(REPO / "deploy" / "container" / "requirements.py"),
                              str(installed.wheel), "--extra", "cuda", "--without", "torch"],
-                            capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+                            capture_output=True, text=True, check=True, timeout=300).stdout.splitlines()
     names = {re.match(r"[A-Za-z0-9._-]+", line).group(0).lower() for line in listed}
     assert ({"pyzmq", "msgpack", "pydantic", "numpy", "cuda-python", "nvidia-ml-py"} <= names
             and "torch" not in names), listed
@@ -135,8 +135,8 @@ def test_the_image_installs_no_torch_and_its_daemon_and_probes_need_none(install
     try:
         probe = [installed.bin("python"), "-c", _WITHOUT_TORCH.format(name="mmfeat", module="mmfeat.cli"),
                  "--runtime-dir", str(short_runtime_dir), "--timeout", "2", "health"]
-        deadline = time.monotonic() + 60
-        while subprocess.run(probe, cwd=tmp_path, capture_output=True, timeout=60).returncode != 0:
+        deadline = time.monotonic() + 300  # a busy machine takes many seconds to start it
+        while subprocess.run(probe, cwd=tmp_path, capture_output=True, timeout=300).returncode != 0:
             assert daemon.poll() is None, daemon.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the daemon without torch never answered the health probe"
             time.sleep(0.2)
@@ -168,7 +168,7 @@ def test_the_gpu_runs_wheel_slimmer_drops_a_folder_and_its_record_lines(tmp_path
         assert "demo_ep/big.bin" not in z.namelist() and "demo_ep" not in z.read("demo-1.0.dist-info/RECORD").decode()
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
-                    str(wheel)], check=True, timeout=120)
+                    str(wheel)], check=True, timeout=300)
     assert (target / "demo" / "__init__.py").exists() and not (target / "demo_ep").exists()
 
 
