@@ -93,7 +93,7 @@ signal.signal(signal.SIGINT, interrupt)
 def at_the_lock():
     # Whether the main thread's innermost frame is at a "with self._lock:" of the arenas, waiting for it.
     f = sys._current_frames().get(MAIN)
-    return f is not None and linecache.getline(f.f_code.co_filename, f.f_lineno).strip() == "with self._lock:"
+    return f is not None and linecache.getline(f.f_code.co_filename, f.f_lineno).strip().startswith("with self._lock")
 
 
 def hold_lock_then_interrupt():
@@ -102,7 +102,10 @@ def hold_lock_then_interrupt():
         held.set()
         deadline = time.monotonic() + 60
         # The put has copied (or failed to) and waits for the lock, if it takes it there, or returned.
-        while not (returned.is_set() or at_the_lock()) and time.monotonic() < deadline:
+        while not (returned.is_set() or at_the_lock()):
+            if time.monotonic() > deadline:
+                print("put neither returned nor waited for the arenas' lock", file=sys.stderr, flush=True)
+                os._exit(3)
             time.sleep(0.001)
         signal.pthread_kill(MAIN, signal.SIGINT)
         # Held until the interrupt has landed in that wait. A SIGINT that came just before the thread
