@@ -93,7 +93,9 @@ class Daemon:
         return self.proc.pid
 
     def client(self, **kw) -> Client:
-        kw.setdefault("timeout", 5.0)
+        # A busy machine's daemon can take seconds to answer, behind work queued before the request (a
+        # peer's thousands of held acks, say): a test that needs a timeout to run out gives a short one.
+        kw.setdefault("timeout", 30.0)
         return Client(self.runtime_dir, **kw)
 
     def stats(self) -> dict:
