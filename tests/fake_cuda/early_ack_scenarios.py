@@ -72,13 +72,13 @@ class _Other:
 
     def __init__(self) -> None:
         self.proc = _start("serve_commands", {}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read(60)  # connected: its session counts from here
+        self._read(300)  # connected (a busy machine takes a minute to start it): its session counts from here
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
         self.proc.stdin.flush()
-        reply = self._read(30)
+        reply = self._read(120)
         if "error" in reply:
             raise RuntimeError(f"the other process's {op}: {reply['error']}")
         return reply

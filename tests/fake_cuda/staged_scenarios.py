@@ -27,7 +27,7 @@ def _press(key: str, value: str) -> str:
     "inline")."""
     run = subprocess.run([sys.executable, "-c", _PRESS, os.environ["MMFEAT_RUNTIME_DIR"], key, value,
                           os.environ["FAKE_CUDA_SCENARIO_NUMEL"], os.environ.get("FAKE_CUDA_SCENARIO_ACK", "")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
 
