@@ -89,11 +89,13 @@ def test_a_killed_daemons_leftover_sockets_are_known_at_once(daemon_factory) -> 
         t0 = time.monotonic()
         assert c.put(t).is_inline and c.fallbacks == {"unreachable": 1}
         assert time.monotonic() - t0 < 10
+    # The CLI's start is timed too, which a busy machine makes seconds long: a timeout of 600 s, which a
+    # probe that waited would run out, far beyond any start.
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(runtime_dir), "--timeout", "30",
-                        "health"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "mmfeat.cli", "--runtime-dir", str(runtime_dir), "--timeout", "600",
+                        "health"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 1 and gone in r.stderr, r.stderr
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 300
 
 
 def test_a_daemon_killed_under_a_connected_client_is_known_at_once(daemon_factory) -> None:
