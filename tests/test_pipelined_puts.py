@@ -227,3 +227,21 @@ def test_a_feature_no_arena_takes_is_reserved_under_no_key_and_bound_after_its_p
         assert c.evict(key)
         p.request("release", session=p.session.token, lease=again.lease_ref())
     books_balance(d)
+
+
+def test_stats_count_a_bind_sent_before_they_were_asked(daemon) -> None:
+    """Stats promise to be exact as of their reply: a bind the client sent (without waiting) before it
+    asked is counted, however the daemon orders its sockets. The daemon is stopped while both wait, so
+    both are ready at once when it runs again."""
+    with daemon.client(timeout=30.0, fallback="error") as producer:
+        producer.put(torch.zeros(1024), key=NS.key("grant"), retain_ttl=300.0, wait=False)  # the arena's grant
+        assert producer.has(NS.key("grant"))  # its bind read: the lookup reads what waits first
+        before = producer.stats()["counters"]["binds"]
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            producer.put(torch.ones(1024), key=NS.key("counted"), retain_ttl=300.0, wait=False)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert producer.stats()["counters"]["binds"] == before + 1
+        assert all(producer.evict(NS.key(k)) for k in ("grant", "counted"))
+    books_balance(daemon)
