@@ -61,11 +61,33 @@ HELP: dict[str, str] = {
                         "default: systemd's credential, else mesh.secret beside the config file",
     "data_devices": "network devices NIXL's UCX may use for pulls (UCX_NET_DEVICES, e.g. \"mlx5_0:1,eth1\"); "
                     "empty: the interface of listen and every RDMA port",
-    "peers": "the other nodes' daemons: a list of {endpoint = \"tcp://...\", public_key = \"...\"}; "
-             "no other key gets in",
+    "peers_from": "where the mesh's peers come from: static (peers), dns (every address of peers_dns) or dir (the "
+                  "peer files in peers_dir); dns and dir are re-read every peers_refresh_s, no restart needed",
+    "peers": "the other nodes' daemons (peers_from = static): a list of {endpoint = \"tcp://...\", "
+             "public_key = \"...\"}; no other key gets in",
+    "peers_dns": "NAME:PORT (peers_from = dns), a headless Service's name: each of its A/AAAA records is a peer "
+                 "listening on PORT, whose public key is keys_dir/ADDRESS",
+    "peers_dir": "directory of peer files (peers_from = dir), one NAME.toml per node with endpoint and public_key "
+                 "(or keys_dir/NAME); a mounted ConfigMap works",
+    "keys_dir": "directory of the peers' public keys, one file each named by the peer's address (dns) or peer file "
+                "name (dir); a peer without one is refused. Remove a file to revoke its key",
+    "peers_refresh_s": "seconds between reads of peers_dns or peers_dir and keys_dir: a peer or key added or removed "
+                       "takes effect within this",
+    "probe_interval_s": "seconds between probes (pings) of each peer",
+    "miss_limit": "probes in a row a peer may leave unanswered before it is missing: no pulls go to it, and it is "
+                  "probed on so that it rejoins",
+    "forget_after_s": "seconds a peer may be missing before it is forgotten (gone): its incarnation and what it "
+                      "announced are dropped, and a peer no longer listed leaves stats",
 }
 
-_TCP = r"^tcp://[^\s:/]+:[0-9]{1,5}$"
+# The settings a [mesh] table of the config file may hold besides the [mmfeatd] table.
+MESH_SETTINGS = ("listen", "mesh_secret_file", "data_devices", "peers_from", "peers", "peers_dns", "peers_dir",
+                 "keys_dir", "peers_refresh_s", "probe_interval_s", "miss_limit", "forget_after_s")
+# Peers a mesh may have at most (each costs the daemon a DEALER and the two ends of its monitor).
+MAX_PEERS = 1024
+
+# A host name or IPv4 address, or an IPv6 address in brackets (a dns source's AAAA records).
+_TCP = r"^tcp://([^\s:/\[\]]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
 
 
 class Peer(BaseModel):
@@ -120,7 +142,15 @@ class Settings(BaseModel):
     listen: str = Field("", pattern=f"^$|{_TCP}")
     mesh_secret_file: Optional[Path] = None
     data_devices: str = Field("", pattern=r"^$|^all$|^[A-Za-z0-9_.@-]+(:[0-9]+)?(,[A-Za-z0-9_.@-]+(:[0-9]+)?)*$")
-    peers: list[Peer] = Field(default_factory=list, max_length=1024)
+    peers_from: Literal["static", "dns", "dir"] = "static"
+    peers: list[Peer] = Field(default_factory=list, max_length=MAX_PEERS)
+    peers_dns: str = Field("", pattern=r"^$|^[A-Za-z0-9_.-]+:[0-9]{1,5}$")
+    peers_dir: Optional[Path] = None
+    keys_dir: Optional[Path] = None
+    peers_refresh_s: float = Field(5.0, gt=0, le=3600)
+    probe_interval_s: float = Field(2.0, gt=0, le=600)
+    miss_limit: int = Field(3, ge=1, le=1000)
+    forget_after_s: float = Field(600.0, gt=0, le=30 * 86400)
 
     @field_validator("devices")
     @classmethod
@@ -143,6 +173,33 @@ class Settings(BaseModel):
     def _peers_need_listen(self) -> "Settings":
         if self.peers and not self.listen:
             raise ValueError("peers are set but listen is not: the mesh needs both")
+        if self.peers_from != "static" and not self.listen:
+            raise ValueError(f"peers_from is {self.peers_from} but listen is not set: the mesh needs both")
+        return self
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "Settings":
+        """Each source reads its own settings and nothing else: a setting another source would read is a
+        mistake here, not something to ignore."""
+        needs = {"static": (), "dns": ("peers_dns", "keys_dir"), "dir": ("peers_dir",)}[self.peers_from]
+        for name in needs:
+            if not getattr(self, name):
+                raise ValueError(f"peers_from = {self.peers_from} needs {name}")
+        if self.peers_from != "static" and self.peers:
+            raise ValueError(f"peers lists the static source's peers, but peers_from is {self.peers_from}")
+        for name, source in (("peers_dns", "dns"), ("peers_dir", "dir")):
+            if getattr(self, name) and self.peers_from != source:
+                raise ValueError(f"{name} is read with peers_from = {source} only, not {self.peers_from}")
+        if self.keys_dir is not None and self.peers_from == "static":
+            raise ValueError("keys_dir is read with peers_from = dns or dir only; static peers carry their keys")
+        return self
+
+    @model_validator(mode="after")
+    def _liveness_agrees(self) -> "Settings":
+        missing_after = self.probe_interval_s * self.miss_limit
+        if self.forget_after_s <= missing_after:
+            raise ValueError(f"forget_after_s ({self.forget_after_s:g}) must be longer than a peer takes to be "
+                             f"missing (probe_interval_s x miss_limit = {missing_after:g} s)")
         return self
 
     @field_validator("peers")
@@ -181,6 +238,26 @@ def _from_env(name: str, raw: str) -> Any:
     return raw
 
 
+def _file_settings(config_file: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a config file: its [mmfeatd] table (or its top level), and a [mesh] table (at the
+    top level or as [mmfeatd.mesh]) holding mesh settings only."""
+    section = dict(data.get("mmfeatd", data))
+    tables = [section.pop("mesh", None)]
+    if "mmfeatd" in data:
+        tables.append(data.get("mesh"))
+    for mesh in (t for t in tables if t is not None):
+        if not isinstance(mesh, dict):
+            raise ConfigError(f"mesh in {config_file} must be a table ([mesh]) of mesh settings")
+        for name, value in mesh.items():
+            if name not in MESH_SETTINGS:
+                raise ConfigError(f"{name!r} is not a mesh setting ([mesh] in {config_file}); mesh settings: "
+                                  f"{', '.join(MESH_SETTINGS)}")
+            if name in section:
+                raise ConfigError(f"{name} is set twice in {config_file}: in [mesh] and outside it")
+            section[name] = value
+    return section
+
+
 def load_settings(
     config_file: Optional[Path] = None,
     flags: Optional[Mapping[str, Any]] = None,
@@ -195,8 +272,7 @@ def load_settings(
             data = tomllib.loads(Path(config_file).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {config_file}: {exc}") from None
-        section = data.get("mmfeatd", data)
-        for name, value in section.items():
+        for name, value in _file_settings(Path(config_file), data).items():
             if name not in HELP:
                 raise ConfigError(f"unknown setting {name!r} in {config_file}; known: {', '.join(HELP)}")
             values[name] = value
@@ -233,10 +309,14 @@ def _secret_next_to(config_file: Path, values: dict[str, Any], sources: dict[str
     """The key files ``mmfeatd --gen-keys DIR`` writes are looked for where the config is: a relative
     ``mesh_secret_file`` in the file names one beside it, and with none set, ``mesh.secret`` beside the
     config is used unless systemd handed the daemon one (a copy it can read; the file beside the config
-    may be root's alone)."""
+    may be root's alone). A relative ``peers_dir`` or ``keys_dir`` in the file is beside it as well."""
     from .mesh.keys import credential
 
     here = config_file.parent
+    for directory in ("peers_dir", "keys_dir"):  # relative in the file: beside it too
+        given = values.get(directory)
+        if given is not None and sources[directory].startswith("file ") and not Path(given).is_absolute():
+            values[directory] = here / given
     name = values.get("mesh_secret_file")
     if name is not None:
         if sources["mesh_secret_file"].startswith("file ") and not Path(name).is_absolute():
@@ -251,7 +331,7 @@ def _secret_next_to(config_file: Path, values: dict[str, Any], sources: dict[str
 
 
 # A bound in an error means nothing without its unit: "less than or equal to 4194304" MiB, not bytes.
-_UNITS = {"_mb": "MiB", "_ttl": "seconds", "_timeout": "seconds"}
+_UNITS = {"_mb": "MiB", "_ttl": "seconds", "_timeout": "seconds", "_s": "seconds"}
 _BOUNDS = ("less_than", "less_than_equal", "greater_than", "greater_than_equal")
 
 

@@ -312,7 +312,8 @@ def test_deploy_toml_documents_every_setting_with_its_default() -> None:
     for name in HELP:
         if name not in ("runtime_dir", "node_id"):
             assert getattr(settings, name) == getattr(defaults, name), name
-    assert set(tomllib.loads(text)["mmfeatd"]) == set(HELP) - {"runtime_dir", "node_id", "mesh_secret_file"}
+    assert set(tomllib.loads(text)["mmfeatd"]) == set(HELP) - {"runtime_dir", "node_id", "mesh_secret_file",
+                                                               "peers_dir", "keys_dir"}
 
 
 def test_print_config_names_sources(tmp_path) -> None:
