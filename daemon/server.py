@@ -23,7 +23,7 @@ from mmfeat.protos.errors import ErrorCode
 from mmfeat.protos.paths import CONTROL_SOCKET, control_endpoint, fd_socket_path
 
 from .cadence import IDLE_WAKE_S, MESH_TICK_S, SWEEP_MAX_S, SWEEP_MIN_S, TICK_S, sweep_interval
-from .config import Settings
+from .config import MAX_PEERS, Settings
 from .core import DaemonCore
 from .dispatch import dispatch
 from .sd_notify import Notifier
@@ -102,8 +102,10 @@ class Server:
         clients = client_budget(fd_limit, self.settings.max_clients)
         self._ctx = self._hold("_ctx", zmq.Context(), zmq.Context.term)
         # The daemon's own sockets only (connections are not sockets): a few, and per mesh peer its DEALER
-        # and the two ends of that DEALER's monitor.
-        self._ctx.set(zmq.MAX_SOCKETS, 64 + 3 * len(self.settings.peers))
+        # and the two ends of that DEALER's monitor; a source other than the static list may list up to
+        # MAX_PEERS.
+        peers = len(self.settings.peers) if self.settings.peers_from == "static" else MAX_PEERS
+        self._ctx.set(zmq.MAX_SOCKETS, 64 + 3 * peers)
         self._fds = self._hold("_fds", FdChannel(
             fd_socket_path(runtime), self.settings.socket_mode, self.core.authorize_fds, self._on_fd_close,
             lambda session, frame: dispatch(self.core, frame, session=session), clients,
@@ -197,7 +199,8 @@ class Server:
         assert self._mesh is not None and self._remote is not None
         stats = self._mesh.stats() | self._remote.stats()
         for peer in stats["peers"]:
-            peer.update(self._remote.peer_counters(peer["public_key"]).as_dict())
+            if peer["public_key"] is not None:  # a peer listed without a key has no counters
+                peer.update(self._remote.peer_counters(peer["public_key"]).as_dict())
         return stats
 
     def _owns(self, fd: int) -> bool:
@@ -243,6 +246,7 @@ class Server:
         assert self._control is not None and self._fds is not None and self._wake and self._watch is not None
         watch, ledger = self._watch, self.core.ledger
         poller = self._poller()
+        mesh_sockets = self._mesh.generation if self._mesh is not None else 0
         self.notifier.ready(self._status())
         now = time.monotonic()
         meshed = self._mesh is not None or self._remote is not None
@@ -320,6 +324,8 @@ class Server:
                 self.core.tick(now)
                 if self._mesh is not None:
                     self._mesh.tick(now)
+                    if self._mesh.generation != mesh_sockets:  # peers came or went: their DEALERs too
+                        poller, mesh_sockets = self._poller(), self._mesh.generation
                 if self._remote is not None:
                     self._remote.tick(now)
                 self._fds.close_stale_handshakes()

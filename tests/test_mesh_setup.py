@@ -1,6 +1,6 @@
 """A mesh set up wrong says so: docs/operations.md's example starts as written, and a peer that refuses our key,
 a peer with our own node id and a daemon whose NIXL cannot start each show as a state in stats, a
-metric and one log line, not as a peer forever ``connecting`` or a healthy daemon that cannot pull."""
+metric and one log line, not as a peer forever ``joining`` or a healthy daemon that cannot pull."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_a_peer_with_this_nodes_own_node_id_is_refused_loudly(cluster, tmp_path)
         assert log.count("announces node_id 'a', which is this node's own") == 1, log[-3000:]
 
 
-def test_a_peer_that_refuses_this_nodes_key_is_reported_not_connecting_forever(cluster, tmp_path) -> None:
+def test_a_peer_that_refuses_this_nodes_key_is_reported_not_joining_forever(cluster, tmp_path) -> None:
     cluster.node("a")
     cluster.node("b")
     b = cluster.start("b", [])  # lists nobody: a's key is refused at b's door

@@ -62,7 +62,7 @@ def load_secret(path: Path) -> tuple[bytes, bytes]:
                            "mmfeatd --gen-keys DIR") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyFileError(f"the mesh secret key {path} is readable by others (mode {st.st_mode & 0o777:04o}); "
-                           "chmod 0600 it")
+                           "chmod 0400 it (the daemon's user alone may read it)")
     secret = text.encode()
     try:
         parse_key(text)

@@ -438,7 +438,7 @@ class RemoteFeatures:
     def on_peer_change(self, peer: PeerState, now: float) -> None:
         """``peer`` went down or restarted: what waits on it fails now; what it said before is void."""
         key = peer.config.public_key
-        gone = MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {peer.config.endpoint} went down or restarted")
+        gone = MmfeatError(ErrorCode.PEER_UNAVAILABLE, f"node {peer.config.endpoint} is {peer.state} or restarted")
         for copy in [c for c in self._copies.values() if c.peer == key and c.state != "ready"]:
             self._fail(copy, gone, now)
         epoch = peer.hello.epoch if peer.state == "up" and peer.hello is not None else None
@@ -455,6 +455,12 @@ class RemoteFeatures:
             self.puller.remove_peer(key)
             if peer.state == "up" and peer.hello is not None and peer.hello.nixl is not None:
                 self.puller.add_peer(key, peer.hello.nixl)
+
+    def on_peer_forgotten(self, key: str) -> None:
+        """A peer no longer listed left stats: its counters go with it."""
+        self.counters.pop(key, None)
+        for node in [n for n, k in self._node_keys.items() if k == key]:
+            del self._node_keys[node]
 
     def tick(self, now: float) -> None:
         """Answer waiters whose time ran out; give up on checks nobody answered."""
