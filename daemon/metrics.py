@@ -6,8 +6,9 @@ must not walk the ledger while the loop changes it); histograms are fed as event
 
 from __future__ import annotations
 
+import operator
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -164,21 +165,41 @@ def _namespace_metrics(s: dict[str, Any]) -> Iterator[Any]:
 def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
     if not mesh:
         return
+    from .mesh.liveness import STATES  # a daemon without a mesh never imports the mesh's modules
+
     states = GaugeMetricFamily("mmfeat_mesh_peers", "Listed peer daemons by state", labels=["state"])
-    for state in ("connecting", "up", "down", "auth_failed", "node_id_conflict"):
+    for state in STATES:
         states.add_metric([state], sum(p["state"] == state for p in mesh["peers"]))
     yield states
+    # A row per listed peer, and per removed one until it is forgotten: two may carry one label (a key
+    # replaced at one address), whose samples are summed, or for a gauge, the latest taken.
+    peer_state = GaugeMetricFamily("mmfeat_mesh_peer_state", "1 for each peer's state now, with where it is listed "
+                                   "from", labels=["peer", "source", "state"])
+    for labels, n in _per_label(mesh["peers"], lambda p: 1, lambda p: (p["source"], p["state"])).items():
+        peer_state.add_metric(list(labels), n)
+    yield peer_state
+    changed = GaugeMetricFamily("mmfeat_mesh_peer_state_seconds", "Seconds since a peer's state last changed",
+                                labels=["peer"])
+    for labels, v in _per_label(mesh["peers"], lambda p: p["changed_s_ago"], combine=min).items():
+        changed.add_metric(list(labels), v)
+    yield changed
+    quorum = mesh["quorum"]
+    yield GaugeMetricFamily("mmfeat_mesh_members", "This node and the peers its source lists", value=quorum["members"])
+    yield GaugeMetricFamily("mmfeat_mesh_quorum", "1 while this node and the peers up are a majority of the members",
+                            value=int(quorum["ok"]))
+    yield CounterMetricFamily("mmfeat_mesh_source_errors", "Reads of the peers' source that failed (the last "
+                              "listing stays)", value=mesh["source"]["errors"])
+    yield CounterMetricFamily("mmfeat_mesh_connections_ended", "Connections of a peer's key shut down when its "
+                              "source stopped listing it", value=mesh["connections_ended"])
     rtt = GaugeMetricFamily("mmfeat_mesh_rtt_seconds", "Last heartbeat round trip to a peer that is up",
                             labels=["peer"])
-    for p in mesh["peers"]:
-        if p["rtt_ms"] is not None:
-            rtt.add_metric([p["node"] or p["endpoint"]], p["rtt_ms"] / 1e3)
+    for labels, v in _per_label(mesh["peers"], lambda p: p["rtt_ms"] and p["rtt_ms"] / 1e3, combine=min).items():
+        rtt.add_metric(list(labels), v)
     yield rtt
     for key, name, doc in _PEER_COUNTERS:
         family = CounterMetricFamily(name, doc, labels=["peer"])
-        for p in mesh["peers"]:
-            if key in p:
-                family.add_metric([p["node"] or p["endpoint"]], p[key])
+        for labels, v in _per_label(mesh["peers"], lambda p: p.get(key)).items():
+            family.add_metric(list(labels), v)
         yield family
     yield GaugeMetricFamily("mmfeat_mesh_transport_up", "1 when this daemon can pull other nodes' features (NIXL "
                             "started); 0: it cannot, and mmfeat health fails",
@@ -194,6 +215,20 @@ def _mesh_metrics(mesh: Optional[dict]) -> Iterator[Any]:
     yield CounterMetricFamily("mmfeat_mesh_connections_evicted",
                               "Connections to the mesh listener shut down to make room for a listed peer's",
                               value=mesh["connections_evicted"])
+
+
+def _per_label(peers: list[dict], value: Callable[[dict], Any], more: Callable[[dict], tuple] = lambda p: (),
+               combine: Callable[[Any, Any], Any] = operator.add) -> dict[tuple, Any]:
+    """Each peer row's ``value`` (None: none) under its labels: the name it said, else the one its source
+    gives it, then ``more``; rows with the same labels combined."""
+    out: dict[tuple, Any] = {}
+    for p in peers:
+        v = value(p)
+        if v is None:
+            continue
+        labels = (p["node"] or p.get("listed_as") or p["endpoint"], *more(p))
+        out[labels] = combine(out[labels], v) if labels in out else v
+    return out
 
 
 class Metrics:

@@ -57,19 +57,34 @@ def render_stats(s: dict[str, Any]) -> str:
         lines += ["", f"mesh on {mesh['listen']} as {mesh['public_key']}: refused keys {mesh['refused']}, "
                       f"bad messages {mesh['bad_messages']}, connections {mesh.get('connections', 0)} "
                       f"(shed {mesh.get('connections_refused', 0)}, "
-                      f"evicted for peers {mesh.get('connections_evicted', 0)})",
+                      f"evicted for peers {mesh.get('connections_evicted', 0)}, "
+                      f"ended with their key {mesh.get('connections_ended', 0)})",
                   f"pulls with {mesh.get('transport') or 'nothing: ' + str(mesh.get('transport_error'))}; "
-                  f"copies here {mesh.get('copies', 0)} ({mesh.get('copy_bytes', 0) >> 20} MiB)",
-                  f"{'node':<16} {'endpoint':<28} {'state':<10} {'rtt ms':>8} {'seen s ago':>10} {'pools':>5} "
-                  f"{'pulled MiB':>10} {'served MiB':>10} {'acks out':>9} {'acks in':>8}"]
+                  f"copies here {mesh.get('copies', 0)} ({mesh.get('copy_bytes', 0) >> 20} MiB)"]
+        if mesh.get("source"):
+            lines.append(_membership(mesh))
+        lines.append(f"{'node':<16} {'endpoint':<28} {'source':<6} {'state':<16} {'for s':>7} {'rtt ms':>8} "
+                     f"{'seen s ago':>10} {'pools':>5} {'pulled MiB':>10} {'served MiB':>10} {'acks out':>9} "
+                     f"{'acks in':>8}")
         for p in mesh["peers"]:
             rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f}"
             seen = "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.1f}"
-            lines.append(f"{p['node'] or '?':<16} {p['endpoint']:<28} {p['state']:<10} {rtt:>8} {seen:>10} "
+            since = "-" if p.get("changed_s_ago") is None else f"{p['changed_s_ago']:.0f}"
+            lines.append(f"{p['node'] or p.get('listed_as') or '?':<16} {p['endpoint']:<28} "
+                         f"{p.get('source', 'static'):<6} {p['state']:<16} {since:>7} {rtt:>8} {seen:>10} "
                          f"{len(p['pools']):>5} "
                          f"{p.get('bytes_pulled', 0) >> 20:>10} {p.get('bytes_served', 0) >> 20:>10} "
                          f"{p.get('acks_relayed', 0):>9} {p.get('acks_received', 0):>8}")
     return "\n".join(lines)
+
+
+def _membership(mesh: dict[str, Any]) -> str:
+    """Where the peers come from, how the last read went, and whether this node reaches a quorum."""
+    src, q = mesh["source"], mesh["quorum"]
+    read = (f"read {src['refreshed_s_ago']:.0f} s ago" if src.get("refreshed_s_ago") is not None else "not read yet")
+    error = f", last read failed: {src['error']}" if src.get("error") else ""
+    return (f"peers from {src['from']} ({src['name']}), {read}{error}; reaches {q['reachable']} of {q['members']} "
+            f"members (this node included): {'a quorum' if q['ok'] else 'NO quorum'}")
 
 
 def _channel(args: argparse.Namespace) -> ControlChannel:
@@ -119,6 +134,15 @@ def _health(args: argparse.Namespace) -> int:
         print(f"mmfeatd unhealthy: {where}: it meshes with other nodes but cannot pull from them: "
               f"{mesh.get('transport_error')}", file=sys.stderr)
         return 1
+    quorum = mesh.get("quorum")
+    if quorum:
+        where += (f"; reaches {quorum['reachable']} of {quorum['members']} mesh members: "
+                  f"{'a quorum' if quorum['ok'] else 'no quorum'}")
+        if args.require_quorum and not quorum["ok"]:
+            # Asked for: a node cut off from most of the mesh serves its own clients, but the features
+            # of most nodes are out of its reach.
+            print(f"mmfeatd unhealthy: {where}", file=sys.stderr)
+            return 1
     state = "draining" if reply.get("draining") else "ok"
     print(f"mmfeatd {state}: {where}")
     return 0
@@ -144,8 +168,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=1.0,
                    help="seconds between redraws of --watch (default: %(default)s)")
     s.set_defaults(func=_stats)
-    h = sub.add_parser("health", help="exit 0 when the daemon answers and, when meshed, can pull from other nodes",
-                       allow_abbrev=False)
+    h = sub.add_parser("health", help="exit 0 when the daemon answers and, when meshed, can pull from other nodes; "
+                                      "says whether it reaches a quorum of the mesh", allow_abbrev=False)
+    h.add_argument("--require-quorum", action="store_true",
+                   help="exit 1 too when this node and the peers up are not a majority of what its source lists "
+                        "(default: off; a liveness probe must not use it, or a partition restarts daemons)")
     h.set_defaults(func=_health)
     b = sub.add_parser("bench", help="measure the handoff against the alternatives, in one run", allow_abbrev=False)
     from .bench.cli import add_bench_args
