@@ -1,6 +1,7 @@
 """Nodes for mesh tests: CURVE keys made by mmfeatd's key generator, a port each, and daemons that list each
-other as peers, all on 127.0.0.1; or, with a NetnsPair, each of two nodes in a network namespace of its own
-with the data plane on TCP over the veth between them, as two machines would be."""
+other as peers, all on 127.0.0.1; or, with a NetnsPair, each node in a network namespace of its own with
+the data plane on TCP over the veths between them, as machines would be. A node may instead find its
+peers in a source (``mesh=``): a directory of peer files and one of keys per node, made here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -43,14 +45,42 @@ class Cluster:
         self.daemons: dict[str, Daemon] = {}
         self._veth_rx: dict[str, int] = {}
 
-    def node(self, name: str) -> None:
+    def node(self, name: str, port: int | None = None) -> None:
+        """``port``: the node's mesh port (in namespaces every node may have the same one)."""
         self.keys[name] = _gen_keys(self.root / f"keys-{name}")
-        self.ports[name] = _free_port()
+        self.ports[name] = port or _free_port()
         if self.netns is None:
             self.hosts[name] = "127.0.0.1"
         else:
-            assert len(self.hosts) < 2, "a NetnsPair holds two nodes"
+            assert len(self.hosts) < len(self.netns.addrs), f"the namespaces hold {len(self.netns.addrs)} nodes"
             self.hosts[name] = self.netns.addrs[len(self.hosts)]
+
+    def keyring(self, name: str) -> Path:
+        """``name``'s keys_dir: the other nodes' public keys it accepts, one file each."""
+        path = self.root / f"keyring-{name}"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def trust(self, name: str, other: str, as_name: str | None = None) -> None:
+        """``name`` accepts ``other``'s key, in a file named ``as_name`` (its address, for a dns source)."""
+        (self.keyring(name) / (as_name or self.hosts[other])).write_text(self.keys[other] + "\n")
+
+    def revoke(self, name: str, other: str, as_name: str | None = None) -> None:
+        (self.keyring(name) / (as_name or self.hosts[other])).unlink()
+
+    def peer_dir(self, name: str) -> Path:
+        """``name``'s peers_dir: a peer file per node it meshes with."""
+        path = self.root / f"peers-{name}"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def list_peer(self, name: str, other: str, key: bool = True) -> None:
+        """A peer file for ``other`` in ``name``'s peers_dir: its endpoint, and its key unless ``key`` is
+        False (then keys_dir must hold it)."""
+        text = f'endpoint = "{self.endpoint(other)}"\n' + (f'public_key = "{self.keys[other]}"\n' if key else "")
+        tmp = self.peer_dir(name) / f".{other}.tmp"
+        tmp.write_text(text)
+        tmp.rename(self.peer_dir(name) / f"{other}.toml")  # whole, as a ConfigMap update is
 
     def _ns_index(self, name: str) -> int:
         assert self.netns is not None
@@ -71,12 +101,19 @@ class Cluster:
         return f"tcp://{self.hosts[name]}:{self.ports[name]}"
 
     def start(self, name: str, peers: list[str], *args: str, nofile: int | None = None, env: dict | None = None,
-              backend: str = "host", runtime: Path | None = None, log: Path | None = None) -> Daemon:
-        """``runtime``: a runtime dir to reuse (a restart where clients wait); ``log``: stderr to a file."""
+              backend: str = "host", runtime: Path | None = None, log: Path | None = None,
+              mesh: dict[str, Any] | None = None) -> Daemon:
+        """``runtime``: a runtime dir to reuse (a restart where clients wait); ``log``: stderr to a file;
+        ``mesh``: settings for a [mesh] table (peers_from and the rest; with ``peers``, liveness for them)."""
         listed = ", ".join(f'{{endpoint = "{self.endpoint(p)}", public_key = "{self.keys[p]}"}}' for p in peers)
         config = self.root / f"{name}.toml"
-        config.write_text(f'[mmfeatd]\nnode_id = "{name}"\nlisten = "{self.endpoint(name)}"\n'
-                          f'mesh_secret_file = "{self.root / f"keys-{name}" / "mesh.secret"}"\npeers = [{listed}]\n')
+        text = (f'[mmfeatd]\nnode_id = "{name}"\nlisten = "{self.endpoint(name)}"\n'
+                f'mesh_secret_file = "{self.root / f"keys-{name}" / "mesh.secret"}"\n')
+        if peers or mesh is None:
+            text += f"peers = [{listed}]\n"
+        if mesh is not None:
+            text += "\n[mesh]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in mesh.items())
+        config.write_text(text)
         runtime = runtime or Path(tempfile.mkdtemp(prefix=f"mmf-{name}-", dir="/tmp"))
         wrap: list[str] = []
         if self.netns is not None:
@@ -113,6 +150,10 @@ class Cluster:
             shutil.rmtree(d.runtime_dir, ignore_errors=True)
         # A mesh daemon stops as cleanly as any: its ZAP thread, DEALERs and listener all close.
         assert sig != signal.SIGTERM or rc == 0, f"{name} exited {rc} on SIGTERM: {err[-2000:]}"
+
+
+def _toml(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, (str, Path)) else repr(value)
 
 
 def meshed(cluster: Cluster, *args: str, nodes: tuple[str, ...] = ("a", "b"), pool_mb: int = 160) -> list[Daemon]:

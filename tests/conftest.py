@@ -20,7 +20,7 @@ import pytest
 from mmfeat.client import Client
 from mmfeat.testing import spawn_daemon, worker_context
 
-from .netns import netns_pair  # noqa: F401  (a fixture: the cluster fixture asks for it by name)
+from .netns import netns_pair, netns_trio  # noqa: F401  (fixtures: the cluster fixture asks for them by name)
 
 
 def anon_bytes(pid: int) -> int:
@@ -236,10 +236,11 @@ def daemon(daemon_factory) -> Daemon:
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     """Nodes for mesh tests (tests/cluster.py); every daemon still running is stopped afterwards. Made
     indirect with the parameter "netns", each node is a network namespace of its own (tests/netns.py),
-    removed after its daemons stopped."""
+    removed after its daemons stopped; "netns3": three of them, on a bridge."""
     from .cluster import Cluster
 
-    netns = request.getfixturevalue("netns_pair") if getattr(request, "param", "host") == "netns" else None
+    param = getattr(request, "param", "host")
+    netns = request.getfixturevalue({"netns": "netns_pair", "netns3": "netns_trio"}[param]) if param != "host" else None
     c = Cluster(tmp_path, netns)
     yield c
     for name in list(c.daemons):

@@ -1,6 +1,6 @@
-"""The tests' side of mmfeat_pkg/bench/netns.py: a fixture with two network namespaces joined by a veth,
-removed after the test, skipped with the reason where they cannot be made (needs root and iproute2);
-and which TCP sockets a process listens on."""
+"""The tests' side of mmfeat_pkg/bench/netns.py: fixtures with two network namespaces joined by a veth,
+or three on a bridge, removed after the test, skipped with the reason where they cannot be made (needs
+root and iproute2); each namespace's own /etc/hosts; and which TCP sockets a process listens on."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
-from mmfeat.bench.netns import NetnsPair, make_pair, remove_pair
+from mmfeat.bench.netns import NetnsPair, make_nodes, remove_pair
 
-__all__ = ["NetnsPair", "netns_pair", "tcp_listeners"]
+__all__ = ["NetnsPair", "netns_pair", "netns_trio", "publish", "tcp_listeners"]
 
 _PREFIX = "mmft"  # namespaces of these tests: mmft-<pid of the pytest that made them>-<random>
 
@@ -45,14 +45,41 @@ def tcp_listeners(pid: int) -> set[tuple[str, int]]:
     return out
 
 
-@pytest.fixture
-def netns_pair():
-    """A NetnsPair for one test, always removed afterwards; skipped with the reason where it cannot be made."""
+def publish(netns: NetnsPair, i: int, name: str, addrs: list[str]) -> None:
+    """Namespace ``i``'s /etc/hosts names ``addrs`` ``name``, as a headless Service's DNS would: a daemon
+    started there after this resolves it through the standard resolver. Written in place (the file is
+    mounted over /etc/hosts by inode), each line whole in one write, so a reader never sees part of one."""
+    hosts = netns.etc(i) / "hosts"
+    if not hosts.exists():
+        hosts.parent.mkdir(parents=True, exist_ok=True)
+        hosts.write_text("127.0.0.1 localhost\n")
+    known = hosts.read_text().splitlines()
+    with open(hosts, "a") as f:
+        for addr in addrs:
+            if f"{addr} {name}" not in known:
+                f.write(f"{addr} {name}\n")
+                f.flush()
+
+
+def _nodes(n: int):
     try:
-        pair = make_pair(_PREFIX)
+        pair = make_nodes(_PREFIX, n)
     except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"two network namespaces joined by a veth cannot be made here (needs root and iproute2): {exc}")
+        pytest.skip(f"{n} network namespaces that reach each other cannot be made here (needs root and iproute2): "
+                    f"{exc}")
     try:
         yield pair
     finally:
         remove_pair(pair)
+
+
+@pytest.fixture
+def netns_pair():
+    """A NetnsPair for one test, always removed afterwards; skipped with the reason where it cannot be made."""
+    yield from _nodes(2)
+
+
+@pytest.fixture
+def netns_trio():
+    """Three namespaces on a bridge, as netns_pair."""
+    yield from _nodes(3)

@@ -1,4 +1,5 @@
-"""Two nodes on one machine as two machines would be: two network namespaces joined by a veth pair.
+"""Two nodes on one machine as two machines would be: two network namespaces joined by a veth pair
+(or more nodes, each joined by a veth to a bridge in a namespace of its own).
 
 Two daemons of one host pull through cross-memory attach, whatever the mesh's addresses: UCX sees one
 node (the processes share PID and IPC namespaces and the boot id). In namespaces of their own, with
@@ -12,11 +13,13 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 # Each namespace has its own address space: the same /30 in every pair conflicts with nothing.
 ADDRS = ("10.77.0.1", "10.77.0.2")
@@ -32,11 +35,18 @@ _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
 class NetnsPair:
     """Namespaces ``ns`` (one per node), joined by a veth named ``veth`` at both ends (one
     UCX_NET_DEVICES serves both), with ``addrs[i]`` in ``ns[i]``; no default route, so traffic goes
-    only between the two."""
+    only between them. With more than two nodes, each node's ``veth`` leads to a bridge in namespace
+    ``hub``."""
 
-    ns: tuple[str, str]
+    ns: tuple[str, ...]
     veth: str
-    addrs: tuple[str, str]
+    addrs: tuple[str, ...]
+    hub: Optional[str] = None
+
+    def etc(self, i: int) -> Path:
+        """Files here replace those of /etc for what runs in namespace ``i`` (``ip netns exec`` mounts
+        each over its namesake as it starts the command): a ``hosts`` of its own, say."""
+        return Path("/etc/netns") / self.ns[i]
 
     def prefix(self, i: int) -> list[str]:
         """A command prefix that runs the rest in namespace ``i``. ``ip netns exec`` execs without
@@ -94,18 +104,37 @@ def _remove_stale(prefix: str) -> None:
 def make_pair(prefix: str = "mmfb") -> NetnsPair:
     """Two namespaces and a veth, up and able to connect; OSError saying what failed if they cannot be
     made (not root, no ``ip``), after removing whatever part of them was."""
+    return make_nodes(prefix, 2)
+
+
+def make_nodes(prefix: str, n: int) -> NetnsPair:
+    """``n`` namespaces able to connect to each other: two joined by a veth, more by a bridge."""
     _remove_stale(prefix)
     tag = secrets.token_hex(3)
-    pair = NetnsPair((f"{prefix}-{os.getpid()}-{tag}a", f"{prefix}-{os.getpid()}-{tag}b"), f"mmv{tag}", ADDRS)
+    base = f"{prefix}-{os.getpid()}-{tag}"
+    ns = tuple(f"{base}{chr(ord('a') + i)}" for i in range(n))
+    if n == 2:
+        pair = NetnsPair(ns, f"mmv{tag}", ADDRS)
+    else:
+        pair = NetnsPair(ns, f"mmv{tag}", tuple(f"10.77.0.{i + 1}" for i in range(n)), f"{base}h")
     try:
-        for ns in pair.ns:
-            _ip("netns", "add", ns)
-        _ip("link", "add", pair.veth, "netns", pair.ns[0], "type", "veth",
-            "peer", "name", pair.veth, "netns", pair.ns[1])
-        for ns, addr in zip(pair.ns, pair.addrs):
-            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", pair.veth)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", pair.veth, "up")
+        for name in ns + ((pair.hub,) if pair.hub else ()):
+            _ip("netns", "add", name)
+        if pair.hub is None:
+            _ip("link", "add", pair.veth, "netns", ns[0], "type", "veth", "peer", "name", pair.veth, "netns", ns[1])
+        else:
+            _ip("-n", pair.hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", pair.hub, "link", "set", "br0", "up")
+            for i, name in enumerate(ns):
+                end = f"{pair.veth}{i}"
+                _ip("link", "add", pair.veth, "netns", name, "type", "veth", "peer", "name", end, "netns", pair.hub)
+                _ip("-n", pair.hub, "link", "set", end, "master", "br0")
+                _ip("-n", pair.hub, "link", "set", end, "up")
+        mask = "30" if pair.hub is None else "24"
+        for name, addr in zip(ns, pair.addrs):
+            _ip("-n", name, "addr", "add", f"{addr}/{mask}", "dev", pair.veth)
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("-n", name, "link", "set", pair.veth, "up")
         _wait_until_connects(pair)
     except BaseException:
         remove_pair(pair)
@@ -119,17 +148,22 @@ def _wait_until_connects(pair: NetnsPair, timeout: float = 20.0) -> None:
     probe = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], 9), 0.5).close()\n"
              "except ConnectionRefusedError:\n    pass\n")
     deadline = time.monotonic() + timeout
-    while True:
-        r = subprocess.run([*pair.prefix(0), sys.executable, "-c", probe, pair.addrs[1]], capture_output=True,
-                           timeout=60)
-        if r.returncode == 0:
-            return
-        if time.monotonic() > deadline:
-            raise OSError(f"the veth between {pair.ns[0]} and {pair.ns[1]} carried nothing within {timeout:g} s")
-        time.sleep(0.1)
+    for i, addr in enumerate(pair.addrs):
+        src = 1 if i == 0 else 0  # every node from another: the first from the second, the rest from the first
+        while True:
+            r = subprocess.run([*pair.prefix(src), sys.executable, "-c", probe, addr], capture_output=True,
+                               timeout=60)
+            if r.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise OSError(f"{pair.ns[src]} could not reach {addr} in {pair.ns[i]} within {timeout:g} s")
+            time.sleep(0.1)
 
 
 def remove_pair(pair: NetnsPair) -> None:
-    """Delete both namespaces (the veth goes with them); each tried whatever happened to the other."""
-    for ns in pair.ns:
+    """Delete the namespaces (the veths go with them) and their /etc/netns files; each tried whatever
+    happened to the others."""
+    for ns in pair.ns + ((pair.hub,) if pair.hub else ()):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    for i in range(len(pair.ns)):
+        shutil.rmtree(pair.etc(i), ignore_errors=True)
