@@ -371,7 +371,7 @@ def test_kubernetes_and_prometheus_files_match_the_daemon() -> None:
     assert {"MmfeatdDown", "MmfeatPoolNearlyFull", "MmfeatLeasesExpiring"} <= names
     exported = {"mmfeat_pool_bytes", "mmfeat_pool_capacity_bytes", "mmfeat_expired_total",
                 "mmfeat_client_fallbacks_total", "mmfeat_leases", "mmfeat_sessions_dropped_total",
-                "mmfeat_mesh_peers", "mmfeat_mesh_transport_up"}
+                "mmfeat_mesh_peers", "mmfeat_mesh_transport_up", "mmfeat_mesh_quorum"}
     for r in rules:
         for metric in re.findall(r"mmfeat_[a-z_]+", r["expr"]):
             assert metric in exported, f"alert {r['alert']} uses {metric}, which the daemon does not export"
