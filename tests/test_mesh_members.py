@@ -42,9 +42,11 @@ def test_peers_from_a_directory_join_without_a_restart_and_a_removed_one_is_cut_
         cluster.node(n)
     cluster.list_peer("a", "b")
     source = {"peers_from": "dir", "peers_dir": cluster.peer_dir("a"), "peers_refresh_s": 0.1}
+    b = cluster.start("b", ["a"])  # first: its DEALER connects the moment a listens
     a = cluster.start("a", [], mesh=source)
-    b = cluster.start("b", ["a"])
     s = a.wait_for(_up("b"), timeout=20, what="b up at a")
+    # a knew b's key before it listened: b was never refused, and never waits out a retry.
+    assert b.wait_for(_up("a"), timeout=20, what="a up at b")["mesh"]["peers"][0]["auth_failures"] == 0
     row = _peer(s, "b")
     assert (row["source"], row["listed_as"], row["endpoint"]) == ("dir", "b", cluster.endpoint("b"))
     assert s["mesh"]["source"]["from"] == "dir" and s["mesh"]["source"]["error"] is None
