@@ -78,6 +78,14 @@ def test_peers_from_a_directory_join_without_a_restart_and_a_removed_one_is_cut_
     assert samples[("mmfeat_mesh_connections_ended_total", ())] >= 1
     r = _health(a)
     assert r.returncode == 0 and "reaches 2 of 2 mesh members: a quorum" in r.stdout, (r.stdout, r.stderr)
+    # A second removed key at the same name (b's key replaced, then removed again): one series per label
+    # set all the same, which Prometheus insists on.
+    s = a.stats()
+    s["mesh"]["peers"].append({**_peer(s, "b"), "public_key": "another"})
+    for family in _mesh_metrics(s["mesh"]):
+        series = [(x.name, tuple(sorted(x.labels.items()))) for x in family.samples]
+        assert len(series) == len(set(series)), family.name
+    assert _samples(s)[("mmfeat_mesh_peer_state", (("peer", "b"), ("source", "dir"), ("state", "gone")))] == 2
 
 
 def test_a_stopped_peer_goes_missing_comes_back_as_itself_and_is_forgotten_after_forget_after_s(cluster) -> None:
