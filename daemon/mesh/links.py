@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from mmfeat.protos.mesh import MAX_MESH_FRAME
 
@@ -85,6 +86,17 @@ def open_dealer(ctx: zmq.Context, endpoint: str, server_key: str, public: bytes,
     monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     dealer.connect(endpoint)
     return dealer, monitor
+
+
+def handshake_events(monitor: zmq.Socket) -> list[int]:
+    """What a DEALER's monitor reported since the last call (a bounded number at a time)."""
+    events = []
+    for _ in range(64):
+        try:
+            events.append(recv_monitor_message(monitor, zmq.NOBLOCK)["event"])
+        except zmq.Again:
+            break
+    return events
 
 
 def close_dealer(dealer: zmq.Socket, monitor: Optional[zmq.Socket]) -> None:

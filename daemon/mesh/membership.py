@@ -202,7 +202,7 @@ class Membership:
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(5.0)
+            self._thread.join(1.0)  # a lookup it may be in cannot hold up a stop for longer
 
     def stats(self, now: Optional[float] = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now

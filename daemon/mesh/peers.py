@@ -1,21 +1,19 @@
 """The mesh: this daemon's links to the daemons of other nodes, over ZeroMQ CURVE on tcp://.
 
 A ROUTER on ``listen`` takes the peers' DEALERs; a DEALER per listed peer goes the other way. CURVE
-encrypts both and a ZAP handler lets in only the listed public keys (each refusal is counted), so a
+encrypts both and a ZAP handler lets in only the keys listed now (each refusal is counted), so a
 message's sender is known by the key it proved, never by what it says. Who is listed comes from the
-peers' source (membership.py: the ``peers`` setting, a DNS name or a directory of peer files), read
-again every ``peers_refresh_s``: a peer added is probed at once; one no longer listed (its key revoked,
-its file removed) is dropped with every connection it has, and its frames still queued are refused.
+peers' source (membership.py), read again while the daemon runs: a peer added is probed at once; one
+no longer listed (its key revoked) is dropped with every connection it has, its queued frames refused.
 Each side sends a hello (node, epoch, pools with their FABRIC handle bytes) when it connects and whenever
 the other asks for it, and a ping every ``probe_interval_s``; liveness.py says when a peer is up, missing
-and gone. A peer that restarts announces a new epoch: a new incarnation, whose predecessor's features are
-gone (daemon/mesh/remote.py answers a read of one with STALE).
-A request that arrives before the sender's hello (this daemon restarted, or forgot the sender while it,
-or this daemon, was away) is held until the hello comes, which it is asked for at once: the sender
-cannot know it was not heard, and its acks would otherwise be lost.
-Two conditions that would otherwise look like a peer forever ``joining`` or a mesh of STALE answers
-are states of their own, logged once per peer: ``auth_failed`` (the peer's ZAP refused our key, which
-a monitor of our DEALER reports) and ``node_id_conflict`` (the peer announces our own node id).
+and gone. A new epoch is a new incarnation, whose predecessor's features are gone (remote.py: STALE).
+A request that arrives before the sender's hello (this daemon restarted, or forgot the sender) is held
+until the hello comes, which it is asked for at once: the sender cannot know it was not heard, and its
+acks would otherwise be lost. Two conditions that would otherwise look like a peer forever ``joining``
+or a mesh of STALE answers are states of their own, logged once per peer: ``auth_failed`` (the peer's
+ZAP refused our key, which a monitor of our DEALER reports) and ``node_id_conflict`` (the peer
+announces our own node id).
 
 This is the membership layer; what travels over it for features (checks after pulls, relayed acks,
 ended notices) is daemon/mesh/remote.py's, which the mesh hands every other request and reply to. Every
@@ -31,7 +29,6 @@ from typing import Any, Callable, Optional, Protocol
 import zmq
 from pydantic import ValidationError
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 from mmfeat.protos.mesh import (
     MESH_REPLIES, MESH_REQUESTS, MeshError, MeshHello, MeshPing, MeshPong, decode_mesh, encode_mesh,
@@ -40,12 +37,10 @@ from mmfeat.protos.mesh import (
 from ..config import MAX_PEERS, MeshConfigError, Peer, Settings
 from ..sockets.connection_cap import ConnectionCap, IsOurs
 from .keys import KeyFileError, load_secret
-from .links import HWM, Inbound, KeyList, close_dealer, limit, open_dealer, secret_file
+from .links import HWM, Inbound, KeyList, close_dealer, handshake_events, limit, open_dealer, secret_file
 from .liveness import AUTH_FAILED, GONE, JOINING, MISSING, NODE_ID_CONFLICT, UP, Cadence, Liveness
 from .membership import Listed, Listing, Membership, split_endpoint
 from .peer_state import PeerState, peer_row, unkeyed_row
-
-__all__ = ["Mesh", "PeerState", "PeerHandler", "secret_file", "MAX_EARLY", "MAX_EARLY_BYTES"]
 
 log = logging.getLogger("mmfeatd.mesh")
 
@@ -368,11 +363,8 @@ class Mesh:
 
     def _handshakes(self, peer: PeerState, now: float) -> None:
         """The DEALER's handshake events: a refused key is a state of the peer's, counted and logged once."""
-        for _ in range(64):
-            try:
-                event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)["event"]
-            except zmq.Again:
-                return
+        assert peer.monitor is not None
+        for event in handshake_events(peer.monitor):
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 peer.auth_failures += 1
                 peer.retry_at = now + AUTH_RETRY_S
