@@ -156,9 +156,10 @@ def test_acks_still_batched_for_a_peer_that_restarts_are_answered_and_counted(tm
 
 
 def _heartbeat(peer: zmq.Socket) -> bool:
-    """A ping from the peer, as a real one sends every HEARTBEAT_S, however long this test takes between
-    two of its steps: a peer silent for DOWN_AFTER_S is marked down, and what it sent before its hello is
-    dropped with it. A ping is held for no hello and counted nowhere but in the peer's messages."""
+    """A ping from the peer, as a real one sends every probe_interval_s, however long this test takes
+    between two of its steps: a peer that leaves miss_limit probes unanswered is missing, and once it is
+    forgotten, what it sent before its hello is dropped. A ping is held for no hello and counted nowhere
+    but in the peer's messages."""
     peer.send(encode_mesh("ping", {"seq": 1}))
     return True
 
