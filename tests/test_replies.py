@@ -58,6 +58,15 @@ def test_every_ops_reply_from_a_real_daemon_reads_as_its_type(daemon) -> None:
         held = call("hold", session=c.session.token, key=key, count=1)
         assert held.descriptor is not None and held.lease.lease != desc.lease
         call("ack", via=c.session.fd, lease=held.lease.to_wire())
+        # A counted feature put in the arena, then given a key by bind; both keys looked up and held at once.
+        counted = c.put(torch.ones(1 << 16))
+        other = Namespace("replies", "1", "m", "uint8").key("bound")
+        bound = call("bind", via=c.session.fd, lease=counted.lease_ref(), key=other, descriptor=counted.to_bytes())
+        assert bound.state == "PUBLISHED" and bound.descriptor == counted.to_bytes()
+        both = call("hold_keys", session=c.session.token, keys=[key, other], count=1)
+        assert both.held == (True, False) and both.descriptors[1] == counted.to_bytes()
+        c.ack(both.descriptors[0])
+        c.ack(counted)
         assert call("evict", key=key).evicted is True
     # remote_get needs a second node: tests/test_remote.py reads its replies through the client.
     assert seen == set(REPLY_TYPES) - {"remote_get"}

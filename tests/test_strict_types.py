@@ -33,6 +33,8 @@ BASE: dict[str, dict[str, Any]] = {
     "lookup_key": {"keys": ["0123456789abcdef/k"]},
     "hold": {"session": S, "lease": LEASE},
     "evict": {"key": "0123456789abcdef/k"},
+    "bind": {"session": S, "lease": LEASE, "retain_ttl": 60.0},
+    "hold_keys": {"session": S, "keys": ["0123456789abcdef/k"], "count": 1},
     "remote_get": {"node": "elsewhere", "lease": LEASE, "wait_s": 0.5},
     "arena": {"session": S},
     "arena_return": {"session": S, "arena": 0},
