@@ -173,7 +173,7 @@ class DaemonCore:
         self.counters.leases_cut += leases
         if now - self._cut_logged_at >= _CUT_LOG_EVERY_S:
             self._cut_logged_at = now
-            who = f"{session.name!r} (pid {session.pid})" if session is not None else "a session"
+            who = f"{session.name!r} (pid {session.node_pid})" if session is not None else "a session"
             log.warning("cut %s: lease table words in slots it holds were refused past max_refused_words (%d); "
                         "%d lease(s) ended, %d arena(s) taken back, its fd channel closed (%d session(s) cut so "
                         "far; SPEC.md section 9)", who, self.settings.max_refused_words, leases, arenas,

@@ -179,3 +179,17 @@ def test_a_pod_allowed_by_a_supplementary_group_alone_gets_the_pool(daemon_facto
     assert consumer.proc.wait(60) == 0
     d.wait_for(lambda s: s["pools"][0]["used"] == 0 and s["sessions"] == 0, what="the feature to be freed")
 
+
+def test_a_cut_session_is_logged_with_the_pid_the_node_knows(daemon_factory, pods) -> None:
+    """The daemon names a session it cuts by the pid the kernel gave its fd channel, translated into the
+    daemon's namespace, so an operator on the node finds the process: the pid a client says it has is its
+    own namespace's (1 in a pod), or anything at all from a hostile one."""
+    d = daemon_factory("--pool-mb", "64", "--max-refused-words", "50")
+    pod = pods("refused_words", d.runtime_dir)
+    said = pod.hear()
+    assert said["cut"] and said["pid"] == 1, said
+    node_pid = pod.client_pid
+    pod.close()
+    assert d.stop() == 0
+    err = d.proc.communicate()[1]
+    assert f"cut 'refuses' (pid {node_pid})" in err, err[-2000:]

@@ -44,6 +44,13 @@ class Session:
     def attached(self) -> bool:
         return self.peer is not None
 
+    @property
+    def node_pid(self) -> int:
+        """The pid to name it by: once attached, the kernel's for its fd channel (SO_PEERCRED, translated
+        into the daemon's PID namespace); before, the one its hello named, which is only the client's word
+        (its own namespace's pid in a container, anything at all from a hostile client)."""
+        return self.peer.pid if self.peer is not None else self.pid
+
 
 class SessionTable:
     """Sessions waiting for their fd channel (oldest first) and attached ones, each O(1) to count."""
