@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +246,65 @@ def test_the_init_container_hands_the_daemon_its_nodes_key(path: Path, tmp_path:
         assert missing.returncode != 0 and "has no key named gpu-node-2" in missing.stderr, missing.stderr
     finally:
         subprocess.run(["rm", "-rf", str(node)], timeout=60)
+
+
+_FAKE_KUBECTL = """#!/bin/sh
+# kubectl as far as the README's key steps use it: the nodes, and what each create was given.
+echo "$*" >> "$KUBECTL_LOG"
+case "$*" in
+  *"get nodes"*) printf 'gpu-node-1 10.0.0.2\\ngpu-node-2 fd00::3\\n' ;;
+esac
+"""
+
+
+def _readme_block(containing: str) -> str:
+    text = (K8S / "README.md").read_text()
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
+    found = [b for b in blocks if containing in b]
+    assert len(found) == 1, f"{len(found)} sh blocks of deploy/kubernetes/README.md hold {containing!r}"
+    return found[0]
+
+
+def test_the_readmes_key_steps_make_what_the_manifests_mount(tmp_path: Path) -> None:
+    """deploy/kubernetes/README.md's key loop, run in bash with this checkout's mmfeatd and a kubectl that
+    lists two nodes (one IPv6): the Secret and ConfigMaps it creates are the ones the manifests mount, and
+    what it files is what the daemon reads there (a secret key per node name, its public key under the
+    node's address, a peer file per node)."""
+    from mmfeat.daemon.config import Peer
+    from mmfeat.daemon.mesh.keys import load_secret
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text(_FAKE_KUBECTL)
+    (bin_dir / "kubectl").chmod(0o755)
+    (bin_dir / "mmfeatd").symlink_to(Path(sys.executable).parent / "mmfeatd")
+    log = tmp_path / "kubectl.log"
+    done = subprocess.run(["bash", "-euc", _readme_block("--gen-keys")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                                            "KUBECTL_LOG": str(log)})
+    assert done.returncode == 0, done.stderr
+    created = {}  # name -> what it was made from
+    for argv in (line.split() for line in log.read_text().splitlines()):
+        if "create" in argv and argv[argv.index("create") + 1] in ("secret", "configmap"):
+            kind = argv.index("create") + 1
+            created[argv[kind + 2 if argv[kind] == "secret" else kind + 1]] = argv[-1]
+    keys = tmp_path / "mesh-keys"
+    assert os.stat(keys).st_mode & 0o077 == 0, "the secret keys' directory is open to others"
+    nodes = {"gpu-node-1": "10.0.0.2", "gpu-node-2": "fd00::3"}
+    for node, ip in nodes.items():
+        public = load_secret(keys / "secret" / node)[0].decode()
+        assert (keys / "public" / ip.replace(":", "-")).read_text().strip() == public
+        peer = Peer(**tomllib.loads((keys / "peers" / f"{node}.toml").read_text()))
+        assert peer.public_key == public and peer.endpoint.endswith(":7400")
+    for path in MESHED:
+        pod = _pod(path)
+        for volume in pod["volumes"]:
+            name = volume.get("secret", {}).get("secretName") or volume.get("configMap", {}).get("name")
+            if name and name != _one(path, "ConfigMap")["metadata"]["name"]:
+                assert name in created, f"{path.relative_to(REPO)} mounts {name}, which the README never creates"
+    assert set(created.values()) == {"--from-file=secret/", "--from-file=public/", "--from-file=peers/"}
+
+
+def test_the_readme_names_the_files_that_are_there() -> None:
+    for named in set(re.findall(r"deploy/kubernetes/[\w./-]+", (K8S / "README.md").read_text())):
+        assert (REPO / named.rstrip(".")).exists(), named
