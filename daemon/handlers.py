@@ -317,6 +317,7 @@ def hold_keys(core: DaemonCore, req: m.HoldKeysRequest, now: float) -> m.HoldKey
         raise MmfeatError(ErrorCode.TOO_LARGE, f"{len(req.keys)} keys in one hold_keys, over the {MAX_LOOKUP_KEYS} "
                           "a request may carry: split the list")
     ledger = core.ledger
+    _read_binds_first(core, req.keys)  # a key its producer bound before this was asked is found
     # Not this session's own slots first, as for an arena: the holds depend on no word there while its
     # quota has room for them, and a session whose words would cut it is cut by the timer's next sweep.
     # Acks of its earlier holds there give back quota: swept when the holds would not fit without them.

@@ -245,3 +245,26 @@ def test_stats_count_a_bind_sent_before_they_were_asked(daemon) -> None:
         assert producer.stats()["counters"]["binds"] == before + 1
         assert all(producer.evict(NS.key(k)) for k in ("grant", "counted"))
     books_balance(daemon)
+
+
+def test_a_scheduler_holding_keys_finds_a_put_that_returned_before_it_asked(daemon) -> None:
+    """``hold_many`` (the vLLM scheduler's one round trip) finds a key whose pipelined put returned before
+    it asked, as lookups do: the daemon, stopped while the bind waits on the producer's fd channel, sees
+    the bind and the hold ready at once when it runs again."""
+    key = NS.key("scheduled")
+    with daemon.client(timeout=30.0, fallback="error") as producer, \
+            daemon.client(timeout=30.0, map_pools=False) as scheduler:
+        producer.put(torch.zeros(1024), key=NS.key("grant"), retain_ttl=300.0, wait=False)  # the arena's grant
+        warm = scheduler.hold_many([NS.key("grant")], count=1)  # its session open before the stop
+        assert warm[0] is not None
+        scheduler.ack(warm[0][0])
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            producer.put(torch.ones(1024), key=key, retain_ttl=300.0, wait=False)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        found = scheduler.hold_many([key], count=1)
+        assert found[0] is not None and found[0][1] is True
+        scheduler.ack(found[0][0])
+        assert all(producer.evict(NS.key(k)) for k in ("grant", "scheduled"))
+    books_balance(daemon)
