@@ -41,6 +41,9 @@ HELP: dict[str, str] = {
     "gpu_publish": "auto: producers publish a GPU feature behind their stream's write, with no host wait (a "
                    "lease table READY word the consumers' streams wait on), where the device has stream memory "
                    "operations and this daemon runs no mesh; host_wait: they wait for the write first",
+    "ready_ttl": "seconds a GPU feature published behind its stream may wait for that stream's write: clients wait on "
+                 "the host for it that long at most, and an ended feature's range is kept for its live producer's "
+                 "late write that long at most",
     "max_clients": "client processes at most (fd channels); 0: as many as the fd limit allows, 4 fds each",
     "control_memory_mb": "MiB the daemon may grow by, plus 64 KiB per connection, before it resets its control socket",
     "max_session_mb": "MiB one session's live leases may hold (a stuck producer cannot fill the pool); 0: no limit",
@@ -129,6 +132,7 @@ class Settings(BaseModel):
     arena_slots: int = Field(256, ge=1, le=1 << 16)
     arenas_per_session: int = Field(4, ge=1, le=1024)
     gpu_publish: Literal["auto", "host_wait"] = "auto"
+    ready_ttl: float = Field(60.0, gt=0, le=86400)
     max_clients: int = Field(0, ge=0, le=1 << 20)
     control_memory_mb: int = Field(256, ge=16, le=1 << 20)
     allowed_uids: list[int] = Field(default_factory=list)
@@ -226,7 +230,7 @@ class MeshConfigError(Exception):
 
 
 # Fields the daemon may change on SIGHUP without a restart.
-RELOADABLE = ("log_level", "reserve_ttl", "ack_ttl", "allowed_uids", "allowed_gids", "max_session_mb")
+RELOADABLE = ("log_level", "reserve_ttl", "ack_ttl", "ready_ttl", "allowed_uids", "allowed_gids", "max_session_mb")
 
 
 def _from_env(name: str, raw: str) -> Any:

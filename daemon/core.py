@@ -97,6 +97,7 @@ class DaemonCore:
         # reads the pool but clients whose streams wait on READY. A mesh's pulls read the bytes with
         # NIXL, which waits on no stream, so a daemon with one asks for the host wait.
         self.gpu_publish = "ready_word" if settings.gpu_publish == "auto" and not settings.listen else "host_wait"
+        self.ledger.unwritten.ready_ttl = settings.ready_ttl
         self.sweeper = Sweeper(self.table, self.ledger)
         self.sweeper.charge = self._charge
         # Set by the server: closes a cut session's fd channel (without ending the session again).
@@ -188,6 +189,7 @@ class DaemonCore:
         self.settings = settings
         self.ledger.reserve_ttl = settings.reserve_ttl
         self.ledger.ack_ttl = settings.ack_ttl
+        self.ledger.unwritten.ready_ttl = settings.ready_ttl
         self.books.quota_bytes = settings.max_session_mb << 20
 
     def pool_for(self, device: Optional[int]) -> int:

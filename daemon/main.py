@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arena-slots", dest="arena_slots", type=int)
     p.add_argument("--arenas-per-session", dest="arenas_per_session", type=int)
     p.add_argument("--gpu-publish", dest="gpu_publish", choices=["auto", "host_wait"])
+    p.add_argument("--ready-ttl", dest="ready_ttl", type=float)
     p.add_argument("--max-clients", dest="max_clients", type=int)
     p.add_argument("--control-memory-mb", dest="control_memory_mb", type=int)
     p.add_argument("--log-level", dest="log_level")

@@ -297,11 +297,12 @@ class HelloReply(_Reply):
     # The daemon takes ``bind``: keyed and retained features published in arenas. False from a daemon
     # that predates it, whose producers reserve such features.
     bind: bool = False
+    ready_ttl: Optional[float] = None  # absent from a daemon of an earlier release: its ack_ttl bounds the waits
     _WIRE = {"session": bytes, "epoch": int, "node": str, "endpoint": str, "pools": list, "reserve_ttl": _NUM,
              "ack_ttl": _NUM, "max_request_bytes": int, "table_slots": int, "arenas": bool, "gpu_publish": str,
-             "clock": _NUM, "bind": bool}
+             "clock": _NUM, "bind": bool, "ready_ttl": _NUM}
     _ITEMS = {"pools": PoolInfo}
-    _OPTIONAL = frozenset({"bind"})
+    _OPTIONAL = frozenset({"bind", "ready_ttl"})
 
 
 @dataclass(slots=True)

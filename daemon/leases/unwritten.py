@@ -7,9 +7,11 @@ overwrite another feature, and its late READY store move the slot's word back un
 generation. So such a feature is ended (its STATE says FREE, readers are refused) but kept here: its
 range and slot go back once its READY word shows the write landed, or, once its producer's session has
 ended, after a grace for that process's GPU work to be torn down; only then does the daemon store READY
-itself, which lets go any stream still waiting on the word. Neither waits longer than ``ack_ttl``: a
-peer of the group rewriting a READY word (SPEC.md, section 9) must not keep a range out of the pool
-for the life of its producer's session.
+itself, which lets go any stream still waiting on the word. Neither waits longer than ``ready_ttl``
+(nor ``ack_ttl``, where that is shorter): a
+live producer whose GPU never writes (a faulted context, a stream stuck behind another wait), or a peer
+of the group rewriting a READY word (SPEC.md, section 9), must not keep a range out of the pool, and its
+consumers' streams waiting, for the life of its producer's session.
 """
 
 from __future__ import annotations
@@ -30,20 +32,22 @@ DEAD_GRACE_S = 2.0
 class _Kept:
     lease: Lease
     give_back: Callable[[], None]  # the range and the slot, back to whoever hands them out
-    until: float  # ack_ttl from its end, or DEAD_GRACE_S from its producer's
+    until: float  # ready_ttl (or ack_ttl, the shorter) from its end, or DEAD_GRACE_S from its producer's
 
 
 class Unwritten:
     def __init__(self, table: Optional[LeaseTable]) -> None:
         self._table = table
         self._kept: list[_Kept] = []
+        self.ready_ttl: Optional[float] = None  # the daemon's setting; None: ack_ttl bounds the keep
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def keep(self, lease: Lease, give_back: Callable[[], None], producer_gone: bool, now: float,
              ack_ttl: float) -> None:
-        self._kept.append(_Kept(lease, give_back, now + (DEAD_GRACE_S if producer_gone else ack_ttl)))
+        keep = ack_ttl if self.ready_ttl is None else min(ack_ttl, self.ready_ttl)
+        self._kept.append(_Kept(lease, give_back, now + (DEAD_GRACE_S if producer_gone else keep)))
 
     def producer_gone(self, session: bytes, now: float) -> None:
         for kept in self._kept:
