@@ -28,6 +28,7 @@ _COUNTERS = {
     "late_publishes": "Publishes refused because their lease's reserve_ttl had passed (the range freed then)",
     "reclaimed_on_disconnect": "RESERVED leases freed because their producer disconnected",
     "unready_ended": "Published features that ended before their producer's GPU had written them (READY behind)",
+    "lost_reads": "Lookups and acks refused LOST: their feature ended before its producer's GPU wrote it",
     "pool_full": "Reserves refused because the pool was full",
     "too_large": "Reserves refused because the feature is larger than the pool",
     "bad_requests": "Requests refused as malformed",

@@ -18,7 +18,9 @@ Words of a slot:
   generation). Readers treat ``DONE`` as ended.
 - ``ACKS``: ``(generation mod 2**32) << 32 | acks``. Consumers add their acks with compare-and-swap,
   and only while the high half names the generation they hold, so a late ack never counts for the
-  next feature in the slot. The daemon sweeps this column and applies what it finds.
+  next feature in the slot. The daemon sweeps this column and applies what it finds. A GPU feature
+  that ended before its producer's GPU wrote it has ``acks`` = ``LOST_ACKS`` (all ones) with its FREE
+  STATE, until the slot is reused: a read of it was a lost read, and every client can tell.
 - ``POOL``, ``OFFSET``, ``NBYTES``, ``CONSUMERS``: the live feature's range and consumer count,
   written before ``STATE`` names its generation.
 - ``TOKEN``, ``TOKEN + 1``: the feature's 16-byte token, which ack, release and lookup messages
@@ -54,6 +56,7 @@ LIVE_STATES = (RESERVED, PUBLISHED)  # DONE: every consumer acked, the producer 
 GEN_MASK = (1 << 62) - 1
 ACK_GEN_MASK = 0xFFFF_FFFF
 ACK_COUNT_MASK = 0xFFFF_FFFF
+LOST_ACKS = ACK_COUNT_MASK  # the ACKS count of a freed generation whose GPU never wrote it (a lost read)
 
 
 COLUMN_BYTES = 24  # STATE, ACKS and READY: 8 bytes each per slot

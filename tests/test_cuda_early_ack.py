@@ -35,7 +35,7 @@ def test_a_feature_the_sweep_finds_acked_before_its_gpu_wrote_it_keeps_its_range
         fake_libcuda, runtime_dir, tmp_path) -> None:
     log = _run(fake_libcuda, runtime_dir, tmp_path, "early_ack_in_the_sweeps_batch")
     assert "=== acked before the fill: unwritten 1, unready_ended 1" in log, log
-    assert re.search(r"=== its lookup: NOT_FOUND: .*before its producer's GPU wrote it", log), log
+    assert re.search(r"=== its lookup: LOST: .*before its producer's GPU wrote it", log), log
     assert "=== the fill landed: True" in log, log
     # The producer's ring reuses the space once the word is written: the daemon takes that feature at once.
     assert "=== the next feature in its space: True; taken: True" in log, log

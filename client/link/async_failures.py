@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
+from typing import Hashable, Optional
 
 from ..fork_locks import renew_in_child
 
@@ -25,6 +26,8 @@ class AsyncFailures:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
+        self.lost_reads = 0
+        self._lost: OrderedDict[Hashable, None] = OrderedDict()  # features counted, the latest 4096
         renew_in_child(self)  # a forked child's close() reports through its inherited channel's counts
 
     @property
@@ -32,12 +35,29 @@ class AsyncFailures:
         with self._lock:
             return Counter(self._counts)
 
+    def lost(self, what: str, key: Optional[Hashable] = None, count: int = 1) -> None:
+        """A read of a feature that ended before its producer's GPU wrote it (``what`` names it): counted
+        once per feature (``key``), and each said at WARNING, since a consumer that goes on computes from
+        bytes that were never the feature's."""
+        with self._lock:
+            if key is not None:
+                if key in self._lost:
+                    return
+                self._lost[key] = None
+                if len(self._lost) > 4096:
+                    self._lost.popitem(last=False)
+            self.lost_reads += count
+        log.warning("a lost read (%s): the feature ended before its producer's GPU wrote it, so what was read of it "
+                    "is not its bytes; drop that result and have it sent again (Client.lost_reads counts these)", what)
+
     def record(self, op: str, code: str, message: str, exc_info: bool = False) -> None:
         kind = f"{op} {code}"
         with self._lock:
             self._counts[kind] += 1
             first = self._counts[kind] == 1
-        if first:
+        if code == "LOST":  # a kind of its own, and each one said (lost() does), not only the first
+            self.lost(f"{op}: {message}")
+        elif first:
             log.warning("a pipelined %s failed: %s: %s (logged once per kind; Client.async_failures counts "
                         "them all)", op, code, message, exc_info=exc_info)
 

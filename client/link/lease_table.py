@@ -19,7 +19,7 @@ from mmfeat.atomics import FENCE_NEEDED, Words, fence_acquire
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
     ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, ENTRY_BYTES, FLAG_DRAINING, FREE, GEN_MASK, HEADER_FLAGS_WORD,
-    LIVE_STATES, POOL, PUBLISHED, READY, STATE, ack_word, is_ready, state_word, table_bytes, word_offset,
+    LIVE_STATES, LOST_ACKS, POOL, PUBLISHED, READY, STATE, ack_word, is_ready, state_word, table_bytes, word_offset,
 )
 
 STATE_FREE = FREE
@@ -32,6 +32,12 @@ _U64 = struct.Struct("<Q")
 _CAS_TRIES = 64
 _ENTRY_HEAD = struct.Struct("<4Q")  # POOL, OFFSET, NBYTES, CONSUMERS
 _ENTRY = struct.Struct("<4Q16s")  # POOL .. CONSUMERS, then TOKEN and TOKEN + 1 as the token's 16 bytes
+
+
+def lost_read(lease: int, gen: int) -> MmfeatError:
+    """The error of a get, verify or ack of a feature that ended before its producer's GPU wrote it."""
+    return MmfeatError(ErrorCode.LOST, f"lease {lease} generation {gen} ended before its producer's GPU wrote it: "
+                       "whatever was read of it is incomplete; drop that read and have the feature sent again")
 
 
 def _read_word(mm: mmap.mmap, offset: int) -> int:
@@ -162,8 +168,21 @@ class LeaseTableView:
         return self._load(self._states + 8 * slot)
 
     def is_ready(self, slot: int, gen: int) -> bool:
-        """Whether the slot's READY word says generation ``gen``'s bytes are complete; ``slot`` in range."""
-        return is_ready(self._load(self._ready + 8 * slot), gen)
+        """Whether the slot's READY word says generation ``gen``'s bytes are complete; ``slot`` in range.
+        Once it does, this thread's later reads and the GPU work it queues next are ordered after the
+        load (an acquire: a plain load where it is not one needs the fence, on aarch64)."""
+        ready = is_ready(self._load(self._ready + 8 * slot), gen)
+        if ready and FENCE_NEEDED and self._words is None:
+            fence_acquire()  # a read-only mapping's loads are plain ones (_read_word)
+        return ready
+
+    def lost(self, slot: int, gen: int) -> bool:
+        """Whether generation ``gen`` of ``slot`` ended before its producer's GPU wrote it: the daemon
+        marks its ACKS word so (``LOST_ACKS``) with its FREE, and a read of it was a lost read."""
+        if not 0 <= slot < self.slots:
+            return False
+        return (self.state_word(slot) == state_word(gen, FREE)
+                and self._ack_word(slot) == ack_word(gen, LOST_ACKS))
 
     def mark_ready(self, slot: int, gen: int) -> None:
         """Store ``gen`` in a reserved lease's READY word (a release store, after the payload's writes),

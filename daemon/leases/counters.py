@@ -18,6 +18,7 @@ class Counters:
     late_publishes: int = 0
     reclaimed_on_disconnect: int = 0
     unready_ended: int = 0  # published features ended before their producer's GPU had written them
+    lost_reads: int = 0  # lookups and acks of such a feature, refused LOST
     cut_on_shutdown: int = 0
     pool_full: int = 0
     too_large: int = 0

@@ -32,8 +32,8 @@ class EndReason(str, Enum):
     EVICTED_BY_KEY = "evicted by key"
     HOLDER_GONE = "a hold whose holder's session ended"
     DEDUPED = "another feature was published under its key first"
-    UNWRITTEN = ("it ended before its producer's GPU wrote it: whatever was read of it is incomplete; "
-                 "treat that read as lost")
+    UNWRITTEN = ("ended before its producer's GPU wrote it: whatever was read of it is incomplete; drop that "
+                 "read and have the feature sent again")
 
 
 @dataclass

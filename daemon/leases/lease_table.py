@@ -20,8 +20,8 @@ import numpy as np
 
 from mmfeat.atomics import FENCE_NEEDED, PLAIN_ORDERED, Words, fence_acquire
 from mmfeat.protos.lease_table import (
-    ACKS, ENTRY_BYTES, ENTRY_WORDS, FREE, GEN_MASK, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, MAGIC, NOT_READY, POOL,
-    PUBLISHED, READY, STATE, ack_word, is_ready, state_word, table_bytes, word_offset,
+    ACKS, ENTRY_BYTES, ENTRY_WORDS, FREE, GEN_MASK, HEADER, HEADER_BYTES, HEADER_FLAGS_WORD, LOST_ACKS, MAGIC,
+    NOT_READY, POOL, PUBLISHED, READY, STATE, ack_word, is_ready, state_word, table_bytes, word_offset,
 )
 
 _ENTRY = struct.Struct(f"<{ENTRY_WORDS}Q")
@@ -109,6 +109,13 @@ class LeaseTable:
 
     def is_ready(self, slot: int, gen: int) -> bool:
         return is_ready(int(self.ready[slot]), gen)
+
+    def mark_lost(self, slot: int, gen: int) -> None:
+        """The ACKS word of a generation that ends before its producer's GPU wrote it (its FREE follows):
+        every reader can tell a read of it was lost (SPEC.md, section 5)."""
+        word = ack_word(gen, LOST_ACKS)
+        self.seen_acks[slot] = word  # the daemon's own word: no sweep takes it for a client's acks
+        self.words.store_at(self._offset(slot, ACKS), word)
 
     def store_state(self, slot: int, word: int) -> None:
         if not 0 <= slot < self.slots:

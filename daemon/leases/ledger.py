@@ -354,8 +354,11 @@ class Ledger(Retention, Endings, ArenaFeatures):
             )
         lease = self._leases.get(ref.lease)
         if lease is None:
-            self.counters.not_found += 1
             reason = END_REASONS[self._ended[ref.lease]]
+            if reason is EndReason.UNWRITTEN:  # its consumers read bytes its GPU never wrote: a code of its own
+                self.counters.lost_reads += 1
+                raise MmfeatError(ErrorCode.LOST, f"lease {ref.lease} generation {ref.gen} {reason.value}")
+            self.counters.not_found += 1
             why = reason.value if reason is not None else "never reserved"
             raise MmfeatError(ErrorCode.NOT_FOUND, f"lease {ref.lease} generation {ref.gen} is gone: {why}")
         if not hmac.compare_digest(ref.token, lease.token):
@@ -424,6 +427,8 @@ class Ledger(Retention, Endings, ArenaFeatures):
             self.counters.unready_ended += 1
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         if table is not None:
+            if unwritten:
+                table.mark_lost(slot, lease.gen)  # before the FREE: a reader that sees it sees the mark
             table.set(slot, lease.gen, FREE, ready=not unwritten)
         base = lease.hold_of
         if base is not None:
