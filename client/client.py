@@ -17,10 +17,11 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from mmfeat.protos.descriptor import Descriptor, DescriptorError
+from mmfeat.protos.descriptor import Descriptor
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.paths import control_endpoint, default_runtime_dir
 
+from .arguments import DescLike, as_descriptor, check_device, check_stream, check_wait
 from .consume.ack_routes import Acks
 from .link.channel import ControlChannel
 from .consume.consumer import Consumer
@@ -30,6 +31,8 @@ from .link.lease_table import LeaseTableView
 from .consume.pinned import PendingCopies
 from .produce.producer import Producer
 from .produce.reservations import Reservations, ShapeLike, TensorOrList
+from .gpu import ready_word
+from .link.daemon_lock import gone_daemon
 from .link.session import Session, open_session
 
 log = logging.getLogger("mmfeat.client")
@@ -41,9 +44,6 @@ DEFAULT_INLINE_THRESHOLD = int(os.environ.get("MMFEAT_INLINE_THRESHOLD", str(64 
 # The largest feature put sends inline when the pool cannot take it; a larger one raises TOO_LARGE.
 DEFAULT_INLINE_MAX = int(os.environ.get("MMFEAT_INLINE_MAX", str(256 << 20)))
 
-# A Descriptor, or its bytes in bytes or any buffer (a memoryview, a zmq Frame): Any, since typing has no
-# name for "supports the buffer protocol" before Python 3.12.
-DescLike = Any
 
 
 # Every Client of this process, whose connect lock a forked child takes fresh (as client/link/channel.py does
@@ -103,7 +103,7 @@ class Client:
         self._producer = Producer(self._connect, self._reconnect, self._channel, self._fallbacks, inline_threshold,
                                   inline_max, fallback, self._session_now)
         self._reservations = Reservations(self._producer, lambda *a: self._acks.run_after(*a))
-        pending = PendingCopies()  # staged copies from host pools: get() adds them, ack() waits for them
+        pending = PendingCopies(timeout=timeout)  # staged copies from host pools: get() adds them, ack() waits
         # A staged copy's own hold is let go by an ack that waits for the copy (client/consume/consumer.py).
         self._consumer = Consumer(self._connect, self._channel, pending,
                                   lambda hold: self._acks.ack(hold, 1, None, False), readonly)
@@ -129,6 +129,14 @@ class Client:
     def fallbacks(self) -> Counter[str]:
         """Features this client sent inline, by reason."""
         return self._fallbacks.counts
+
+    @property
+    def lost_reads(self) -> int:
+        """Reads of GPU features that ended before their producer's GPU wrote them, as this client
+        learnt of them (a get, verify or ack refused LOST, an ack after GPU work that found the feature
+        so, a wait let go on a daemon that is gone): each logged at WARNING. A consumer that read such
+        a feature computed from bytes that were not its own: drop that result."""
+        return self._channel.failures.lost_reads
 
     @property
     def async_failures(self) -> Counter[str]:
@@ -170,10 +178,13 @@ class Client:
     def _end_session(self, s: Session) -> None:
         # Publishes went into the lease table or on the fd channel: the daemon reads both before it
         # handles this close.
-        if s.arenas is not None and s.pid == os.getpid():
-            # Its READY writes first: the arenas then go back with no copy still queued into them, which
-            # the daemon would have to keep apart (daemon/leases/unwritten.py) and trim the arena around.
-            s.settle_quietly()
+        if not s.alive():
+            self._let_go(s, None)
+        elif s.arenas is not None and s.pid == os.getpid():
+            # Its READY writes first, for the client's timeout at most: the arenas then go back with no
+            # copy still queued into them, which the daemon would have to keep apart
+            # (daemon/leases/unwritten.py), and no feature still being written ends as a dead producer's.
+            s.settle_quietly(self.timeout)
             s.arenas.give_back_all(min(self.timeout, 2.0))
         s.close()
 
@@ -198,16 +209,34 @@ class Client:
         if session is not None and session.fd.alive():  # Session.alive, one frame less: every put, get and ack
             return session
         with self._connect_lock:
-            if self._session is not None:
-                if self._session.alive():
-                    return self._session  # another thread reconnected first
-                # Closing our copies is safe after a fork too: the parent keeps its own.
-                self._session.close()
+            old = self._session
+            if old is not None:
+                if old.alive():
+                    return old  # another thread reconnected first
+                # Closing our copies is safe after a fork too: the parent keeps its own. Nothing to settle:
+                # its daemon closed the channel (it exited, restarted, or cut the session).
+                old.close()
                 self._session = None
-            self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout, self.readonly,
-                                         self.map_pools)
+            try:
+                self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout,
+                                             self.readonly, self.map_pools)
+            finally:
+                if old is not None:
+                    self._let_go(old, self._session)
             self._closed_table = None
             return self._session
+
+    def _let_go(self, old: Session, now: Optional[Session]) -> None:
+        """Let go this process's GPU waits on ``old``'s lease table where its daemon is gone (``now``, the
+        next session, is another daemon's, or none is there): nobody else will store those READY words,
+        and a stream waiting on one would wait for good. Each is a lost read (Client.lost_reads)."""
+        if old.pid != os.getpid() or (now is not None and now.epoch == old.epoch):
+            return
+        if now is None and gone_daemon(self.runtime_dir, ask_socket=False) is None:
+            return  # perhaps alive and slow: its ready_ttl lets its features go
+        n = ready_word.let_go(old.table)
+        if n:
+            self._channel.failures.lost(f"{n} GPU wait(s) on a gone daemon's features, let go", count=n)
 
     def _session_now(self) -> Optional[Session]:
         """The open session, or None where _connect would have to open one."""
@@ -218,7 +247,7 @@ class Client:
         """A fresh session after the daemon forgot ``stale`` (it restarted)."""
         with self._connect_lock:
             if self._session is stale:
-                stale.close()
+                stale.close()  # nothing to settle: the daemon forgot or cut the session
                 self._session = None
         return self._connect()
 
@@ -246,7 +275,7 @@ class Client:
             self._check_writable()
         if key is not None or retain_ttl is not None:
             return self._keyed.put([tensor], False, consumers, check_lifetime(key, retain_ttl, consumers),
-                                   _check_wait(wait))
+                                   check_wait(wait))
         return self._producer.put_one(tensor, consumers)
 
     def put_many(self, tensors: Sequence[torch.Tensor], consumers: int = 1, key: Optional[str] = None,
@@ -263,7 +292,7 @@ class Client:
         self._check_writable()
         if key is not None or retain_ttl is not None:
             return self._keyed.put(list(tensors), True, consumers, check_lifetime(key, retain_ttl, consumers),
-                                   _check_wait(wait))
+                                   check_wait(wait))
         return self._producer.put(list(tensors), consumers, many=True)
 
     def _check_writable(self) -> None:
@@ -314,7 +343,7 @@ class Client:
 
     def release(self, desc: DescLike) -> None:
         """Producer only: cancel a feature that was never dispatched to its consumers."""
-        desc = _as_descriptor(desc)
+        desc = as_descriptor(desc)
         if not desc.is_inline:
             self._connect().fd.call("release", lease=desc.lease_ref())
 
@@ -322,7 +351,7 @@ class Client:
 
     def get(
         self, desc: DescLike = None, copy: bool = False, verify: bool = True, device: Any = None,
-        key: Optional[str] = None,
+        key: Optional[str] = None, stream: Any = None,
     ) -> Union[torch.Tensor, list[torch.Tensor]]:
         """The tensor (or list, for put_many) a descriptor names.
 
@@ -344,11 +373,20 @@ class Client:
         retained feature is held for the copy (a hold of one, acked once the copy has run; ``stats``
         counts it in ``holds``), and a counted one found by key is copied synchronously and checked
         after. ``verify=False`` drops these checks too.
+
+        A GPU feature may be published before its producer's GPU has written it (SPEC.md, section 5). A
+        view of it is then complete only on one stream: the current stream of its device, which waits
+        on the GPU for the write, or ``stream`` (a torch.cuda.Stream of that device) where the caller
+        reads it elsewhere; another stream must ``wait_stream`` that one first. ``copy=True`` and
+        ``device`` wait on the host for the write, for the daemon's ``ready_ttl`` at most (TIMED_OUT).
+        A feature that ended before its GPU wrote it raises LOST: what was read of it is not its bytes.
         """
         if type(copy) is not bool or type(verify) is not bool:
             raise TypeError(f"copy and verify must be True or False, not {copy!r} and {verify!r}")
         if device is not None:
-            _check_device(device)
+            check_device(device)
+        if stream is not None:
+            check_stream(stream)
         if not self.map_pools:
             self._check_writable()
         if key is not None:
@@ -358,10 +396,11 @@ class Client:
             if found is None:
                 raise MmfeatError(ErrorCode.NOT_FOUND, "no live feature under that key (never put, ended, evicted, "
                                   "or from before a daemon restart)")
-            return self._consumer.get(found, copy, verify, device, by_key=True)
+            return self._consumer.get(found, copy, verify, device, True, stream)
         if desc is None:
             raise ValueError("get needs a descriptor or a key")
-        return self._consumer.get(desc if type(desc) is Descriptor else _as_descriptor(desc), copy, verify, device)
+        return self._consumer.get(desc if type(desc) is Descriptor else as_descriptor(desc), copy, verify, device,
+                                  False, stream)
 
     def prefetch(self, descs: Union[DescLike, Sequence[DescLike]]) -> None:
         """Start making other nodes' features readable here without waiting: this node's daemon pulls
@@ -369,7 +408,7 @@ class Client:
         calls this for the whole batch, then gets each. Does nothing for this node's features and inline
         ones; a prefetch that fails is dropped (the get then says why)."""
         for d in descs if isinstance(descs, (list, tuple)) else [descs]:
-            self._consumer.prefetch(_as_descriptor(d))
+            self._consumer.prefetch(as_descriptor(d))
 
     def ack(self, desc: DescLike, count: int = 1, after: Any = None, wait: bool = False) -> Optional[dict[str, Any]]:
         """Tell the daemon ``count`` consumers are done with this feature. Views from get() must not be
@@ -383,7 +422,7 @@ class Client:
         daemon has applied them all. With both, the call waits for that work, then for the daemon's
         answer. A staged get's copy (``get(device=)`` of a host-pool feature) is waited for in every case.
         """
-        return self._acks.ack(desc if type(desc) is Descriptor else _as_descriptor(desc), count, after, wait)
+        return self._acks.ack(desc if type(desc) is Descriptor else as_descriptor(desc), count, after, wait)
 
     def _ack_in_finalizer(self, desc: Descriptor, fence: Any = None) -> bool:
         """``ack(desc)`` for a finaliser (Acks.ack_in_finalizer says why it differs), after the GPU work
@@ -427,7 +466,7 @@ class Client:
         The descriptor returned is what the readers get() and ack(): each ack releases one of ``count``,
         from any process. The hold also ends after ack_ttl, and with this Client's session (a holder that
         dies gives its holds back). None when nothing is live under the key."""
-        return self._keys.hold(target if isinstance(target, str) else _as_descriptor(target), count)
+        return self._keys.hold(target if isinstance(target, str) else as_descriptor(target), count)
 
     def hold_many(self, keys: Sequence[str], count: int = 1,
                   timeout: Optional[float] = None) -> list[Optional[tuple[Descriptor, bool]]]:
@@ -464,43 +503,3 @@ def _silence_frombuffer_warning() -> None:
 
 
 _silence_frombuffer_warning()
-
-
-def _check_device(device: Any) -> None:
-    """Refuse a ``device`` that names no device before a get makes anything: torch's own error would come
-    from the middle of the copy, as an untyped RuntimeError."""
-    if type(device) is int:
-        if device < 0:
-            raise ValueError(f"device must be a CUDA device's index (>= 0), not {device}")
-        return  # an index of a CUDA device, which torch.device() reads as one only where torch has CUDA
-    try:
-        torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be None, an int, 'cuda:N' or a torch.device, not {device!r}") from None
-
-
-def _check_wait(wait: object) -> bool:
-    if not isinstance(wait, bool):
-        raise TypeError(f"wait must be True or False, not {wait!r}")
-    return wait
-
-
-def _as_descriptor(desc: DescLike) -> Descriptor:
-    if isinstance(desc, Descriptor):
-        return desc
-    try:
-        # bytes, or a buffer as it arrived (a zmq Frame received with copy=False): an inline payload is
-        # viewed in it, not copied.
-        return Descriptor.from_bytes(desc)
-    except DescriptorError as exc:
-        if not isinstance(desc, (bytes, bytearray, memoryview)) and not _is_buffer(desc):
-            raise TypeError(f"expected a Descriptor or its bytes, got {type(desc).__name__}") from None
-        raise MmfeatError(ErrorCode.BAD_REQUEST, str(exc)) from None
-
-
-def _is_buffer(obj: Any) -> bool:
-    try:
-        memoryview(obj)
-    except TypeError:
-        return False
-    return True

@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from mmfeat.protos.descriptor import Descriptor
-from mmfeat.protos.errors import DaemonUnavailableError
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.messages import MAX_CONSUMERS, AckReply
 
-from ..gpu import gpu_order
+from ..gpu import gpu_order, stream_wait
 from .acked_leases import AckedLeases
 from ..link.channel import ControlChannel
 from .pinned import PendingCopies, pending_key
@@ -62,7 +62,10 @@ class Acks:
                 self._pending.add(pending_key(desc), staged)
             raise
         if wait and fence is not None:
-            fence.wait()  # the caller asked to wait: for the GPU work first, then for the daemon's answer
+            # The caller asked to wait: for the GPU work first (as the acker's lanes do, for a bound), then
+            # for the daemon's answer.
+            s = self._connect()
+            stream_wait.wait_for(fence, s.ack_ttl + s.ready_ttl, f"the GPU work lease {desc.lease}'s ack waits for")
             fence = None
         session = self._connect()
         local = desc.node == session.node and desc.epoch == session.epoch
@@ -72,6 +75,10 @@ class Acks:
             return None  # the common ack: one compare-and-swap in the table, nothing built for a message
         if local and not wait:
             self._acked.refuse_repeat(session, desc)
+            if fence is None and session.table.lost(desc.lease, desc.gen):
+                # Nothing to send: the daemon would refuse it LOST. The read it ends was lost, and is said so.
+                self._channel.failures.lost(f"ack of lease {desc.lease} generation {desc.gen}", _key(desc))
+                return None
         fields: dict[str, Any] = {"lease": desc.lease_ref()}
         if desc.node != session.node:
             fields["node"] = desc.node  # relayed to the owner's daemon by ours
@@ -146,6 +153,10 @@ class Acks:
             while len(self._unconfirmed) > _MAX_UNCONFIRMED_ACKS:
                 self._unconfirmed.popitem(last=False)
             raise
+        except MmfeatError as exc:
+            if exc.code is ErrorCode.LOST:
+                self._channel.failures.lost(f"ack of lease {desc.lease} generation {desc.gen}", _key(desc))
+            raise
         if reply.over_acked:
             log.warning("lease %d was acked %d time(s) more than its consumer count", desc.lease, reply.over_acked)
         return {"remaining": reply.remaining, "freed": reply.freed, "over_acked": reply.over_acked}
@@ -171,14 +182,28 @@ class Acks:
                 session = acks._connect()
                 if fields.get("node") == session.node:  # a finaliser's ack, routed before a session was known
                     fields = {k: v for k, v in fields.items() if k != "node"}
-                if not _table_ack(session, fields, count):
-                    session.fd.send("ack", count=count, ack_id=ack_id, **fields)
+                if _table_ack(session, fields, count):
+                    return
+                lease = fields["lease"]
+                if lease["epoch"] == session.epoch and session.table.lost(lease["lease"], lease["gen"]):
+                    # Its GPU work done, the feature turns out never written: that read was lost.
+                    acks._channel.failures.lost(f"ack of lease {lease['lease']} generation {lease['gen']}",
+                                                (session.node, lease["epoch"], lease["lease"], lease["gen"]))
+                    return
+                session.fd.send("ack", count=count, ack_id=ack_id, **fields)
 
             def sync(timeout: float) -> bool:
                 acks = owner()
                 return acks is None or acks._connect().fd.sync(timeout)
 
-            self._acker = Acker(send, sync, self._channel.failures)
+            def bound() -> float:
+                # By ack_ttl the daemon has ended the feature, and by ready_ttl more let go any READY word a
+                # stream of ours waits on: work not done by then is stuck on something else.
+                acks = owner()
+                session = acks._connect() if acks is not None else None
+                return session.ack_ttl + session.ready_ttl if session is not None else 0.0
+
+            self._acker = Acker(send, sync, self._channel.failures, bound)
             weakref.finalize(self, _stop_in_owner, self._acker, os.getpid())
         return self._acker
 
@@ -212,6 +237,10 @@ def _table_ack(session: Session, fields: dict[str, Any], count: int) -> bool:
     if lease["epoch"] != session.epoch or "node" in fields:
         return False  # the message path: the daemon refuses it as STALE, or relays it
     return session.table.add_acks(lease["lease"], lease["gen"], lease["pool"], lease["offset"], lease["nbytes"], count)
+
+
+def _key(desc: Descriptor) -> tuple[str, int, int, int]:
+    return (desc.node, desc.epoch, desc.lease, desc.gen)
 
 
 def _stop_in_owner(acker: Any, pid: int) -> None:

@@ -2,12 +2,15 @@
 sends the ack once the consumer's GPU work is done; a ``wait=False`` ack whose fd channel is full (the
 daemon is behind) is handed over here too, so the caller never blocks.
 
-The GPU work is waited for in a fence's ``wait()`` (client/gpu/gpu_order.py): blocking events, so the thread
-sleeps in the driver until the GPU signals, neither spinning a core nor polling, and the ack goes out as
-soon as it wakes. One lane (a queue and its thread) per stream the work was queued on, and one for acks
-with nothing to wait for: within a stream work completes in order, so a lane waits for nothing that is
-not ahead of it, and an ack behind a long kernel delays no ack on another stream. The threads send on
-the client's fd channel, like every background ack.
+The GPU work is waited for on blocking events (client/gpu/stream_wait.py): a thread sleeps in the driver
+until the GPU signals, neither spinning a core nor polling, and the ack goes out as soon as it wakes. At
+most the daemon's ``ack_ttl`` and ``ready_ttl``: by then the daemon has ended the feature and let go any
+READY word a stream of ours waits on, and work that has not finished (a stream stuck on something else)
+is recorded as a failed ack (``ack TIMED_OUT``).
+One lane (a queue and its thread) per stream the work was queued on, and one for acks with nothing to
+wait for: within a stream work completes in order, so a lane waits for nothing that is not ahead of it,
+and an ack behind a long kernel delays no ack on another stream. The threads send on the client's fd
+channel, like every background ack.
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ log = logging.getLogger("mmfeat.client")
 
 Send = Callable[[dict[str, Any], int, bytes], None]
 Sync = Callable[[float], bool]
+Bound = Callable[[], float]
 
 # Lanes beyond this share threads (by stream): a process rarely uses more streams than this.
 MAX_LANES = 16
 
 
 class Acker:
-    def __init__(self, send: Send, sync: Sync, failures: AsyncFailures) -> None:
+    def __init__(self, send: Send, sync: Sync, failures: AsyncFailures, bound: Optional[Bound] = None) -> None:
         self._send = send
         self._sync = sync
+        self._bound = bound if bound is not None else (lambda: 300.0)  # seconds a lane waits for GPU work
         self._failures = failures
         self._lanes: dict[Hashable, tuple[queue.Queue, threading.Thread]] = {}
         self._pending = 0
@@ -76,14 +81,17 @@ class Acker:
 
     def _run(self, q: queue.Queue) -> None:
         from ..gpu.gpu_order import Fence, relaxed
+        from ..gpu.stream_wait import wait_for
 
         while (item := q.get()) is not None:
             fence, action, kind, what = item
             try:
-                if fence is not None:
-                    if isinstance(fence, Fence):
-                        relaxed()  # before this thread's first wait: another thread may be capturing a graph
-                    fence.wait()  # sleeps until the GPU work that may touch the memory is done
+                if isinstance(fence, Fence):
+                    relaxed()  # before this thread's first query: another thread may be capturing a graph
+                    # Sleeps until the GPU work that may touch the memory is done, for a bound.
+                    wait_for(fence, self._bound(), f"the GPU work the {kind} of {what} waits for", spin=0)
+                elif fence is not None:
+                    fence.wait()
                 action()
             except MmfeatError as exc:
                 code = exc.code.value if exc.code is not None else "UNAVAILABLE"

@@ -17,11 +17,11 @@ from ..gpu import gpu_order, ready_word
 from ..link.channel import ControlChannel
 from .inline_base import inline_base
 from ..link.session import Session
-from ..gpu.stream_wait import wait_for_current_stream
+from ..gpu.stream_wait import DEFAULT_WAIT_S, wait_for_current_stream
 from ..link.mapping import HostMapping
 from .pinned import PendingCopies, pending_key, pinned_view
 from ..policy import feature_staging
-from ..link.lease_table import STATE_FREE, STATE_MISMATCH
+from ..link.lease_table import STATE_FREE, STATE_MISMATCH, lost_read
 
 log = logging.getLogger("mmfeat.client")
 
@@ -40,15 +40,17 @@ class Consumer:
         # Acks a staged copy's own hold, behind that copy (the ack finds it in ``pending``).
         self._let_go = let_go
 
-    def get(self, desc: Descriptor, copy: bool, verify: bool, device: Any, by_key: bool = False) -> Tensors:
+    def get(self, desc: Descriptor, copy: bool, verify: bool, device: Any, by_key: bool = False,
+            stream: Any = None) -> Tensors:
         """``by_key``: ``desc`` is what a lookup by key answered, which no consumer count of this reader's
-        protects (the reader may be none of the feature's consumers)."""
+        protects (the reader may be none of the feature's consumers). ``stream``: the stream a view of a
+        GPU feature is read on, which waits for its READY word (else the current stream of its device)."""
         if desc.kind == "inline":
             private = device is None and copy
             base = inline_base(desc.inline, desc.nbytes, copy=private,
                                readonly=self._readonly and device is None and not copy)
             out = [tz.view(base, spec) for spec in desc.tensors]
-            return _finish(out, desc.many, False, device)
+            return _finish(out, desc.many, False, device, DEFAULT_WAIT_S)
         session = self._connect()
         if desc.node != session.node:
             return self._remote(session, desc, copy, verify, device)
@@ -68,10 +70,12 @@ class Consumer:
         # A host pool's mapping without the call: session.mapping looks it up the same way.
         mapping = session.mappings.get((desc.pool, -1)) if pool.kind == "host" else None
         if mapping is None:
-            # A GPU pool is mapped for the device the copy goes to, not for whichever is current.
-            mapping = session.mapping(desc.pool, _cuda_ordinal(device) if pool.kind == "cuda" else None)
+            # A GPU pool is mapped for the device the copy goes to (or the view is read on), not for
+            # whichever is current.
+            on = _cuda_ordinal(device) if device is not None else stream.device_index if stream is not None else None
+            mapping = session.mapping(desc.pool, on if pool.kind == "cuda" else None)
             if pool.kind == "cuda" and not session.table.is_ready(desc.lease, desc.gen):
-                self._behind_ready(session, desc, mapping.device)
+                self._behind_ready(session, desc, mapping.device, copy or device is not None, stream)
         if device is None and not copy and not desc.many:
             return tz.pool_view(mapping.tensor, desc.offset, desc.tensors[0])  # the common get: one view
         if device is not None and pool.kind == "host" and feature_staging("host", device) == "pinned_async":
@@ -79,20 +83,29 @@ class Consumer:
             if staged is not None:
                 return staged  # nothing can end the lease before the copy has read it (_stage)
         pool = mapping.tensor
-        out = _finish([tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors], desc.many, copy, device)
+        out = _finish([tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors], desc.many, copy, device,
+                      session.ready_ttl)
         if verify and (copy or device is not None):
             # The lease may have ended while we copied; then the copy may hold someone else's bytes.
             self.verify(session, desc)
         return out
 
-    def _behind_ready(self, session: Session, desc: Descriptor, ordinal: int) -> None:
-        """A GPU feature its producer published behind its stream's write, not yet written: whatever is
-        queued on ``ordinal``'s current stream from here (the caller's kernels on the view, or the
-        copy this get makes) waits on the GPU for its READY word; where the driver cannot, this host
-        does (client/gpu/ready_word.py)."""
+    def _behind_ready(self, session: Session, desc: Descriptor, ordinal: int, sync: bool, stream: Any) -> None:
+        """A GPU feature its producer published behind its stream's write, not yet written. For a view,
+        whatever is queued on ``stream`` (else ``ordinal``'s current stream) from here waits on the GPU
+        for its READY word. A get that copies, and a view where the driver cannot wait, wait on the host
+        instead, for the daemon's ``ready_ttl`` at most (client/gpu/ready_word.py): such a get waits
+        anyway, and a producer whose GPU never writes is then a TIMED_OUT, not a stream stalled."""
         table = session.table
-        if not ready_word.wait_before(table, torch.cuda.current_stream(ordinal), desc.lease, desc.gen):
-            ready_word.wait_on_host(table, desc.lease, desc.gen, self._channel.timeout)
+        if not sync and ready_word.wait_before(table, stream if stream is not None else torch.cuda.current_stream(
+                ordinal), desc.lease, desc.gen):
+            return
+        try:
+            ready_word.wait_on_host(table, desc.lease, desc.gen, session.ready_ttl)
+        except MmfeatError as exc:
+            if exc.code is ErrorCode.LOST:
+                self._channel.failures.lost(f"get of lease {desc.lease} generation {desc.gen}", _key(desc))
+            raise
 
     def _stage(self, session: Session, mapping: HostMapping, desc: Descriptor, device: Any, verify: bool,
                by_key: bool) -> Optional[Tensors]:
@@ -179,7 +192,7 @@ class Consumer:
                     **into))
             else:
                 out = [tz.pool_view(pool, desc.offset, spec) for spec in desc.tensors]
-                return _finish(out, desc.many, copy, device)
+                return _finish(out, desc.many, copy, device, session.ready_ttl)
         copy_ref = reply.lease
         local = dataclasses.replace(desc, node=session.node, pool=copy_ref.pool, epoch=copy_ref.epoch,
                                     lease=copy_ref.lease, gen=copy_ref.gen, token=copy_ref.token,
@@ -201,8 +214,17 @@ class Consumer:
             self._not_live(desc, state)
 
     def _not_live(self, desc: Descriptor, state: int) -> None:
-        """The table says STATE_FREE or STATE_MISMATCH: raise what the daemon says."""
-        self._channel.call("lookup", lease=desc.lease_ref())
+        """The table says STATE_FREE or STATE_MISMATCH: raise what the daemon says (LOST without asking,
+        where the table marks the read lost)."""
+        session = self._connect()
+        try:
+            if state == STATE_FREE and desc.epoch == session.epoch and session.table.lost(desc.lease, desc.gen):
+                raise lost_read(desc.lease, desc.gen)
+            self._channel.call("lookup", lease=desc.lease_ref())
+        except MmfeatError as exc:
+            if exc.code is ErrorCode.LOST:
+                self._channel.failures.lost(f"get of lease {desc.lease} generation {desc.gen}", _key(desc))
+            raise
         if state == STATE_MISMATCH:  # the daemon found it fine: the table is the authority on ranges
             raise MmfeatError(ErrorCode.FORBIDDEN,
                               f"lease {desc.lease}'s range in the lease table differs from the descriptor's")
@@ -249,7 +271,11 @@ def _cuda_ordinal(device: Any) -> Optional[int]:
     return target.index if target.index is not None else torch.cuda.current_device()
 
 
-def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> Tensors:
+def _key(desc: Descriptor) -> tuple[str, int, int, int]:
+    return (desc.node, desc.epoch, desc.lease, desc.gen)
+
+
+def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any, wait_s: float) -> Tensors:
     if not copy and device is None:
         return views if many else views[0]  # zero-copy views: nothing to wait for
     sources = {t.device for t in views if t.is_cuda}
@@ -262,8 +288,8 @@ def _finish(views: list[torch.Tensor], many: bool, copy: bool, device: Any) -> T
         views = [t.clone() for t in views]
     # A private copy must be complete before get() returns: the caller may ack at once, and the pool
     # range can then be reused. torch queues a copy on the current stream of the source device (and,
-    # across devices, may involve the target's), so finish both.
+    # across devices, may involve the target's), so finish both; TIMED_OUT after ``wait_s``.
     for dev in sources:
-        wait_for_current_stream(dev)
+        wait_for_current_stream(dev, wait_s)
     return views if many else views[0]
 

@@ -22,7 +22,7 @@ import torch
 from mmfeat import cuda_driver as drv
 from mmfeat.protos.descriptor import Descriptor
 
-from ..gpu import dlpack, teardown
+from ..gpu import dlpack, stream_wait, teardown
 from ..fork_locks import renew_in_child
 from ..link.mapping import HostMapping
 
@@ -140,26 +140,37 @@ def pending_key(desc: Descriptor) -> Key:
 
 class PendingCopies:
     """Staged copies still in flight, by feature: the consumer's ``ack`` of such a feature waits for its
-    copy's event instead of freeing bytes a DMA is reading. Bounded: past ``limit`` features never
-    acked, the oldest is forgotten, once its copy has completed (the get that passes the limit waits for
-    it, with the lock held, so that no ack of it can find nothing to wait for while it is copying)."""
+    copy's fence (a gpu_order.Fence) instead of freeing bytes a DMA is reading. Bounded: past ``limit``
+    features never acked, the oldest is forgotten once its copy has completed. The get that passes the
+    limit waits for it, with the lock held, so that no ack of it can find nothing to wait for while it
+    is copying; at most ``timeout`` seconds: a copy still queued then (behind a stream that does not
+    move) is kept, past the bound, and its ack still waits for it."""
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, limit: int = 4096, timeout: float = 5.0) -> None:
         self._events: OrderedDict[Key, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._limit = limit
+        self._timeout = timeout
+        self._over_said = False
         renew_in_child(self)  # a forked child's acks look here
 
-    def add(self, key: Key, event: Any) -> None:
+    def add(self, key: Key, fence: Any) -> None:
         with self._lock:
-            self._events[key] = event
+            self._events[key] = fence
             self._events.move_to_end(key)
             while len(self._events) > self._limit:
                 # Only completed copies may be forgotten; the oldest is the likeliest to be, and waiting
                 # for it is what bounds a consumer that stages copies faster than it acks them.
-                _, oldest = self._events.popitem(last=False)
-                if not oldest.query():
-                    oldest.synchronize()
+                old, oldest = self._events.popitem(last=False)
+                if not stream_wait.settled(oldest, self._timeout):
+                    self._events[old] = oldest
+                    self._events.move_to_end(old, last=False)
+                    if not self._over_said:
+                        self._over_said = True
+                        log.warning("%d staged copies are unacked and the oldest has not run in %g s: its stream "
+                                    "does not move; keeping them all until acked (ack what you read)",
+                                    len(self._events), self._timeout)
+                    break
 
     def rekey(self, old: Key, new: Key) -> None:
         with self._lock:

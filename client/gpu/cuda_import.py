@@ -55,6 +55,15 @@ def import_failures() -> int:
     return _import_failures
 
 
+def pool_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is a GPU pool this process mapped (a view from ``get``): memory torch's
+    caching allocator does not own, so that ``record_stream`` keeps it for no one."""
+    if t.is_cpu:
+        return False
+    base = t.untyped_storage().data_ptr()
+    return any(r.va is not None and int(r.va) <= base < int(r.va) + r.size for r in list(_cache.values()))
+
+
 class PoolMapError(RuntimeError):
     """This GPU pool failed to map in this process recently; the message says why and when it is retried."""
 

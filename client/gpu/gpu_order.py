@@ -103,6 +103,24 @@ def capturing(stream: Any) -> bool:
     return int(status) != 0
 
 
+def refuse_capture(stream: Any, what: str) -> None:
+    """BAD_STATE where ``stream`` (a torch stream, or anything with ``cuda_stream`` and ``device_index``)
+    is being captured into a graph, or cannot say because another stream of its context is: ``what``
+    must wait for the GPU, and a wait in a capture fails and invalidates it."""
+    from mmfeat.protos.errors import ErrorCode, MmfeatError
+
+    ordinal, _ = _handle(stream)
+    with drv.context_current(context(ordinal)):  # the legacy stream (handle 0) is the current context's
+        try:
+            busy = capturing(stream)
+        except drv.CudaError:
+            busy = True  # the legacy stream while a blocking stream of its context captures
+    if busy:
+        raise MmfeatError(ErrorCode.BAD_STATE, f"{what} inside a CUDA graph capture on cuda:{ordinal}: it waits for "
+                          "the GPU's work, which a capture forbids (and would be invalidated by); call it outside "
+                          "the capture (put before it, or publish a reservation filled in it after it ends)")
+
+
 class Fence:
     """Events behind work on some streams; done once every one is. ``devices`` are devices to
     synchronise whole instead, where no event could mark the work (a stream under capture)."""
@@ -120,7 +138,11 @@ class Fence:
         """Mark the work queued on ``stream`` so far (a torch stream); never waits."""
         ordinal, handle = _handle(stream)
         with drv.context_current(context(ordinal)):  # the legacy stream (handle 0) is the current context's
-            if capturing(stream):
+            try:
+                captured = capturing(stream)
+            except drv.CudaError:  # the legacy stream while a blocking stream of its context captures
+                captured = True
+            if captured:
                 if ordinal not in self.devices:
                     self.devices.append(ordinal)
                 return self

@@ -1,7 +1,9 @@
-"""GPU teardown that garbage collection starts: unmapping a GPU pool's range, unpinning a host pool.
+"""GPU teardown that garbage collection starts: unmapping a GPU pool's range, unpinning a host pool or
+the lease table.
 
-Both first wait for the GPU work that may still touch the memory (a device synchronise), and a finaliser
-runs in whatever thread a collection happens in. A synchronise from a thread in global capture mode
+Each first waits for the GPU work that may still touch the memory (a device synchronise, or, for the
+lease table, the events behind its streams' memory operations: ``when_done``), and a finaliser runs in
+whatever thread a collection happens in. A synchronise from a thread in global capture mode
 invalidates the graph another thread is capturing in global mode (torch.cuda.graph's default), and one
 in the thread that is capturing fails and invalidates that capture. So a finaliser does neither:
 ``release`` runs the teardown at once with the thread in relaxed capture mode for its length, or, when
@@ -31,7 +33,9 @@ _CAPTURE_ERRORS = frozenset({"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CUDA_ERRO
 RETRY_S = 0.05
 GIVE_UP_S = 600.0  # a capture that long is a stuck one: the memory then stays until the process exits
 
-Job = tuple[Callable[[], None], Callable[[], None]]
+# (settle, then): settle waits for the GPU work (None), or says whether it is done (True, or False: try
+# again later); then runs once it is.
+Job = tuple[Callable[[], Optional[bool]], Callable[[], None]]
 
 _queue: "queue.SimpleQueue[Job]" = queue.SimpleQueue()  # put() is safe inside a finaliser
 _thread: Optional[threading.Thread] = None
@@ -64,6 +68,23 @@ def release(devices: Iterable[int], settle: Callable[[], None], then: Callable[[
     finally:
         _exchange(previous)
     then()
+
+
+def when_done(devices: Iterable[int], done: Callable[[], bool], then: Callable[[], None]) -> None:
+    """Run ``then`` (an unregister) once ``done()`` says the GPU work on ``devices`` that may touch the
+    memory has run: now if it has, else on this module's thread, which looks again every RETRY_S (for
+    GIVE_UP_S at most: the memory then stays until the process exits). Never waits, so safe in a
+    finaliser; the look runs in relaxed capture mode, and not at all in a thread that is capturing."""
+    if not _capturing_here(devices):
+        previous = _exchange(drv.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+        try:
+            finished = done()
+        finally:
+            _exchange(previous)
+        if finished:
+            then()
+            return
+    _later(done, then)
 
 
 def settle(devices: Iterable[int]) -> None:
@@ -105,7 +126,7 @@ def _exchange(mode: object) -> object:
     return drv.ck("cuThreadExchangeStreamCaptureMode", drv.cu.cuThreadExchangeStreamCaptureMode(mode))
 
 
-def _later(settle: Callable[[], None], then: Callable[[], None]) -> None:
+def _later(settle: Callable[[], Optional[bool]], then: Callable[[], None]) -> None:
     global _thread
     _queue.put((settle, then))
     if _thread is None:
@@ -130,7 +151,13 @@ def _run(jobs: "queue.SimpleQueue[Job]") -> None:
         due, waiting = [w for w in waiting if w[0] <= now], [w for w in waiting if w[0] > now]
         for _, first, (settle, then) in due:
             try:
-                settle()
+                if settle() is False:
+                    if now - first < GIVE_UP_S:
+                        waiting.append((now + RETRY_S, first, (settle, then)))
+                    else:
+                        log.warning("GPU work on host memory mmfeat no longer uses has not run in %g s: the memory "
+                                    "stays pinned until the process exits", GIVE_UP_S)
+                    continue
             except drv.CudaError as exc:
                 if exc.name in _CAPTURE_ERRORS and now - first < GIVE_UP_S:
                     waiting.append((now + RETRY_S, first, (settle, then)))

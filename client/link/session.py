@@ -3,6 +3,7 @@ requests travel through client/link/fd_transport.py), the lease table and the po
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,8 @@ from .fd_channel import open_fd_channel
 from .fd_transport import FdTransport
 from .lease_table import LeaseTableView, map_lease_table
 
+log = logging.getLogger("mmfeat.client")
+
 
 class Session:
     """What a session is: its token, the daemon's epoch and node, pools and their mappings, the lease
@@ -42,11 +45,17 @@ class Session:
         self.epoch = hello.epoch
         self.node = hello.node
         self.reserve_ttl = float(hello.reserve_ttl)
+        self.ack_ttl = float(hello.ack_ttl)
+        # How long this client waits on the host for GPU work: a READY word, or the work queued on its
+        # own stream ahead of a copy (TIMED_OUT after). A daemon of an earlier release does not say.
+        self.ready_ttl = float(hello.ready_ttl) if hello.ready_ttl is not None else self.ack_ttl
         # "ready_word": GPU features may be published behind their stream's write (client/gpu/ready_word.py).
         self.gpu_publish = hello.gpu_publish
         # Keyed and retained features may go into arenas, their key and lifetime bound by a message (bind).
         self.binds = hello.bind
-        self.ready_devices: set[int] = set()  # devices whose streams hold READY writes of ours (close waits)
+        # (device, stream) pairs whose streams hold READY writes of this session's features: close waits
+        # for the latest on each (client/gpu/ready_word.py keeps an event behind it).
+        self.ready_streams: set[tuple[int, int]] = set()
         self.endpoint = endpoint
         self.pools: dict[int, PoolInfo] = {p.pool: p for p in hello.pools}
         self.mappings: dict[tuple[int, int], Any] = {}  # (pool id, device) -> HostMapping or CudaMapping
@@ -200,27 +209,34 @@ class Session:
         self.fabric_mappings[key] = mapping
         return mapping
 
-    def settle_ready_writes(self) -> None:
-        """Wait for the READY words this session's features have queued on GPU streams: once its fd
-        channel closes the daemon takes a feature still unwritten for a dead producer's, and gives its
-        range back while this process's GPU might still be copying into it."""
-        devices, self.ready_devices = self.ready_devices, set()
-        if devices and self.pid == os.getpid():
-            from mmfeat import cuda_driver as drv
+    def settle_ready_writes(self, timeout: float) -> bool:
+        """Wait, ``timeout`` seconds at most, for the READY words this session's features have queued on
+        GPU streams: once its fd channel closes the daemon takes a feature still unwritten for a dead
+        producer's, and after a grace ends it, its reads lost. Only those streams' latest writes are
+        waited for (events, never a device synchronise, which would wait for other processes' words
+        too). Whether they ran."""
+        streams = list(self.ready_streams)
+        if not streams or self.pid != os.getpid():
+            return True
+        from ..gpu import ready_word
 
-            for ordinal in sorted(devices):
-                drv.synchronize_if_used(ordinal)
+        return ready_word.settled(self.table, streams, timeout)
 
-    def settle_quietly(self) -> None:
-        """settle_ready_writes, for a session that is closing: a broken device is left to the daemon,
-        which keeps an unwritten feature's range for its grace once this session's channel closes."""
+    def settle_quietly(self, timeout: float) -> None:
+        """settle_ready_writes, for a session that is closing: what has not run by then, or a broken
+        device, is left to the daemon, which keeps an unwritten feature's range for its grace once this
+        session's channel closes (and its consumers learn their reads were lost)."""
         try:
-            self.settle_ready_writes()
+            left = len(self.ready_streams)
+            if not self.settle_ready_writes(timeout):
+                log.warning("closing with READY writes still queued on %d GPU stream(s) after %g s: features whose "
+                            "write has not run by the daemon's grace end as lost reads", left, timeout)
         except Exception:
             pass
 
     def close(self) -> None:
-        self.settle_quietly()
+        """End the session here. Its READY writes are not waited for: a closing Client does that first
+        (settle_quietly), and a session whose daemon closed its channel has nobody left to end them."""
         if self.arenas is not None and self.pid == os.getpid():
             # Only here: a forked child's copy has no reaper thread to stop, and the parent's may have held
             # the stop event's lock at the fork.

@@ -68,8 +68,10 @@ def publish_in_time(session: Session, desc: Descriptor, reserved_at: float, dead
 
 def _release(session: Session, desc: Descriptor, by_stream: bool) -> None:
     """Give back a lease that will not be published, once nothing this process queued writes into it."""
-    if by_stream:  # the fill and its READY word must not land after the range went back
-        session.settle_ready_writes()
+    if by_stream and not session.settle_ready_writes(session.ready_ttl):
+        # The fill and its READY word must not land after the range went back: a stream that does not
+        # move in ready_ttl keeps it this session's, until the session ends.
+        return
     try:  # waited for: an ended lease's refusal is the expected answer, not an async failure
         session.fd.call("release", lease=desc.lease_ref())
     except MmfeatError:

@@ -138,7 +138,7 @@ class KeyedPuts:
             except (RuntimeError, OSError) as exc:
                 p._release_quietly(session, desc)
                 return p._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
-            _write(pool_tensor, desc.offset, put)
+            _write(pool_tensor, desc.offset, put, session.ready_ttl)
         except BaseException:
             p._release_quietly(session, desc)
             raise

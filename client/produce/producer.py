@@ -23,6 +23,7 @@ from ..policy import feature_pool
 from .put_in_flight import PutInFlight, new_token
 from ..link.session import Session
 from ..gpu import ready_word
+from ..gpu.cuda_import import pool_memory
 from ..gpu.stream_wait import wait_for_current_stream
 
 _FALLBACK_ERRORS = {
@@ -162,10 +163,11 @@ class Producer:
             except (RuntimeError, OSError) as exc:  # CudaError too: no IMEX channel, no peer access, ...
                 self._release_quietly(session, desc)
                 return self._fallback_or_raise(put, FallbackReason.MAP_FAILED, exc)
-            by_stream = _write(pool_tensor, desc.offset, put, _ready_by_stream(session, pool_tensor, desc.lease,
-                                                                               desc.gen))
-            if by_stream:
-                session.ready_devices.add(pool_tensor.device.index)
+            written_on = _write(pool_tensor, desc.offset, put, session.ready_ttl,
+                                _ready_by_stream(session, pool_tensor, put, desc.lease, desc.gen))
+            by_stream = written_on is not None
+            if written_on is not None:
+                session.ready_streams.add(written_on)
             life = reply.expires_in if reply.expires_in is not None else session.reserve_ttl
             if time.monotonic() - asked_at >= life / 2:
                 # The write took half the lease's life (a reserve_ttl reloaded very short): the lease may
@@ -178,9 +180,14 @@ class Producer:
                 session.table.mark_ready(desc.lease, desc.gen)
             session.publish(desc.lease_ref(), by_stream)
         except BaseException:
+            give_back = True
             if by_stream:  # the range goes back: the copy queued into it must have run first
-                wait_for_current_stream(pool_tensor.device)
-            self._release_quietly(session, desc)
+                try:
+                    wait_for_current_stream(pool_tensor.device, session.ready_ttl)
+                except MmfeatError:
+                    give_back = False  # its stream does not move: the range stays this session's, not under it
+            if give_back:
+                self._release_quietly(session, desc)
             raise
         return desc
 
@@ -198,10 +205,11 @@ class Producer:
         try:
             if pool_tensor is None:
                 pool_tensor = self._pool_tensor(session, desc.pool, put.device)
-            by_stream = _write(pool_tensor, desc.offset, put, _ready_by_stream(session, pool_tensor, placed.slot,
-                                                                               placed.gen))
-            if by_stream:
-                session.ready_devices.add(pool_tensor.device.index)
+            written_on = _write(pool_tensor, desc.offset, put, session.ready_ttl,
+                                _ready_by_stream(session, pool_tensor, put, placed.slot, placed.gen))
+            by_stream = written_on is not None
+            if written_on is not None:
+                session.ready_streams.add(written_on)
         except (RuntimeError, OSError):
             arenas.abandon(placed)
             if pool_tensor is None:  # no mapping: the reserve path meets the same failure and falls back
@@ -331,18 +339,25 @@ class Producer:
         return put.inline()
 
 
-def _ready_by_stream(session: Session, pool: torch.Tensor, slot: int, gen: int) -> Optional[tuple[Any, int, int]]:
+def _ready_by_stream(session: Session, pool: torch.Tensor, put: PutInFlight, slot: int,
+                     gen: int) -> Optional[tuple[Any, int, int]]:
     """What ``_write`` needs to publish behind the GPU's write instead of waiting for it: the table, slot
-    and generation, where the daemon asks for READY words and the pool is a GPU's; None otherwise."""
-    if pool.is_cuda and session.gpu_publish == "ready_word" and session.table.writable:
+    and generation, where the daemon asks for READY words and the pool is a GPU's; None otherwise, and
+    for a source that is itself pool memory (a relay, ``put(get(desc))``): put returns before its copy
+    has read the source, torch's allocator cannot keep memory it does not own from its next user, and
+    the caller's ack of the source feature would free it under the copy, so that put waits for its copy."""
+    if (pool.is_cuda and session.gpu_publish == "ready_word" and session.table.writable
+            and not any(pool_memory(t) for t in put.tensors)):
         return session.table, slot, gen
     return None
 
 
-def _write(pool: torch.Tensor, offset: int, put: PutInFlight, ready: Optional[tuple[Any, int, int]] = None) -> bool:
-    """Write the feature into the pool; True when its READY word is queued behind the write on the pool
-    device's stream (``ready``: the table, slot and generation), so that nothing was waited for and the
-    publish says so; False when the write is complete here."""
+def _write(pool: torch.Tensor, offset: int, put: PutInFlight, wait_s: float,
+           ready: Optional[tuple[Any, int, int]] = None) -> Optional[tuple[int, int]]:
+    """Write the feature into the pool. Where its READY word is queued behind the write on the pool
+    device's stream (``ready``: the table, slot and generation), nothing was waited for and the publish
+    says so: the (device, stream) it is queued on is returned. None when the write is complete here
+    (a wait of ``wait_s`` seconds at most: TIMED_OUT)."""
     tensors = put.tensors
     if pool.is_cuda and any(t.is_cuda and t.device != pool.device for t in tensors):
         # torch runs a cross-device copy on the source device, and only the pool's device (and its
@@ -356,7 +371,7 @@ def _write(pool: torch.Tensor, offset: int, put: PutInFlight, ready: Optional[tu
         # A copy between host and GPU memory through pageable pages is synchronous, and the driver first
         # waits for the work queued on the stream, spinning a core through it (the context's default
         # schedule): the wait for that work sleeps here instead, and the driver's finds nothing queued.
-        wait_for_current_stream(dev)
+        wait_for_current_stream(dev, wait_s)
     packing.write_into_pool(pool, offset, tensors, put.specs)
     if ready is not None:
         # The copies into the pool ran on the pool device's current stream (torch orders a copy from
@@ -369,10 +384,10 @@ def _write(pool: torch.Tensor, offset: int, put: PutInFlight, ready: Optional[tu
                     # put returns before the copy has read it: the caching allocator must not hand the
                     # source's memory to anyone before the copy queued on this stream has run.
                     t.record_stream(stream)
-            return True
+            return int(stream.device_index), int(stream.cuda_stream)
     if pool.is_cuda or put.device is not None:
         # Without a READY word behind it the copy must be complete before the descriptor exists. The copy
         # ran on the current stream of the destination or of a source device: finish them all.
         for dev in {t.device for t in put.tensors if t.is_cuda} | ({pool.device} if pool.is_cuda else set()):
-            wait_for_current_stream(dev)
-    return False
+            wait_for_current_stream(dev, wait_s)
+    return None

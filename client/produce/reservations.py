@@ -38,7 +38,7 @@ from .keyed import KeyedPuts, check_kept_descriptor
 from .producer import _FALLBACK_ERRORS, Producer, check_consumers
 from .put_in_flight import PutInFlight
 from ..link.session import Session
-from ..gpu.stream_wait import wait_for
+from ..gpu.stream_wait import DEFAULT_WAIT_S, wait_for
 
 ShapeLike = Union[int, Sequence[int], torch.Size]
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -223,9 +223,18 @@ class Reservations:
     def publish(self, tensors: TensorOrList, after: Any = None) -> Descriptor:
         r, given = self._take(tensors, "publish")
         p = self._producer
+        if r.put.device is not None:
+            try:  # its wait for the fill would fail inside a graph capture, and invalidate it
+                for s in (torch.cuda.current_stream(r.put.device), after):
+                    if gpu_order.is_stream(s):
+                        gpu_order.refuse_capture(s, "publish")
+            except MmfeatError:
+                self._reopen(r)  # the caller may publish it once the capture is over
+                raise
         if r.kind == "plain":
             if after is not None:
-                wait_for(gpu_order.after(after))  # put finishes the current stream only
+                wait_for(gpu_order.after(after), DEFAULT_WAIT_S,  # put finishes the current stream only
+                         "the work publish(after=) names")
             try:
                 if r.keyed:
                     return KeyedPuts(p).put(given, r.put.many, r.put.consumers, r.keyed)
@@ -384,7 +393,7 @@ def _ready_for_consumers(r: Reservation, session: Session, after: Any) -> bool:
     waits for it here (False)."""
     if r.put.device is None:
         if after is not None:
-            wait_for(gpu_order.after(after))
+            wait_for(gpu_order.after(after), session.ready_ttl, "the work publish(after=) names")
         return False
     fence = gpu_order.after(after, gpu_order.current_streams([r.put.device]))
     if (fence is not None and not r.keyed and session.gpu_publish == "ready_word" and session.table.writable
@@ -394,10 +403,10 @@ def _ready_for_consumers(r: Reservation, session: Session, after: Any) -> bool:
         side = gpu_order.joined(fence, r.put.device)
         if side is not None:
             if ready_word.write_after(session.table, side, slot, gen):
-                session.ready_devices.add(r.put.device)
+                session.ready_streams.add((r.put.device, side.cuda_stream))
                 return True
             fence = gpu_order.after(side)  # the work it joined, now waited for on the host
-    wait_for(fence)
+    wait_for(fence, session.ready_ttl, "the reservation's fill")
     return False
 
 
