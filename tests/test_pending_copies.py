@@ -1,42 +1,50 @@
 """The consumer's book of staged copies in flight (client/consume/pinned.py, PendingCopies) stays within its
 bound, and forgets no copy before it has completed: an ack that finds nothing to wait for frees bytes
-at once, and a DMA may still be reading them."""
+at once, and a DMA may still be reading them. With the real fences a staged get records
+(client/gpu/gpu_order.py), on the fake driver's streams (tests/fake_cuda), which hold a copy back until
+the kernel before it is released, against a real mmfeatd."""
 
 from __future__ import annotations
 
-from mmfeat.client.consume.pinned import PendingCopies
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from . import fake_cuda
+from .conftest import Daemon, start_daemon
 
 
-class _Copy:
-    """Stands in for the torch.cuda.Event a staged get records: complete once synchronized."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
+@pytest.fixture
+def host_daemon(runtime_dir: Path) -> Iterator[Daemon]:
+    d = start_daemon(runtime_dir, "--pool-mb", "16")
+    yield d
+    rc = d.stop()
+    _, err = d.proc.communicate()
+    assert rc == 0, err
 
 
-def test_staged_copies_still_in_flight_stay_within_the_bound() -> None:
-    pending = PendingCopies(limit=8)
-    copies = [_Copy() for _ in range(100)]
-    for i, copy in enumerate(copies):
-        pending.add(("node", 1, i, 1), copy)
-        assert len(pending) <= 8, f"{len(pending)} copies remembered after {i + 1}, past a bound of 8"
-    forgotten = copies[:-8]
-    assert all(c.done for c in forgotten), "a copy was forgotten while it was still in flight"
-    assert not any(c.done for c in copies[-8:]), "a copy within the bound was waited for"
-    assert pending.take(("node", 1, 99, 1)) is copies[99] and pending.take(("node", 1, 0, 1)) is None
+def _run(fake_libcuda: Path, tmp_path: Path, d: Daemon, **env: str) -> str:
+    log = fake_cuda.run(fake_libcuda, tmp_path / "pending.log", "staged_copies_past_the_bound",
+                        {"MMFEAT_RUNTIME_DIR": str(d.runtime_dir), **env})
+    assert "!!" not in log, log
+    return log
 
 
-def test_completed_copies_are_forgotten_without_a_wait() -> None:
-    pending = PendingCopies(limit=2)
-    done = [_Copy() for _ in range(5)]
-    for c in done:
-        c.done = True
-    for i, c in enumerate(done):
-        pending.add(("node", 1, i, 1), c)
-    assert len(pending) == 2
+def test_a_staged_get_past_the_bound_waits_for_the_oldest_copy_and_keeps_its_ack_behind_it(
+        fake_libcuda, host_daemon, tmp_path) -> None:
+    log = _run(fake_libcuda, tmp_path, host_daemon)
+    assert "=== the get past the bound waits for the oldest copy: True" in log, log
+    assert "=== the get past the bound: ['returned']" in log, log
+    assert "=== freed once the copy ran: True" in log, log
+    assert "=== the second freed: True" in log, log
+
+
+def test_a_staged_get_past_the_bound_gives_up_after_the_clients_timeout_and_keeps_the_copy(
+        fake_libcuda, host_daemon, tmp_path) -> None:
+    """A copy that does not run within the client's timeout (its stream stuck) is kept past the bound:
+    the get returns, and the first feature's ack still waits for its copy."""
+    log = _run(fake_libcuda, tmp_path, host_daemon, FAKE_CUDA_TIMEOUT="1")
+    assert "=== the get past the bound: ['returned']; the first copy still queued: True" in log, log
+    assert "=== the first feature acked with its copy queued; still live: True" in log, log
+    assert "=== freed once the copy ran: True" in log, log

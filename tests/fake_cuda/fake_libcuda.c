@@ -250,6 +250,7 @@ typedef struct {
     int nops, ndone;
     op_t ops[MAXOPS];
     int capturing, capture_mode, invalidated;
+    unsigned flags;  // CU_STREAM_NON_BLOCKING (1) or not: a blocking stream syncs with the legacy stream
 } stream_t;
 typedef struct {
     int used, recorded, stream, seq;
@@ -363,6 +364,7 @@ CUresult cuStreamCreate(void** out, unsigned flags) {
     memset(&streams[i], 0, sizeof streams[i]);
     streams[i].used = 1;
     streams[i].ctx = cur;
+    streams[i].flags = flags;
     *out = SH(i);
     fprintf(L(), "cuStreamCreate() -> stream %d\n", i);
     CUR();
@@ -539,7 +541,16 @@ CUresult cuStreamWaitValue64_v2(void* s, u64 addr, u64 value, unsigned flags) {
 CUresult cuStreamWaitValue64(void* s, u64 addr, u64 value, unsigned flags) {
     return cuStreamWaitValue64_v2(s, addr, value, flags);
 }
-CUresult cuMemHostGetDevicePointer_v2(u64* d, void* p, unsigned flags) { *d = (u64)(uintptr_t)p; return 0; }
+// Registering host memory and asking its device address are treated as potentially unsafe during a
+// global-mode capture (NCCL runs both in relaxed mode), as cuEventQuery is.
+CUresult cuMemHostGetDevicePointer_v2(u64* d, void* p, unsigned flags) {
+    pthread_mutex_lock(&mu);
+    int bad = unsafe("cuMemHostGetDevicePointer");
+    pthread_mutex_unlock(&mu);
+    if (bad) return 900;
+    *d = (u64)(uintptr_t)p;
+    return 0;
+}
 CUresult cuMemHostGetDevicePointer(u64* d, void* p, unsigned flags) { return cuMemHostGetDevicePointer_v2(d, p, flags); }
 
 CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
@@ -578,12 +589,18 @@ CUresult cuStreamEndCapture(void* s, void** graph) {
     pthread_mutex_unlock(&mu);
     return r;
 }
+// The legacy stream's answer while a blocking stream of the current context captures is an error
+// (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, 906), as the driver documents: the two would synchronise.
 CUresult cuStreamIsCapturing(void* s, int* status) {
     pthread_mutex_lock(&mu);
     int k = sidx(s);
     *status = k >= 0 && streams[k].capturing ? (streams[k].invalidated ? 2 : 1) : 0;
+    CUresult r = k >= 0 ? 0 : 400;
+    if (k == 0 && (s == 0 || s == (void*)1))
+        for (int i = 1; i < MAXS; i++)
+            if (streams[i].used && streams[i].ctx == cur && !(streams[i].flags & 1) && streams[i].capturing) r = 906;
     pthread_mutex_unlock(&mu);
-    return k >= 0 ? 0 : 400;
+    return r;
 }
 
 // The test's own calls (ctypes): GPU work that stays queued until the test releases it.

@@ -143,6 +143,9 @@ def acker_on_device_1() -> None:
         s = torch.cuda.Stream(1)
         ft.launch(s, "work")
         c.ack(desc, after=s)
+        deadline = time.monotonic() + 30
+        while not ft.waiting() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until a thread of ours sleeps on the work's event
         ft.release("work")
         mark(f"acked: {_freed_soon(c, desc)}")
 

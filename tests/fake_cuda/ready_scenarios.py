@@ -74,6 +74,8 @@ def publish_behind_the_fill() -> None:
         mark(f"ready before the fill: {table.is_ready(desc.lease, desc.gen)}")
         consumer = _start("consume_behind_ready", {"FAKE_CUDA_SCENARIO_DESC": desc.to_bytes().hex()})
         _logged("getting")
+        if os.environ.get("FAKE_CUDA_CONSUMER_TIMEOUT"):  # a slow fill: longer than the consumer's timeout
+            _logged("past the consumer's timeout", 60)
         # A consumer whose stream waits on the word has its view at once, however long a busy machine takes
         # to run it; one that waits on the host cannot have it before the fill: a moment shows that.
         on_the_host = bool(os.environ.get("FAKE_CUDA_CONSUMER_NO_MEM_OPS"))
@@ -189,18 +191,32 @@ def early_ack_of_a_reserved_lease() -> None:
 
 
 def consume_behind_ready() -> None:
-    """get() of the descriptor in $FAKE_CUDA_SCENARIO_DESC: what the current stream holds after it, and
-    whether it goes on once the READY word is written."""
+    """get() of the descriptor in $FAKE_CUDA_SCENARIO_DESC: what the current stream (or, with
+    $FAKE_CUDA_CONSUMER_STREAM, a stream of its own it names) holds after it, and whether it goes on
+    once the READY word is written. $FAKE_CUDA_CONSUMER_TIMEOUT: the client's timeout, said to have
+    passed while the get still waits."""
+    import threading
+
     from mmfeat.client import Client
     from mmfeat.protos.errors import MmfeatError
 
     _setup()
     desc = _desc()
-    with Client(timeout=20) as c:
-        stream = torch.cuda.current_stream(0)
+    timeout = float(os.environ.get("FAKE_CUDA_CONSUMER_TIMEOUT", "20"))
+    with Client(timeout=timeout) as c:
+        current = torch.cuda.current_stream(0)
+        own = os.environ.get("FAKE_CUDA_CONSUMER_STREAM")
+        stream = torch.cuda.Stream(0) if own else current
         mark("getting")
-        view = c.get(desc)
-        mark(f"got {tuple(view.shape)}; waits queued on the stream: {ft.pending(stream)}")
+        if os.environ.get("FAKE_CUDA_CONSUMER_TIMEOUT"):
+            threading.Timer(timeout, mark, ["past the consumer's timeout"]).start()
+        try:
+            view = c.get(desc, stream=stream if own else None)
+        except MmfeatError as exc:
+            mark(f"the get raised {exc.code.value}")
+            return
+        mark(f"got {tuple(view.shape)}; waits queued on the stream: {ft.pending(stream)}; on the current stream: "
+             f"{ft.pending(current)}")
         deadline = time.monotonic() + 60
         while ft.pending(stream) and time.monotonic() < deadline:
             time.sleep(0.01)

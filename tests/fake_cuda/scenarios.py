@@ -440,6 +440,7 @@ SCENARIOS = {f.__name__: f for f in (wrap_fails, restore_current, owner_never_us
                                       child_drops_pinned_pool, fabric_probe_without_nvml)}
 
 if __name__ == "__main__":
+    from tests.fake_cuda.bounded_scenarios import BOUNDED
     from tests.fake_cuda.early_ack_scenarios import EARLY_ACK
     from tests.fake_cuda.order_scenarios import ORDER
     from tests.fake_cuda.ready_scenarios import READY
@@ -449,5 +450,6 @@ if __name__ == "__main__":
     SCENARIOS.update(READY)
     SCENARIOS.update(STAGED)
     SCENARIOS.update(EARLY_ACK)
+    SCENARIOS.update(BOUNDED)
     drv.driver_unavailable_reason()
     SCENARIOS[sys.argv[1]]()
