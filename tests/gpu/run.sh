@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU run in one call, within 8 minutes on an H200, on a node that may reach no package registry:
-# the GPU tests, the review's probes (gpu_probe.py and probe_additions.py, found in shared/gpu/ inside
-# the checkout, which travels to a lent device, else ../shared/gpu/ beside it, or $MMFEAT_PROBES), the
-# profile, the bench's GPU rows and a short chaos on a GPU pool.
+# the GPU tests, the review's probes (probe_additions.py, which runs ready_probes.py's r01-r08 first, and
+# gpu_probe.py, found in shared/gpu/ inside the checkout, which travels to a lent device, else
+# ../shared/gpu/ beside it, or $MMFEAT_PROBES), the profile, the bench's GPU rows, a short chaos on a
+# GPU pool, and the READY word's probes and test again under MPS where the node has its control daemon.
 #   Here first: bash tests/gpu/prepare_wheels.sh (and copy ../shared/gpu into shared/gpu for the device).
 #   There: bash tests/gpu/run.sh [OUTDIR] (default $OUT, else gpu-out).
 #   Here, on the fake driver: MMFEAT_GPU_FAKE=1 bash tests/gpu/run.sh /tmp/gpu-fake (builds
@@ -46,6 +47,7 @@ bounded() {
 }
 cleanup() {
   for g in "${groups[@]}"; do kill -KILL -- "-$g" 2>/dev/null; done
+  [ -n "${mps:-}" ] && echo quit | nvidia-cuda-mps-control 2>/dev/null
   [ -n "${dpid:-}" ] && kill -KILL "$dpid" 2>/dev/null
   # The rest of what the stages wrote, in one file: a device run brings back at most 8.
   tar -czf "$out/run.tgz" -C "$work" . 2>/dev/null
@@ -58,8 +60,8 @@ for d in shared/gpu ../shared/gpu; do
   [ -z "$probes" ] && [ -f "$d/probe_additions.py" ] && probes=$(cd "$d" && pwd)
 done
 if [ -n "$probes" ]; then
-  # The probes were written against the client's flat layout: a copy of them names its modules by
-  # their wings' paths (client/gpu/, client/link/, ...), so that they import what they meant.
+  # A copy of the probes, adapted where the client moved on since they were written (module paths of
+  # the client's flat layout, a stand-in for a function whose signature grew: tests/gpu/wing_paths.py).
   mkdir -p "$work/probes" && cp "$probes"/*.py "$probes"/*.sh "$work/probes/" 2>/dev/null
   python3 tests/gpu/wing_paths.py "$work/probes"/*.py
   probes="$work/probes"
@@ -116,7 +118,7 @@ for case in ET.parse(sys.argv[1]).iter("testcase"):
 PY
 
 if [ -n "$probes" ]; then
-  stage "the review's additions c01-c10 ($probes/probe_additions.py)"
+  stage "the READY word's probes r01-r08, then the review's additions c01-c10 ($probes/probe_additions.py)"
   bounded 170 python3 "$probes/probe_additions.py" "$work/additions" | tee "$work/additions.txt"
   verdict "probe-additions exit ${PIPESTATUS[0]}"
   grep -h "^VERDICT" "$work/additions.txt" >> "$verdicts" || true
@@ -153,8 +155,37 @@ bounded 60 python3 -m tests.chaos.chaos --backend cuda_vmm --seconds 25 --daemon
   > "$out/chaos-gpu.txt" 2>&1
 verdict "chaos exit $?"; tail -20 "$out/chaos-gpu.txt"
 
+stage "under MPS: the READY word's probes r01, r03, r04, r05, r08 and its GPU test"
+# Streams that wait on READY words among MPS clients (a blocked client should hold only its own work
+# queues). Opt out with MMFEAT_GPU_MPS=0. The control daemon is started here and stopped after; no
+# nvidia-smi setting is changed.
+if [ "${MMFEAT_GPU_MPS:-1}" = 0 ]; then
+  verdict "mps SKIPPED: MMFEAT_GPU_MPS=0"
+elif ! command -v nvidia-cuda-mps-control > /dev/null; then
+  verdict "mps SKIPPED: no nvidia-cuda-mps-control on this node"
+else
+  export CUDA_MPS_PIPE_DIRECTORY="$work/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$work/mps-log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    mps=1
+    if [ -n "$probes" ]; then
+      PROBE_BUDGET_S=60 bounded 70 python3 "$probes/probe_additions.py" "$work/mps" r01_memop_attributes \
+        r03_geq_semantics_and_latency r04_two_processes r05_kill_a_waiting_process r08_a_wait_holds_other_streams \
+        | tee "$work/mps.txt"
+      verdict "mps probes exit ${PIPESTATUS[0]}"
+      grep -h "^VERDICT" "$work/mps.txt" | sed 's/^/mps /' >> "$verdicts" || true
+    fi
+    bounded 40 python3 -m pytest -q -m gpu -p no:cacheprovider "${timeout_args[@]}" tests/gpu/test_gpu_ready_word.py
+    verdict "mps ready-word test exit $?"
+    echo quit | nvidia-cuda-mps-control; mps=
+  else
+    verdict "mps SKIPPED: the control daemon did not start"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
+
 if [ -n "$probes" ] && [ -f "$probes/gpu_probe.py" ]; then
-  # The earlier review's checks, last: what is left of the budget (some import modules since renamed).
+  # The earlier review's checks, last: what is left of the budget.
   stage "the review's probes c1-c9 ($probes/gpu_probe.py)"
   bounded 150 python3 "$probes/gpu_probe.py" "$work/probe"
   verdict "gpu-probe exit $?"

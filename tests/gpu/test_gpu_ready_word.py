@@ -45,3 +45,25 @@ def test_a_consumer_reads_a_feature_put_behind_a_kernel_whole(runtime_dir, mode:
         assert s["counters"]["unready_ended"] == 0
     finally:
         d.stop()
+
+
+def test_a_relay_of_a_pool_view_is_whole_after_the_source_is_acked(runtime_dir) -> None:
+    """``put(get(desc))`` then ``ack(desc)``: the source is pool memory torch's allocator does not own,
+    so ``record_stream`` keeps it for no one; the relay's put waits for its copy instead, and a put that
+    takes the source's range at once cannot reach the relayed bytes."""
+    d = start_daemon(runtime_dir, "--pool-mb", "256", backend="cuda_vmm")
+    try:
+        torch.cuda.set_device(0)
+        with d.client() as c:
+            for round_ in range(5):
+                src = c.put(torch.full((4 << 20,), float(round_ + 1), device="cuda:0"))  # 16 MiB
+                torch.cuda._sleep(int(2e8))  # the relay's copy queued behind GPU work
+                relayed = c.put(c.get(src))
+                c.ack(src)
+                other = c.put(torch.zeros(4 << 20, device="cuda:0"))  # may take the source's space at once
+                view = c.get(relayed)
+                assert bool((view == float(round_ + 1)).all()), "the relay copied bytes of the next feature"
+                c.ack(relayed, after=torch.cuda.current_stream())
+                c.ack(other)
+    finally:
+        d.stop()
