@@ -99,10 +99,13 @@ class LeaseTable:
     def load(self, slot: int, word: int) -> int:
         return self.words.load_at(self._offset(slot, word))
 
-    def set(self, slot: int, gen: int, state: int, ready: bool = True) -> None:
+    def set(self, slot: int, gen: int, state: int, ready: bool = True, lost: bool = False) -> None:
         """A new state for the generation in the slot (publish of a reserved lease), or FREE. Both store
         READY first, unless ``ready`` is False: a publish whose producer's GPU stream writes READY
-        itself, or the FREE of a feature that GPU has not written yet (daemon/leases/unwritten.py)."""
+        itself, or the FREE of a feature that GPU has not written yet (daemon/leases/unwritten.py),
+        which ``lost`` marks so before the FREE: a reader that sees the FREE sees the mark."""
+        if lost:
+            self.mark_lost(slot, gen)
         if ready:
             self.ready[slot] = gen & GEN_MASK  # a plain store: the STATE store below releases it
         self.store_state(slot, state_word(gen, state))

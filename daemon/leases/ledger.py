@@ -427,9 +427,7 @@ class Ledger(Retention, Endings, ArenaFeatures):
             self.counters.unready_ended += 1
         # FREE in the table first: for an arena slot that store hands slot and space back to the producer.
         if table is not None:
-            if unwritten:
-                table.mark_lost(slot, lease.gen)  # before the FREE: a reader that sees it sees the mark
-            table.set(slot, lease.gen, FREE, ready=not unwritten)
+            table.set(slot, lease.gen, FREE, ready=not unwritten, lost=unwritten)
         base = lease.hold_of
         if base is not None:
             self.books.hold_ended(lease.session, slot)
