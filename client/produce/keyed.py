@@ -102,7 +102,8 @@ class KeyedPuts:
         pool, pool_tensor = p._target(session, device)
         if "key" in keyed:
             check_kept_descriptor(put, session, p._channel.endpoint, pool)
-        desc = p._put_in_arena(session, pool, put, pool_tensor, ACK_COUNT_MASK if "retain_ttl" in keyed else None)
+        desc = p._put_in_arena(session, pool, put, pool_tensor, ACK_COUNT_MASK if "retain_ttl" in keyed else None,
+                               keyed=True)
         if desc is None:
             return None
         fields = {"lease": desc.lease_ref(), **keyed}

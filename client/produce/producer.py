@@ -193,10 +193,13 @@ class Producer:
 
     def _put_in_arena(self, session: Session, pool: PoolInfo, put: PutInFlight,
                       pool_tensor: Optional[torch.Tensor] = None,
-                      table_consumers: Optional[int] = None) -> Optional[Descriptor]:
+                      table_consumers: Optional[int] = None, keyed: bool = False) -> Optional[Descriptor]:
         """The descriptor of the feature placed and published in an arena; None to reserve instead.
         ``pool_tensor``: the pool's mapping where the caller has it already. ``table_consumers``: the
-        CONSUMERS word to publish instead of the put's count (a retained feature's, which no ack reaches)."""
+        CONSUMERS word to publish instead of the put's count (a retained feature's, which no ack reaches).
+        ``keyed``: a feature a key finds is published once written, never behind its stream's READY word:
+        a hold of it is a slot of its own whose word the daemon stores at once, and a reader through the
+        hold would wait on nothing."""
         spot = put.place_in_arena(session, self._channel.endpoint, pool)
         if spot is None:
             return None
@@ -206,7 +209,7 @@ class Producer:
             if pool_tensor is None:
                 pool_tensor = self._pool_tensor(session, desc.pool, put.device)
             written_on = _write(pool_tensor, desc.offset, put, session.ready_ttl,
-                                _ready_by_stream(session, pool_tensor, put, placed.slot, placed.gen))
+                                None if keyed else _ready_by_stream(session, pool_tensor, put, placed.slot, placed.gen))
             by_stream = written_on is not None
             if written_on is not None:
                 session.ready_streams.add(written_on)

@@ -67,3 +67,29 @@ def test_a_relay_of_a_pool_view_is_whole_after_the_source_is_acked(runtime_dir) 
                 c.ack(other)
     finally:
         d.stop()
+
+
+def test_a_keyed_feature_put_in_the_arena_is_whole_through_a_hold(runtime_dir) -> None:
+    """A retained feature put with ``wait=False`` goes into the producer's arena; a hold on its key is a
+    slot of its own, whose READY word the daemon stores at once: so the put publishes it written (a host
+    wait), never behind its stream, or a reader through the hold would read before the fill landed."""
+    d = start_daemon(runtime_dir, "--pool-mb", "256", backend="cuda_vmm")
+    try:
+        torch.cuda.set_device(0)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        prod = ctx.Process(target=workers.put_keyed_behind_a_kernel, args=(str(runtime_dir), 3, q))
+        prod.start()
+        with d.client() as c:
+            while (item := q.get(timeout=120)) is not None:
+                key, value, inline = item
+                assert not inline, "the keyed feature went inline, not into the arena"
+                hold = c.hold(key)
+                assert hold is not None, f"nothing live under {key}"
+                view = c.get(hold)
+                assert int((view == value).sum()) == view.numel(), "read through the hold before the fill landed"
+                c.ack(hold, after=torch.cuda.current_stream())
+        prod.join(60)
+        assert prod.exitcode == 0
+    finally:
+        d.stop()

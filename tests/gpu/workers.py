@@ -91,3 +91,20 @@ def produce_behind_a_kernel(runtime_dir: str, rounds: int, out_q: Any) -> None:
             out_q.put((time.monotonic() - t0, k + 1, desc.to_bytes()))
         torch.cuda.synchronize()
         out_q.put(None)
+
+
+def put_keyed_behind_a_kernel(runtime_dir: str, rounds: int, out_q: Any) -> None:
+    """Retained features under keys, put without a round trip (``wait=False``: in the arena, bound by a
+    message) while the kernel that fills each runs: its key and value. Its readers hold the key and read
+    through the hold, a slot of its own, whose READY word the daemon stores at once."""
+    torch.cuda.set_device(0)
+    with Client(runtime_dir, inline_threshold=0, fallback="error") as c:
+        c.ack(c.put(torch.zeros(1 << 16, dtype=torch.uint8, device="cuda:0")))  # the mapping and the arena
+        for k in range(rounds):
+            torch.cuda._sleep(int(1e9))
+            t = torch.full((1 << 16,), k + 1, dtype=torch.uint8, device="cuda:0")
+            key = f"gpu-keyed-{os.getpid()}-{k}"
+            desc = c.put(t, key=key, retain_ttl=120.0, wait=False)
+            out_q.put((key, k + 1, desc.is_inline))
+        torch.cuda.synchronize()
+        out_q.put(None)
