@@ -162,6 +162,7 @@ def test_a_gpu_feature_is_published_behind_its_fill_and_read_behind_it_on_the_gp
     assert re.search(r"\.\. done op \d+ 'write 0x[0-9a-f]+=\d+'", log[fill_done:]), log
     assert "cuEventSynchronize" not in log.split("=== published before")[0], log
     assert "=== the consumer had its view before the fill: True" in log, log
+    assert consumer.count("=== said: device 0 writes and waits on READY words on its streams") == 1, consumer
     assert "waits queued on the stream: 1" in consumer, consumer
     assert re.search(r"^cuStreamWaitValue64\(stream \d+, 0x[0-9a-f]+, \d+, flags=0\)", consumer, re.M), consumer
     assert "=== the stream went on: True; ready: True" in consumer, consumer
@@ -178,6 +179,9 @@ def test_a_consumer_whose_gpu_cannot_wait_on_the_word_waits_on_the_host(fake_lib
     assert "=== consumer exited 0" in log, consumer
     assert "waits queued on the stream: 0" in consumer, consumer
     assert "cuStreamWaitValue64" not in consumer, consumer
+    # Said once, for the device: nothing else tells an operator that READY words are off there.
+    said = "=== said: device 0 has no 64-bit stream memory operations (CAN_USE_64_BIT_STREAM_MEM_OPS is 0)"
+    assert consumer.count(said) == 1, consumer
 
 
 @pytest.mark.parametrize("why", ["the daemon asks for it", "the device has no stream memory operations"])

@@ -201,6 +201,7 @@ def consume_behind_ready() -> None:
     from mmfeat.protos.errors import MmfeatError
 
     _setup()
+    _say_decisions()
     desc = _desc()
     timeout = float(os.environ.get("FAKE_CUDA_CONSUMER_TIMEOUT", "20"))
     with Client(timeout=timeout) as c:
@@ -232,6 +233,22 @@ def consume_behind_ready() -> None:
         except MmfeatError:
             pass
         del view
+
+
+def _say_decisions() -> None:
+    """Mark in the log what the client says, at INFO, of each device's READY words (the decision is
+    logged once per device: a device answering 0 turns them off without any error)."""
+    import logging
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            if record.levelno == logging.INFO and text.startswith("device "):
+                mark(f"said: {text}")
+
+    client_log = logging.getLogger("mmfeat.client")
+    client_log.setLevel(logging.INFO)
+    client_log.addHandler(Said())
 
 
 def publish_and_die() -> None:
