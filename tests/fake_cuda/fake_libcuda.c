@@ -235,7 +235,7 @@ CUresult cuMemHostUnregister(void* p) { fprintf(L(), "cuMemHostUnregister(%p)\n"
 #define MAXS 256
 #define MAXOPS 4096
 #define MAXE 8192
-enum { OP_KERNEL = 1, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE_VALUE };
+enum { OP_KERNEL = 1, OP_WAIT_EVENT, OP_WAIT_VALUE, OP_WRITE_VALUE, OP_COPY };
 typedef struct {
     int kind, released;
     char tag[48];
@@ -243,6 +243,9 @@ typedef struct {
     u64* addr;
     u64 value;
     unsigned flags;
+    void* dst;  // OP_COPY: n bytes from src, read when the stream reaches it
+    const void* src;
+    size_t n;
 } op_t;
 typedef struct {
     int used;
@@ -307,6 +310,7 @@ static void progress(void) {  // under mu
             while (st->used && !st->capturing && st->ndone < st->nops && op_ready(&st->ops[st->ndone])) {
                 op_t* o = &st->ops[st->ndone];
                 if (o->kind == OP_WRITE_VALUE) __atomic_store_n(o->addr, o->value, __ATOMIC_RELEASE);
+                if (o->kind == OP_COPY) memcpy(o->dst, o->src, o->n);
                 st->ndone++;
                 changed = 1;
                 fprintf(L(), "  .. done op %d '%s' on stream %d\n", st->ndone, o->tag, s);
@@ -607,12 +611,26 @@ CUresult cuStreamIsCapturing(void* s, int* status) {
 int fake_launch(void* s, const char* tag) {
     pthread_mutex_lock(&mu);
     int k = sidx(s);
-    if (k >= 0) {
-        enqueue(k, OP_KERNEL, tag);
-        fprintf(L(), "launch '%s' on stream %d\n", tag, k);
+    op_t* o = k >= 0 ? enqueue(k, OP_KERNEL, tag) : NULL;
+    if (o) fprintf(L(), "launch '%s' on stream %d\n", tag, k);
+    pthread_mutex_unlock(&mu);
+    return o ? 0 : -1;
+}
+// A copy of n bytes of host memory, run in its stream's order as a DMA: the bytes are read from src when
+// the stream reaches it (at once on an idle stream), not when it is queued. Both buffers must outlive it.
+int fake_copy(void* s, void* dst, const void* src, size_t n, const char* tag) {
+    pthread_mutex_lock(&mu);
+    int k = sidx(s);
+    op_t* o = k >= 0 ? enqueue(k, OP_COPY, tag) : NULL;
+    if (o) {
+        o->dst = dst;
+        o->src = src;
+        o->n = n;
+        fprintf(L(), "copy %zu bytes '%s' on stream %d\n", n, tag, k);
+        progress();
     }
     pthread_mutex_unlock(&mu);
-    return k >= 0 ? 0 : -1;
+    return o ? 0 : -1;
 }
 int fake_release(const char* tag) {
     pthread_mutex_lock(&mu);

@@ -3,7 +3,8 @@ libcuda's streams (tests/fake_cuda/fake_libcuda.c): streams are the fake driver'
 client records on them, and its waits, follow the order the fake keeps. A copy to a CUDA device
 (``Tensor.to``) is queued on the current stream like the DMA it stands for, and returns an
 uninitialised CPU tensor (the views may be over fake addresses); after ``land_copies()``, a copy of real
-host memory (a host pool's pinned pages) reads its source when the stream reaches it, as the DMA would.
+host memory (a host pool's pinned pages) reads its source when the stream reaches it, in the fake
+driver's stream order (fake_copy), as the DMA would: before any event behind it completes.
 A test queues GPU work that stays pending with ``launch`` and lets it finish with ``release``, and
 sees a thread blocked on it with ``waiting``."""
 
@@ -25,7 +26,8 @@ _defaults: dict[int, "Stream"] = {}
 _contexts: dict[int, Any] = {}
 _copies = itertools.count()
 _lock = threading.Lock()
-# Copies whose bytes land when their stream reaches them: (fence behind the copy, source, target).
+# Copies of host memory queued on a fake stream (fence behind the copy, source, target): kept alive until
+# the fake driver has run them, since it reads the source and writes the target then.
 _landing: Optional[list[tuple[Any, torch.Tensor, torch.Tensor]]] = None
 
 
@@ -136,14 +138,11 @@ def land_copies() -> None:
 
 
 def land() -> None:
-    """Read the source of every landing copy the fake driver has run by now."""
+    """Forget the landing copies the fake driver has run by now (their bytes are in place)."""
     if _landing is None:
         return
-    for item in list(_landing):
-        fence, source, target = item
-        if fence.query():
-            target.copy_(source)
-            _landing.remove(item)
+    with _lock:
+        _landing[:] = [item for item in _landing if not item[0].query()]
 
 
 def pending(s: Stream) -> int:
@@ -174,14 +173,19 @@ def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if dev.type == "cuda":
             tag = f"copy-{next(_copies)}"
             s = current_stream(dev.index)
-            launch(s, tag)
-            lib().fake_release(tag.encode())  # done once what was queued before it on the stream is
             out = torch.empty_like(self)  # unread without land_copies: a GPU pool view here is a fake address
-            if _landing is not None and self.is_cpu:
+            if _landing is not None and self.is_cpu and self.is_contiguous():
                 from mmfeat.client.gpu import gpu_order
 
-                _landing.append((gpu_order.Fence().record(s), self, out))
+                nbytes = self.numel() * self.element_size()
+                assert lib().fake_copy(ctypes.c_void_p(s.cuda_stream), ctypes.c_void_p(out.data_ptr()),
+                                       ctypes.c_void_p(self.data_ptr()), ctypes.c_size_t(nbytes), tag.encode()) == 0
                 land()
+                with _lock:
+                    _landing.append((gpu_order.Fence().record(s), self, out))
+                return out
+            launch(s, tag)
+            lib().fake_release(tag.encode())  # done once what was queued before it on the stream is
             return out
     return _real_to(self, *args, **kwargs)
 
