@@ -69,12 +69,15 @@ demo: $(BASE_STAMP)
 
 # Minutes, not part of make test: random SIGKILLs under load with every byte checked, a fuzzer of the
 # control socket and the fd channel, then a hostile group member attacking through the lease table
-# while honest clients run. docs/reliability.md records a run.
+# while honest clients run. The third chaos run stages GPU reads of retained features while a 4 MiB pool
+# keeps evicting them (on the fake driver, tests/fake_cuda, without a GPU). docs/reliability.md records a run.
 CHAOS_SECONDS ?= 120
 HOSTILE_SECONDS ?= 60
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS)
 	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS) --nodes 2
+	$(BIN)/python -m tests.chaos.chaos --seconds $(CHAOS_SECONDS) --producers 0 --consumers 0 --late 0 --keyed 3 \
+	  --holders 1 --staged 2 --pool-mb 4 --kill-every 1
 	$(BIN)/python -m tests.chaos.fuzz --frames 50000 --handshakes 5000 --descriptors 12000
 	$(BIN)/python -m tests.chaos.hostile --seconds $(HOSTILE_SECONDS)
 	$(BIN)/python -m tests.chaos.connector --seconds $(CHAOS_SECONDS)

@@ -8,6 +8,12 @@ With ``--nodes 2`` two daemons on 127.0.0.1 play two nodes, meshed: producers on
 on a and the others on b, which pull every feature they read; either daemon is killed and restarted.
 With ``--backend cuda_vmm`` (a GPU node) the pools are in GPU 0's memory and the workers put and check
 CUDA tensors (tests/gpu/run.sh runs it).
+
+With ``--staged N`` N more processes read retained features by key into GPU 0's memory, staged from the
+host pool's pinned pages behind GPU work, and check every byte (tests/chaos/staged_worker.py); on a
+machine without a GPU they run on the fake driver (tests/fake_cuda), built here. With a small
+``--pool-mb`` the keyed producers' puts evict retained features all along: the run then fails if no
+daemon evicted any, since the staged reads were not under the pressure they are there to meet.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from tests.conftest import anon_bytes, fd_count, start_daemon
 
@@ -32,14 +39,41 @@ RESERVE_TTL, ACK_TTL = 3.0, 6.0
 LOW_RESERVE_TTL, LOW_ACK_TTL = 0.5, 2.0
 
 
-def _write_config(path: Path, reserve_ttl: float, ack_ttl: float) -> None:
-    path.write_text(f"[mmfeatd]\npool_mb = 256\nreserve_ttl = {reserve_ttl}\nack_ttl = {ack_ttl}\n")
+def _write_config(path: Path, reserve_ttl: float, ack_ttl: float, pool_mb: int) -> None:
+    path.write_text(f"[mmfeatd]\npool_mb = {pool_mb}\nreserve_ttl = {reserve_ttl}\nack_ttl = {ack_ttl}\n")
 
 
-def _spawn(args: list[str], device: str, module: str = "tests.chaos.worker") -> subprocess.Popen:
+def _spawn(args: list[str], device: str, module: str = "tests.chaos.worker",
+           env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "MMFEAT_CHAOS_DEVICE": device})
+                            env={**os.environ, "MMFEAT_CHAOS_DEVICE": device, **(env or {})})
+
+
+def _staged_driver(root: Path, backend: str) -> tuple[Optional[dict[str, str]], str]:
+    """The environment of the staged GPU readers, and what drives them; None (and why) where they
+    cannot run: they read host-pool features, and need CUDA or the fake driver."""
+    if backend != "host":
+        return None, "skipped: they read host-pool features, and with cuda_vmm the keyed producers put to GPU pools"
+    import torch
+
+    if torch.cuda.is_available():
+        return {}, "the GPU"
+    from tests import fake_cuda
+
+    lib = root / "fake-libcuda"
+    reason = fake_cuda.build(lib)
+    if reason is not None:
+        return None, f"skipped: no GPU, and {reason}"
+    return {"LD_LIBRARY_PATH": str(lib), "STUB_LOG": str(root / "fake-cuda.log")}, "the fake driver (tests/fake_cuda)"
+
+
+def _misuse(log: Path) -> list[str]:
+    """The fake driver's complaints: calls the real driver would refuse or that break its rules."""
+    if not log.exists():
+        return []
+    with log.open(errors="replace") as f:
+        return [line.strip() for line in f if line.lstrip().startswith("!!")]
 
 
 def _kill_worker(run: Path, name: str) -> bool:
@@ -75,6 +109,7 @@ class _Nodes:
     def __init__(self, root: Path, runtime: Path, daemon_args: tuple[str, ...], n: int, backend: str) -> None:
         self.root, self.args, self.backend = root, daemon_args, backend
         self.cluster = None
+        self.evictions = 0  # of the daemons killed so far: their counters die with them
         if n == 1:
             self.daemons = [start_daemon(runtime, *daemon_args, backend=backend, log=root / "mmfeatd.log")]
             return
@@ -100,6 +135,10 @@ class _Nodes:
 
     def kill_and_restart(self, i: int) -> None:
         d = self.daemons[i]
+        try:
+            self.evictions += d.stats()["counters"]["evictions"]
+        except Exception:
+            pass  # a daemon too busy to answer: its evictions go uncounted
         if self.cluster is None:
             d.proc.kill()
             d.proc.communicate()
@@ -124,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keyed", type=int, default=1, help="producers of retained features under keys")
     p.add_argument("--holders", type=int, default=2, help="processes that hold keys and read and ack the holds")
     p.add_argument("--late", type=int, default=1, help="producers that write and publish past their reservations")
+    p.add_argument("--staged", type=int, default=0,
+                   help="processes that read retained features by key into a GPU, staged behind GPU work")
+    p.add_argument("--pool-mb", type=int, default=256, help="the pool's size: small, to keep evicting")
     p.add_argument("--kill-every", type=float, default=0.2, help="seconds between worker kills")
     p.add_argument("--daemon-kill-every", type=float, default=20.0, help="seconds between daemon kills")
     p.add_argument("--seed", type=int, default=1)
@@ -138,11 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     runtime.mkdir(mode=0o700)
     run.mkdir()
     config = root / "mmfeatd.toml"
-    _write_config(config, RESERVE_TTL, ACK_TTL)
+    _write_config(config, RESERVE_TTL, ACK_TTL, args.pool_mb)
+    staged_env, staged_on = _staged_driver(root, args.backend) if args.staged else (None, "none asked for")
+    if args.staged and staged_env is None:
+        print(f"staged GPU readers {staged_on}")
     # One node: the TTLs come from a file that a reload reads again (flags would override it). The mesh's
     # daemons take their files from tests/cluster.py, and their TTLs from flags.
     daemon_args = (("--config", str(config)) if args.nodes == 1 else
-                   ("--pool-mb", "256", "--reserve-ttl", str(RESERVE_TTL), "--ack-ttl", str(ACK_TTL)))
+                   ("--pool-mb", str(args.pool_mb), "--reserve-ttl", str(RESERVE_TTL), "--ack-ttl", str(ACK_TTL)))
     nodes = _Nodes(root, runtime, daemon_args, args.nodes, args.backend)
     daemon = nodes.daemons[0]
     endpoints = [f"ipc://{root}/consumer{i}.sock" for i in range(args.consumers)]
@@ -151,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     def start(name: str) -> None:
         if name.startswith("k"):
             workers[name] = _spawn(["keyed", str(runtime), str(run), name, str(args.seconds * 2)], device)
+        elif name.startswith("s"):
+            workers[name] = _spawn(["staged", str(runtime), str(run), name], device, env=staged_env)
         elif name.startswith("h"):
             workers[name] = _spawn(["holder", str(runtime), str(run), name], device)
         elif name.startswith("l"):
@@ -166,12 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     names = [f"p{i}" for i in range(args.producers)] + [f"c{i}" for i in range(args.consumers)]
     names += [f"k{i}" for i in range(args.keyed)] + [f"h{i}" for i in range(args.holders)]
     names += [f"l{i}" for i in range(args.late)]
-    roles = {"p": "producer", "c": "consumer", "k": "keyed", "h": "holder", "l": "late"}
-    kills = {"producer": 0, "consumer": 0, "keyed": 0, "holder": 0, "late": 0, "daemon": 0}
+    names += [f"s{i}" for i in range(args.staged if staged_env is not None else 0)]
+    roles = {"p": "producer", "c": "consumer", "k": "keyed", "h": "holder", "l": "late", "s": "staged"}
+    kills = {"producer": 0, "consumer": 0, "keyed": 0, "holder": 0, "late": 0, "staged": 0, "daemon": 0}
     reloads: list[str] = []
 
     def reload(reserve_ttl: float, ack_ttl: float) -> None:
-        _write_config(config, reserve_ttl, ack_ttl)
+        _write_config(config, reserve_ttl, ack_ttl, args.pool_mb)
         nodes.daemons[0].proc.send_signal(signal.SIGHUP)
         reloads.append(f"reserve_ttl {reserve_ttl:g} s, ack_ttl {ack_ttl:g} s")
     try:
@@ -208,13 +256,15 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(0.5)
         fds_end, anon_end = _settle(daemon, "end")
-        fresh = start_daemon(root / "fresh", "--pool-mb", "256", backend=args.backend)
+        fresh = start_daemon(root / "fresh", "--pool-mb", str(args.pool_mb), backend=args.backend)
         fds_fresh, anon_fresh = _settle(fresh, "fresh")
         fresh.stop()
         fresh.proc.communicate()
         totals = _totals(run)
         wrong_lines = (run / "WRONG").read_text().splitlines() if (run / "WRONG").exists() else []
         leaked = sum(x["pools"][0]["used"] for x in every)
+        evictions = nodes.evictions + sum(x["counters"]["evictions"] for x in every)
+        misuse = _misuse(root / "fake-cuda.log")
         report = {
             "seconds": args.seconds,
             "backend": args.backend,
@@ -228,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
             "reads_checked": totals.get("checked", 0),
             "bytes_checked": totals.get("checked_bytes", 0),
             "wrong_reads": len(wrong_lines),
+            "wrong_examples": wrong_lines[:5],
+            "staged": {"on": staged_on, "batches": totals.get("staged_batches", 0),
+                       "reads_checked": totals.get("staged_checked", 0), "bytes_checked": totals.get("staged_bytes", 0),
+                       "driver_misuse": misuse[:5]},
+            "evictions_all_daemons": evictions,
             "modes": {"grad_puts": totals.get("grad_puts", 0), "inference_gets": totals.get("inference_gets", 0)},
             "refused_reads": {k[8:]: v for k, v in totals.items() if k.startswith("refused_")},
             "put_errors": {k[10:]: v for k, v in totals.items() if k.startswith("put_error_")},
@@ -254,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         # thread's): there, the end must come back to what it held while busy.
         fd_base = fds_fresh if args.nodes == 1 else fds_busy
         ok = (not wrong_lines and leaked == 0 and not any(x["holds"] for x in every) and fds_end <= fd_base
-              and anon_end - anon_fresh < 64 << 20)
+              and anon_end - anon_fresh < 64 << 20 and not misuse)
+        if staged_env is not None and args.staged and (not evictions or not totals.get("staged_checked")):
+            print("chaos: the staged reads were not under eviction pressure (no eviction) or read nothing checked")
+            ok = False
         print("chaos: " + ("held" if ok else "FAILED"))
         return 0 if ok else 1
     finally:

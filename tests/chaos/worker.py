@@ -199,6 +199,10 @@ def main() -> None:
             try:
                 if role == "producer":
                     produce(runtime_dir, run, sys.argv[6].split(","), float(sys.argv[5]), grad=name == "p0")
+                elif role == "staged":
+                    from . import staged_worker
+
+                    staged_worker.staged_read(runtime_dir, run)
                 elif role in ("keyed", "holder"):
                     from . import keyed_worker
 
