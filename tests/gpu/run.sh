@@ -3,12 +3,14 @@
 # the GPU tests, the review's probes (probe_additions.py, which runs ready_probes.py's r01-r08 first, and
 # gpu_probe.py, found in shared/gpu/ inside the checkout, which travels to a lent device, else
 # ../shared/gpu/ beside it, or $MMFEAT_PROBES), the profile, the bench's GPU rows, a short chaos on a
-# GPU pool, and the READY word's probes and test again under MPS where the node has its control daemon.
+# GPU pool, staged GPU reads of retained features under eviction, and the READY word's probes and test
+# again under MPS where the node has its control daemon.
 #   Here first: bash tests/gpu/prepare_wheels.sh (and copy ../shared/gpu into shared/gpu for the device).
 #   There: bash tests/gpu/run.sh [OUTDIR] (default $OUT, else gpu-out).
 #   Here, on the fake driver: MMFEAT_GPU_FAKE=1 bash tests/gpu/run.sh /tmp/gpu-fake (builds
-#   tests/fake_cuda's libcuda and runs every stage against it: GPU stages skip or fail fast, and the
-#   script's plumbing, budgets and cleanup are what is checked).
+#   tests/fake_cuda's libcuda and runs every stage against it: stages that need torch's CUDA say SKIPPED
+#   with the reason, the staged chaos runs on the fake driver, and the script's plumbing, budgets and
+#   cleanup are what is checked).
 # Every stage is bounded by what is left of the run's budget (MMFEAT_GPU_RUN_S, default 460 s); no stage
 # decides whether a later one runs. OUTDIR gets at most 8 files (what a device run brings back):
 # gpu-suite.log (everything printed), verdicts.txt (one line per stage, test and probe), gpu-junit.xml,
@@ -81,7 +83,9 @@ else
   echo "no .whl/ and no .venv: the image's own packages"
 fi
 
-if [ "${MMFEAT_GPU_FAKE:-0}" = 1 ]; then
+fake=${MMFEAT_GPU_FAKE:-0}
+unset MMFEAT_GPU_FAKE  # the script's, not a setting: mmfeatd warns about MMFEAT_ variables it does not read
+if [ "$fake" = 1 ]; then
   stage "the fake driver (tests/fake_cuda) in place of libcuda"
   python3 -c "from pathlib import Path; from tests import fake_cuda; import sys; \
 r = fake_cuda.build(Path('$work/fake-libcuda')); print(r or 'built'); sys.exit(1 if r else 0)" \
@@ -98,6 +102,9 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", to
       "| available", torch.cuda.is_available(), "| devices", torch.cuda.device_count())
 print("libatomic (table acks):", atomics.AVAILABLE, "| driver:", d.driver_unavailable_reason() or "ok")
 PY
+# Stages that make CUDA tensors need torch's CUDA; without it (the fake driver) they say so and skip.
+no_cuda=$(python3 -c "import torch; print('' if torch.cuda.is_available() else 'torch sees no CUDA device')" 2>&1 \
+  | tail -1)
 timeout_args=()
 if python3 -c "import pytest_timeout" 2>/dev/null; then timeout_args=(-o timeout=90); \
 else echo "pytest-timeout is missing: each test is bounded by the stage's timeout alone"; fi
@@ -129,31 +136,49 @@ fi
 
 
 stage "where a feature's CPU time goes on a GPU pool"
-bounded 40 python3 -m tests.gpu.profile_paths --count 300 > "$work/profile-paths.txt" 2>&1
-verdict "profile exit $?"; head -4 "$work/profile-paths.txt"
+if [ -n "$no_cuda" ]; then
+  verdict "profile SKIPPED: $no_cuda"
+else
+  bounded 40 python3 -m tests.gpu.profile_paths --count 300 > "$work/profile-paths.txt" 2>&1
+  verdict "profile exit $?"; head -4 "$work/profile-paths.txt"
+fi
 
 stage "mmfeat bench on a GPU pool"
-rt=$(mktemp -d -p "$work")
-setsid python3 -m mmfeat.daemon --runtime-dir "$rt" --backend cuda_vmm --pool-mb 2048 --log-level WARNING &
-dpid=$!
-groups+=("$dpid")
-for _ in $(seq 100); do [ -S "$rt/mmfeatd.sock" ] && break; kill -0 "$dpid" 2>/dev/null || break; sleep 0.2; done
-if kill -0 "$dpid" 2>/dev/null; then
-  bounded 15 python3 -m mmfeat.cli --runtime-dir "$rt" --timeout 10 health
-  bounded 70 python3 -m mmfeat.cli --runtime-dir "$rt" bench --use-running --sizes 1M,16M --consumers 1,2 \
-    --modes floor,pool_view,pool_copy,zmq_bytes,torch_mp --rounds 1 --count 200 --control-clients '' \
-    --json "$out/bench-gpu.json" --targets
-  verdict "bench exit $?"
-  kill -TERM "$dpid"; wait "$dpid"; verdict "bench daemon exit $?"
+if [ -n "$no_cuda" ]; then
+  verdict "bench SKIPPED: $no_cuda"
 else
-  wait "$dpid"; verdict "bench SKIPPED: the cuda_vmm daemon did not start (exit $?)"
+  rt=$(mktemp -d -p "$work")
+  setsid python3 -m mmfeat.daemon --runtime-dir "$rt" --backend cuda_vmm --pool-mb 2048 --log-level WARNING &
+  dpid=$!
+  groups+=("$dpid")
+  for _ in $(seq 100); do [ -S "$rt/mmfeatd.sock" ] && break; kill -0 "$dpid" 2>/dev/null || break; sleep 0.2; done
+  if kill -0 "$dpid" 2>/dev/null; then
+    bounded 15 python3 -m mmfeat.cli --runtime-dir "$rt" --timeout 10 health
+    bounded 70 python3 -m mmfeat.cli --runtime-dir "$rt" bench --use-running --sizes 1M,16M --consumers 1,2 \
+      --modes floor,pool_view,pool_copy,zmq_bytes,torch_mp --rounds 1 --count 200 --control-clients '' \
+      --json "$out/bench-gpu.json" --targets
+    verdict "bench exit $?"
+    kill -TERM "$dpid"; wait "$dpid"; verdict "bench daemon exit $?"
+  else
+    wait "$dpid"; verdict "bench SKIPPED: the cuda_vmm daemon did not start (exit $?)"
+  fi
+  dpid=
 fi
-dpid=
 
 stage "chaos on a GPU pool: workers and the daemon SIGKILLed, every byte checked"
-bounded 60 python3 -m tests.chaos.chaos --backend cuda_vmm --seconds 25 --daemon-kill-every 10 \
-  > "$out/chaos-gpu.txt" 2>&1
-verdict "chaos exit $?"; tail -20 "$out/chaos-gpu.txt"
+if [ -n "$no_cuda" ]; then
+  verdict "chaos SKIPPED: $no_cuda (its workers put CUDA tensors)" | tee "$out/chaos-gpu.txt"
+else
+  bounded 60 python3 -m tests.chaos.chaos --backend cuda_vmm --seconds 25 --daemon-kill-every 10 \
+    > "$out/chaos-gpu.txt" 2>&1
+  verdict "chaos exit $?"; tail -20 "$out/chaos-gpu.txt"
+fi
+
+stage "staged GPU reads of retained features while a 4 MiB host pool keeps evicting them, every byte checked"
+# On the GPU where torch has CUDA, else on the fake driver (tests/chaos/staged_worker.py).
+bounded 45 python3 -m tests.chaos.chaos --seconds 15 --producers 0 --consumers 0 --late 0 --keyed 3 --holders 1 \
+  --staged 2 --pool-mb 4 --kill-every 1 --daemon-kill-every 10 > "$work/chaos-staged.txt" 2>&1
+verdict "staged chaos exit $?"; grep -A6 '"staged": {' "$work/chaos-staged.txt"; tail -2 "$work/chaos-staged.txt"
 
 stage "under MPS: the READY word's probes r01, r03, r04, r05, r08 and its GPU test"
 # Streams that wait on READY words among MPS clients (a blocked client should hold only its own work
