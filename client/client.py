@@ -270,7 +270,9 @@ class Client:
         key keeps naming that one, and the descriptor returned names this put's own feature, readable for
         its own lifetime but found by no key. A refused bind is counted in ``async_failures``. Where no
         arena takes the feature it waits for its reserve alone (its publish and bind follow pipelined);
-        where the daemon predates bind, as ``wait=True``."""
+        where the daemon predates bind, as ``wait=True``. A CUDA tensor's copy may still be
+        queued when put returns: memory torch did not allocate (DLPack, CUDA IPC) must not be freed or
+        rewritten before the current stream ran it (docs/gpu.md)."""
         if self.readonly or not self.map_pools:
             self._check_writable()
         if key is not None or retain_ttl is not None:

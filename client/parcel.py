@@ -251,7 +251,9 @@ class Parcel:
     """An object from ``loads`` and the pool feature its tensors view. ``with loads(data) as obj:``
     acks on exit, as ``ack()`` does; after either, the tensors must not be read (the producer may reuse
     their memory at once). Without an ack the feature lives as long as the Parcel or any tensor from it
-    (so ``loads(data).value`` is safe to read), and is acked once the last of them is freed."""
+    (so ``loads(data).value`` is safe to read), and is acked once the last of them is freed. A GPU
+    pool's tensors are complete on the current stream of their device at ``loads`` (Client.get): read
+    them on another stream only after its ``wait_stream`` of that one."""
 
     def __init__(self, value: Any, lease: _Lease, payload: bytes, tensors: list[torch.Tensor]) -> None:
         self.value = value
