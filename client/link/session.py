@@ -45,7 +45,7 @@ class Session:
         self.epoch = hello.epoch
         self.node = hello.node
         self.reserve_ttl = float(hello.reserve_ttl)
-        self.ack_ttl = float(hello.ack_ttl)
+        self.ack_ttl = float(hello.ack_ttl)  # how long a hold or an unacked feature lives at most
         # How long this client waits on the host for GPU work: a READY word, or the work queued on its
         # own stream ahead of a copy (TIMED_OUT after). A daemon of an earlier release does not say.
         self.ready_ttl = float(hello.ready_ttl) if hello.ready_ttl is not None else self.ack_ttl
