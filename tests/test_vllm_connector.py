@@ -116,6 +116,7 @@ def test_an_abort_between_a_steps_metadata_and_its_load_leaves_the_hold_to_the_r
     report = cons.run(meta, compute)
     assert report.loaded == {"img-a": 2} and not report.failed
     assert cons.side.counters["holds_released"] == 0
+    cons.free(["img-a"])  # the ranks' views of it go: their acks end the hold
     daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="the hold ended by the ranks' acks")
     assert cons.close() == 2
     _books_balance(daemon, ["img-a"])
@@ -136,6 +137,7 @@ def test_a_step_no_rank_ran_is_given_back_whole_once_a_later_step_reports(daemon
     assert cons.run(meta, compute).loaded == {"img-b": 2}
     cons.finish(later)
     assert cons.side.counters["holds_released"] == 1 and cons.side.unsettled_loads() == 0
+    cons.free(["img-b"])  # the ranks' views of it go
     daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="both holds ended")
     cons.close()
     _books_balance(daemon, ["img-a", "img-b"])

@@ -59,13 +59,24 @@ def _rank_main(runtime_dir: str, settings: ConnectorSettings, role: tuple[bool, 
         while True:
             msg = inbox.get(timeout=60)
             if msg[0] == "stop":
+                worker.close()
                 outbox.put(("done", rank, checked))
                 return
-            if msg[0] == "die_before_ack":
+            if msg[0] in ("die_before_ack", "die"):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if msg[0] == "free":
+                # The scheduler freed these entries (free_encoder_mm_hashes): the runner pops them, and a
+                # view's ack goes with its last reference.
+                for h in msg[1]:
+                    cache.pop(h, None)
+                client.flush()
+                outbox.put(("freed", rank, _cache_state(client, worker, cache)))
+                continue
             _, meta, compute = msg
             worker.start_save_caches(cache, meta)
             worker.start_load_caches(cache, meta)
+            if msg[0] == "load_then_stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # as if this process did not run for a while
             for h in meta.loads:
                 if h in cache:
                     assert torch.equal(cache[h], encoder_output(h)), f"rank {rank} loaded wrong bytes for {h}"
@@ -74,10 +85,29 @@ def _rank_main(runtime_dir: str, settings: ConnectorSettings, role: tuple[bool, 
                 if h not in cache:
                     cache[h] = encoder_output(h)
                     worker.save_caches(cache, h)
+            _check(rank, cache)
             # The daemon has applied this rank's acks before the scheduler reads its report, so a test
             # reads the daemon's books at a point where nothing is still on its way.
             client.flush()
-            outbox.put(("report", rank, worker.build_connector_worker_meta(), dict(worker.counters)))
+            outbox.put(("report", rank, worker.build_connector_worker_meta(),
+                        {**worker.counters, **_cache_state(client, worker, cache)}))
+
+
+def _check(rank: int, cache: dict[str, torch.Tensor]) -> None:
+    """Every entry (a view, a copy swapped in for one, an encoder output) holds its item's own bytes.
+    A function, so that no loop variable keeps a view alive after the rank dropped it."""
+    for h, t in cache.items():
+        assert torch.equal(t, encoder_output(h)), f"rank {rank} holds wrong bytes for {h}"
+
+
+def _cache_state(client: Client, worker: WorkerSide, cache: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What the rank's encoder cache holds: which entries lie in the pool's mapping (views), and the
+    views the connector counts as not yet freed, with their bytes."""
+    pools = [m.tensor for (_, device), m in client.session.mappings.items() if device == -1]
+    in_pool = sorted(h for h, t in cache.items()
+                     if any(p.data_ptr() <= t.data_ptr() < p.data_ptr() + p.numel() for p in pools))
+    held, held_bytes = worker.views_held()
+    return {"cached": sorted(cache), "in_pool": in_pool, "views_held": held, "view_bytes_held": held_bytes}
 
 
 class Engine:
@@ -140,6 +170,20 @@ class Engine:
         if apply:
             self.side.update_connector_output(report)
         return report
+
+    def free(self, hashes: list[str], ranks: Optional[list[int]] = None) -> None:
+        """The scheduler frees these encoder-cache entries: the runners of ``ranks`` (all) pop them."""
+        ranks = list(range(len(self.inboxes))) if ranks is None else ranks
+        for r in ranks:
+            self.inboxes[r].put(("free", hashes))
+        for _ in ranks:
+            _, rank, state = self.outbox.get(timeout=60)
+            self.counters[rank] = {**self.counters.get(rank, {}), **state}
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL one rank between steps, whatever its encoder cache holds."""
+        self.inboxes[rank].put(("die",))
+        self.procs[rank].join(60)
 
     def step(self, requests: list[Request]) -> StepReport:
         meta, compute = self.schedule(requests)

@@ -68,8 +68,11 @@ class MmfeatECConnector(ECConnectorBase):
             from .worker_side import WorkerSide
 
             # Every saved item goes to the pool whatever its size: only a feature in the pool has a key
-            # another instance can find.
-            client = Client(self._settings.runtime_dir, inline_threshold=0, name="vllm-ec-worker", **timeout)
+            # another instance can find. A worker that only loads maps the pool read-only: the views it
+            # hands vLLM are the pool itself, and a write into one then kills this worker rather than
+            # changing what other instances read.
+            client = Client(self._settings.runtime_dir, inline_threshold=0, name="vllm-ec-worker",
+                            readonly=not self.is_producer, **timeout)
             self._worker = WorkerSide(client, self._ns, self._settings, self.is_producer, self.is_consumer,
                                       _tp_rank, _device)
         self._client = client
@@ -142,6 +145,7 @@ class MmfeatECConnector(ECConnectorBase):
             log.info("mmfeat EC connector scheduler: %s", dict(self._scheduler.counters))
         if self._worker is not None:
             log.info("mmfeat EC connector worker: %s", self._worker.counters)
+            self._worker.close()
         self._client.close()
 
 

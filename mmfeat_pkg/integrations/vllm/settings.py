@@ -18,7 +18,9 @@ LIFETIMES = ("retained", "counted")
 class ConnectorSettings:
     """The connector's knobs. ``retained`` features stay after any number of loads until ``retain_ttl_s``
     passed and no load holds them (or the pool needs the space); ``counted`` features are freed after
-    ``consumers`` loads, as a plain ``put`` is."""
+    ``consumers`` loads, as a plain ``put`` is. ``view_ttl_s``: how long a CPU rank may keep a retained
+    item as a view of the pool before it copies it out (at most, and by default, half the daemon's
+    ack_ttl, which ends the hold that protects the view)."""
 
     namespace: str = ""
     lifetime: str = "retained"
@@ -28,6 +30,7 @@ class ConnectorSettings:
     runtime_dir: Optional[str] = None
     timeout_s: Optional[float] = None
     report_file: Optional[str] = None
+    view_ttl_s: Optional[float] = None
 
     @classmethod
     def from_extra_config(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorSettings":
@@ -45,6 +48,7 @@ class ConnectorSettings:
             runtime_dir=_text(extra, "runtime_dir", None),
             timeout_s=_seconds(extra, "timeout_s", None),
             report_file=_text(extra, "report_file", None),
+            view_ttl_s=_seconds(extra, "view_ttl_s", None),
         )
         if out.lifetime not in LIFETIMES:
             raise ValueError(f"mmfeat connector: lifetime is {out.lifetime!r}; use one of {list(LIFETIMES)}")

@@ -1,12 +1,14 @@
 """The connector's worker half: each rank loads the items the scheduler held for it into vLLM's encoder
 cache, and the producer's first rank saves each encoder output into the pool under its key.
 
-A load is a private copy into the encoder cache on the rank's device (``get(copy=True, device=...)``),
-acked behind that copy on the rank's current stream, so the hold is released once the bytes are the
-rank's own; a failed load is reported, never filled in. Every load the metadata names is acked once,
-loaded or not, and the report says which acks went through and of which step, so that the scheduler
-gives back exactly the rest (books.py). A save is one ``put`` by the producer's first rank: the other
-ranks hold the same output.
+On a CPU rank a retained item is loaded as a view of the pool (views.py): no copy, and the rank owes the
+scheduler's hold its ack until torch frees the view (vLLM dropped the entry), or until the view is
+copied out before the hold's ack_ttl. Any other load is a private copy into the encoder cache on the
+rank's device (``get(copy=True, device=...)``: device to device from a GPU pool), acked behind that copy
+on the rank's current stream. A failed load is reported, never filled in. Every load the metadata names
+is acked once, loaded or not, and the report counts the acks made or owed by a view, and of which step,
+so that the scheduler gives back exactly the rest (books.py). A save is one ``put`` by the producer's
+first rank: the other ranks hold the same output.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mmfeat.client import MmfeatError
+from mmfeat.client import Descriptor, MmfeatError
+from mmfeat.protos import DescriptorError
 
 from .metadata import StepLoads, StepReport
 from .scheduler_side import has_many
 from .settings import ConnectorSettings
+from .views import Views
 
 log = logging.getLogger("mmfeat.integrations.vllm")
 
@@ -36,8 +40,10 @@ class WorkerSide:
         self._producer, self._consumer = is_producer, is_consumer
         self._rank, self._device = rank, device
         self._report = StepReport()
+        self._views = Views(client, settings.view_ttl_s)
         self.counters: dict[str, int] = {"saves": 0, "saves_inline": 0, "save_failures": 0, "loads": 0,
-                                         "load_failures": 0, "bytes_saved": 0, "bytes_loaded": 0}
+                                         "load_failures": 0, "bytes_saved": 0, "bytes_loaded": 0, "views": 0,
+                                         "views_copied_out": 0, "views_lost": 0}
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self._producer or self._rank() != 0:
@@ -85,10 +91,18 @@ class WorkerSide:
         self._trace("save", mm_hash, tensor)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], meta: Optional[StepLoads]) -> None:
-        if not self._consumer or meta is None or not meta.loads:
+        if not self._consumer:
+            return
+        copied, lost = self._views.swap(encoder_cache)  # every step, before the model reads the cache
+        self.counters["views_copied_out"] += copied
+        self.counters["views_lost"] += lost
+        if meta is None or not meta.loads:
             return
         device = self._device()
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        # The scheduler held a retained item for each rank; a counted one is protected by its consumer
+        # count, whose clock started at the producer's publish, which no rank sees: it is copied.
+        viewable = device.type == "cpu" and self._settings.lifetime == "retained"
         self._report.step = meta.step
         for h, blob in meta.loads.items():
             if h in encoder_cache:
@@ -96,14 +110,24 @@ class WorkerSide:
                 self._report.loaded[h] = self._report.loaded.get(h, 0) + 1
                 continue
             try:
-                tensor = self._client.get(blob, copy=True, device=device if device.type == "cuda" else None)
-            except MmfeatError as e:
+                desc = Descriptor.from_bytes(blob)
+                tensor = self._views.load(h, desc) if viewable else None
+                viewed = tensor is not None
+                if tensor is None:
+                    tensor = self._client.get(desc, copy=True, device=device if device.type == "cuda" else None)
+            except (MmfeatError, DescriptorError) as e:
                 self.counters["load_failures"] += 1
                 self._report.failed[h] = f"{e.code}: {e}" if hasattr(e, "code") else str(e)
                 self._release(h, blob, stream)
                 continue
             encoder_cache[h] = tensor
-            self._release(h, blob, stream)
+            if viewed:
+                # Owed, not made: torch makes it when vLLM frees the view. The scheduler gives back
+                # only what no rank acked or owes.
+                self.counters["views"] += 1
+                self._report.acked[h] = self._report.acked.get(h, 0) + 1
+            else:
+                self._release(h, blob, stream)
             self.counters["loads"] += 1
             self.counters["bytes_loaded"] += tensor.numel() * tensor.element_size()
             self._report.loaded[h] = self._report.loaded.get(h, 0) + 1
@@ -116,6 +140,13 @@ class WorkerSide:
             log.info("mmfeat: ack of %s: %s", h, e)
             return
         self._report.acked[h] = self._report.acked.get(h, 0) + 1
+
+    def views_held(self) -> tuple[int, int]:
+        """Views vLLM has not freed yet, and the pool bytes they keep."""
+        return self._views.held()
+
+    def close(self) -> None:
+        self._views.close()
 
     def build_connector_worker_meta(self) -> Optional[StepReport]:
         report, self._report = self._report, StepReport()

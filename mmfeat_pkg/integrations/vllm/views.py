@@ -1,0 +1,181 @@
+"""The retained items a CPU rank hands vLLM as views of the pool, not copies, and how long each stays one.
+
+A view costs no pass over the bytes: vLLM's first read of it (the gather into the input embeddings) is
+the load's only one, where a copy writes every byte into fresh pages first and faults each one in. The
+view is pool memory, so the item must stay while vLLM can read it. The rank owes the scheduler's hold
+its ack and makes it when torch frees the view's storage: vLLM dropped the encoder-cache entry (the
+runner pops it when the scheduler frees it) and every slice the model took of it. The view's storage
+carries the ack (``client/gpu/dlpack.keep_alive``), so no slice outlives it; on a CPU nothing reads it
+after that.
+
+A hold ends after the daemon's ack_ttl even while its holder lives, and vLLM keeps an entry until its
+encoder cache needs the room, which may be long after the last request that used it. So a view lives
+at most ``view_ttl_s`` (half the ack_ttl, or less): then a thread of this rank copies the item out of
+the pool while the hold still protects it, and at the start of the rank's next step, before the model
+reads anything, the copy takes the view's place in the encoder cache and the view dies, which acks.
+An engine that sits idle meanwhile keeps the copy ready until it steps again. A copy that finds the
+hold gone (this process did not run for half an ack_ttl) holds no proof of its bytes: the entry is
+dropped instead, and vLLM fails on it rather than reading other bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from mmfeat.client import Descriptor
+from mmfeat.client.gpu.dlpack import keep_alive
+from mmfeat.client.link.lease_table import STATE_FREE
+
+log = logging.getLogger("mmfeat.integrations.vllm")
+
+STOP_WAIT_S = 5.0  # how long close() waits for a copy-out under way
+
+
+@dataclasses.dataclass(eq=False)
+class _View:
+    mm_hash: str
+    desc: Descriptor  # the hold's descriptor, which the rank acks once
+    source: torch.Tensor  # the pool view get() made: it keeps the pool mapped while vLLM's view lives
+    table: Any  # the lease table the hold lives in: whether it still protects the bytes
+    due: float  # when the copy-out starts (time.monotonic)
+    ref: Optional["weakref.ref[torch.Tensor]"] = None  # the tensor vLLM holds
+    taken: bool = False  # the copy-out thread took it
+    copy: Optional[torch.Tensor] = None  # the private copy, ready to take the view's place
+    lost: bool = False  # the hold ended before the copy was proven: the entry goes
+    gone: bool = False  # torch freed the view's storage (and its ack was made)
+
+    def live(self) -> bool:
+        d = self.desc
+        return self.table.state(d.lease, d.gen, d.pool, d.offset, d.nbytes) > STATE_FREE
+
+
+class _Ack:
+    """The owner a view's storage keeps: torch frees it with the last tensor over those bytes."""
+
+    def __init__(self, views: "Views", record: _View) -> None:
+        self._views, self._record = views, record
+
+    def __del__(self) -> None:
+        # Runs wherever torch frees the storage (any thread, inside a garbage collection too): a flag
+        # and the client's finaliser ack, which takes no lock.
+        self._views._released(self._record)
+
+
+class Views:
+    def __init__(self, client: Any, view_ttl_s: Optional[float]) -> None:
+        self._client = client
+        self._ttl = view_ttl_s
+        self._live: list[_View] = []  # views handed over and not yet freed; under _cond
+        self._ready: collections.deque[_View] = collections.deque()  # copied out (or lost), to be swapped
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def load(self, mm_hash: str, desc: Descriptor) -> Optional[torch.Tensor]:
+        """A view of the held item ``desc`` names, whose storage acks the hold when torch frees it; None
+        where the rank copies instead (another node's item, an inline one, a GPU pool, several tensors).
+        Raises what get raises for an item that is gone."""
+        session = self._client.session
+        pool = session.pools.get(desc.pool)
+        if desc.is_inline or desc.many or desc.node != session.node or pool is None or pool.kind != "host":
+            return None
+        source = self._client.get(desc)
+        ttl = session.ack_ttl / 2 if self._ttl is None else min(self._ttl, session.ack_ttl / 2)
+        record = _View(mm_hash, desc, source, session.table, time.monotonic() + ttl)
+        view = keep_alive(source, _Ack(self, record))
+        record.ref = weakref.ref(view)
+        with self._cond:
+            self._live = [r for r in self._live if not r.gone]
+            self._live.append(record)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._copy_out_when_due, name="mmfeat-vllm-views",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return view
+
+    def swap(self, encoder_cache: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """On the runner's thread, before the step reads the encoder cache: each view copied out gives
+        its place to its copy (a lost one's entry goes). The numbers of copies swapped in and of entries
+        dropped."""
+        copied = lost = 0
+        while self._ready:
+            record = self._ready.popleft()
+            copy, record.copy = record.copy, None
+            view = record.ref() if record.ref is not None else None
+            if view is not None and encoder_cache.get(record.mm_hash) is view:
+                if copy is not None:
+                    encoder_cache[record.mm_hash] = copy
+                    copied += 1
+                else:
+                    del encoder_cache[record.mm_hash]
+                    lost += 1
+            del view  # may be the last reference: its storage's owner acks the hold now
+        return copied, lost
+
+    def held(self) -> tuple[int, int]:
+        """Views not yet freed, and the pool bytes they keep."""
+        with self._cond:
+            live = [r for r in self._live if not r.gone]
+        return len(live), sum(r.desc.nbytes for r in live)
+
+    def close(self) -> None:
+        """Stop the copy-out thread. Views still in vLLM's cache stay valid: each acks when it is freed."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(STOP_WAIT_S)
+        self._ready.clear()
+
+    def _released(self, record: _View) -> None:
+        record.gone = True
+        try:
+            # Not an ack of a hold that already ended (its ack_ttl passed while the engine was idle): the
+            # daemon would count it as one too many.
+            if record.live():
+                self._client._ack_in_finalizer(record.desc)
+        except Exception:
+            pass  # interpreter shutdown or a gone daemon: the hold ends with the scheduler's session
+
+    def _copy_out_when_due(self) -> None:
+        while True:
+            with self._cond:
+                self._live = [r for r in self._live if not r.gone]
+                if self._closed:
+                    return
+                now = time.monotonic()
+                waiting = [r for r in self._live if not r.taken]
+                due = [r for r in waiting if r.due <= now]
+                if not due:
+                    later = min((r.due for r in waiting), default=None)
+                    self._cond.wait(None if later is None else later - now)
+                    continue
+                for r in due:
+                    r.taken = True
+            for r in due:
+                self._copy_out(r)
+
+    def _copy_out(self, record: _View) -> None:
+        if record.gone:
+            return
+        copy = record.source.clone()  # while the hold protects the bytes
+        if record.gone:
+            return  # vLLM let the view go meanwhile: the copy is not needed
+        if record.live():
+            record.copy = copy
+        else:
+            record.lost = True
+            log.error("mmfeat: the hold on %s ended before its view was copied out (this process did not run "
+                      "for half the daemon's ack_ttl); its encoder-cache entry is dropped, and a request that "
+                      "needs it fails", record.mm_hash)
+        self._ready.append(record)
