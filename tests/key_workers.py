@@ -123,3 +123,15 @@ def streaming_consumer(runtime_dir: str, keys_q: Any, out_q: Any) -> None:
             out.append((k, torch.equal(t, torch.full((4096,), float(i)))))
         c.flush()
     out_q.put(out)
+
+
+def late_holder(runtime_dir: str, key: str, ready_q: Any, go_q: Any, out_q: Any) -> None:
+    """Connect, say so, and once told hold_many ``key`` as the vLLM scheduler does; report whether it
+    was found. Says it is sending just before it sends, so the caller lets the daemon run after that."""
+    with Client(runtime_dir, map_pools=False, timeout=60.0) as c:
+        c.hold_many([key + "-none"])  # the session is open: the request below is its only frame
+        ready_q.put("connected")
+        go_q.get(timeout=120)
+        ready_q.put("sending")
+        answer = c.hold_many([key])[0]
+        out_q.put(answer is not None)

@@ -73,6 +73,34 @@ def test_a_consumer_finds_each_key_the_moment_its_put_returned(daemon, children)
     books_balance(daemon)
 
 
+def test_a_hold_many_sent_behind_binds_the_daemon_has_not_read_finds_the_last_key(daemon, children) -> None:
+    """The vLLM scheduler holds a request's items with hold_many as soon as the producer's put returned.
+    Here the daemon is stopped while the producer queues more binds than the daemon reads from one
+    connection at a time, and the hold_many of the last key is sent behind them: the daemon finds that
+    request ready before it has read the last bind, and must read the binds first, as for a lookup."""
+    keys = [NS.key(f"backlog{i}") for i in range(100)]  # above 64, the binds read per connection per turn
+    ready_q, go_q, out_q = children.Queue(), children.Queue(), children.Queue()
+    holder = children.Process(target=key_workers.late_holder,
+                              args=(str(daemon.runtime_dir), keys[-1], ready_q, go_q, out_q))
+    holder.start()
+    assert ready_q.get(timeout=120) == "connected"
+    with daemon.client(timeout=60.0, fallback="error") as producer:
+        producer.put(torch.zeros(4), key=NS.key("warm"), retain_ttl=300.0, wait=False)  # the arena's grant
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            for i, k in enumerate(keys):
+                producer.put(torch.full((4,), float(i)), key=k, retain_ttl=300.0, wait=False)
+            go_q.put("go")
+            assert ready_q.get(timeout=120) == "sending"
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert out_q.get(timeout=120), "hold_many missed a key whose put had returned before it was sent"
+        holder.join(30)
+        assert holder.exitcode == 0
+        assert all(producer.evict(k) for k in (*keys, NS.key("warm")))
+    books_balance(daemon)
+
+
 _DIES_AT_BIND = """
 import os, signal, sys, torch
 from mmfeat.client import Client
