@@ -63,6 +63,10 @@ def _rank_main(runtime_dir: str, settings: ConnectorSettings, role: tuple[bool, 
                 outbox.put(("done", rank, checked))
                 return
             if msg[0] in ("die_before_ack", "die"):
+                # Not while this rank's queue thread may still hold the outbox's lock on a report it sent
+                # earlier: the lock would stay taken and no other rank could report again.
+                outbox.close()
+                outbox.join_thread()
                 os.kill(os.getpid(), signal.SIGKILL)
             if msg[0] == "free":
                 # The scheduler freed these entries (free_encoder_mm_hashes): the runner pops them, and a
