@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 import weakref
@@ -77,6 +78,7 @@ class Views:
         self._ready: collections.deque[_View] = collections.deque()  # copied out (or lost), to be swapped
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._wake_at = -math.inf  # when the copy-out thread wakes by itself (inf: only when notified)
         self._closed = False
 
     def load(self, mm_hash: str, desc: Descriptor) -> Optional[torch.Tensor]:
@@ -99,7 +101,9 @@ class Views:
                 self._thread = threading.Thread(target=self._copy_out_when_due, name="mmfeat-vllm-views",
                                                 daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif record.due < self._wake_at:
+                # Only then: a thread woken at each load costs the runner's thread a switch per load.
+                self._cond.notify()
         return view
 
     def swap(self, encoder_cache: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -157,8 +161,9 @@ class Views:
                 waiting = [r for r in self._live if not r.taken]
                 due = [r for r in waiting if r.due <= now]
                 if not due:
-                    later = min((r.due for r in waiting), default=None)
-                    self._cond.wait(None if later is None else later - now)
+                    self._wake_at = min((r.due for r in waiting), default=math.inf)
+                    self._cond.wait(None if self._wake_at == math.inf else self._wake_at - now)
+                    self._wake_at = -math.inf  # awake: it reads the list again before it waits
                     continue
                 for r in due:
                     r.taken = True
