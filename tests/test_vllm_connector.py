@@ -22,7 +22,8 @@ def _requests(prefix: str, hashes: list[str]) -> list[Request]:
 
 
 def _settings(**kw) -> ConnectorSettings:
-    return ConnectorSettings(retain_ttl_s=RETAIN_S, **kw)
+    # Every retained item a CPU rank loads is a view of the pool, as a large one is: these are small.
+    return ConnectorSettings(**{"retain_ttl_s": RETAIN_S, "view_min_bytes": 0, **kw})
 
 
 def _produce(ctx, rt: str, hashes: list[str], **kw) -> list:
@@ -248,7 +249,9 @@ def test_each_instance_takes_its_own_count_of_a_counted_item_whatever_vllm_appli
 
 
 @pytest.mark.parametrize("bad", [{"lifetime": "forever"}, {"retain_ttl_s": -1}, {"consumers": 0},
-                                 {"retain_ttl_s": "soon"}, {"namespce": "x"}])
+                                 {"retain_ttl_s": "soon"}, {"namespce": "x"}, {"view_max_bytes": -1},
+                                 {"view_max_bytes": 1.5}, {"view_min_bytes": "1K"},
+                                 {"view_ttl_s": 0}])
 def test_a_wrong_extra_config_stops_the_engine_at_start_naming_the_field(bad) -> None:
     with pytest.raises(ValueError, match="mmfeat connector"):
         ConnectorSettings.from_extra_config(bad)

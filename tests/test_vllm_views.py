@@ -140,3 +140,67 @@ def test_a_rank_killed_holding_views_leaves_nothing_once_its_engine_ends(daemon,
     cons.close()
     s = _books_balance(daemon, ["img-a"])
     assert s["counters"]["holds_reclaimed"] == 1
+
+
+def test_a_views_pool_bytes_hold_and_fds_come_back_when_vllm_frees_the_entry(daemon, children) -> None:
+    """The engine runs on: only the entry's end gives the item back, and once it did the pool is as
+    empty as before the load, the hold is gone, and the rank has the fds and foreign tensors it had."""
+    rt = str(daemon.runtime_dir)
+    _produce(children, rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ctx=children)
+    reqs = _requests("pd", ["img-a"])
+    cons.step(reqs)
+    cons.finish(reqs)
+    loaded = cons.counters[0]
+    assert loaded["in_pool"] == ["img-a"] and loaded["views_held"] == 1, loaded
+    with Client(rt, map_pools=False) as c:
+        assert c.evict(Namespace(**NS).key("img-a"))
+    s = daemon.stats()
+    assert s["holds"] == 1 and s["pools"][0]["used"] >= ITEM, "the viewed item went while vLLM had it"
+    cons.run(StepLoads(), [])  # the rank reads its entry again: the item's own bytes
+    cons.free(["img-a"])
+    daemon.wait_for(lambda s: s["pools"][0]["used"] == 0 and sum(s["leases"].values()) == 0 and s["holds"] == 0,
+                    timeout=15, what="the item freed by the entry's end, the engine still running")
+    freed = cons.counters[0]
+    assert freed["cached"] == [] and freed["views_held"] == 0 and freed["view_bytes_held"] == 0, freed
+    assert freed["fds"] == loaded["fds"] and freed["capsules"] == loaded["capsules"] - 1, (loaded, freed)
+    assert cons.close() == 1
+    assert daemon.stats()["counters"]["over_acks"] == 0
+
+
+def test_a_ranks_views_keep_at_most_view_max_bytes_of_the_pool_and_loads_past_it_copy(daemon, children) -> None:
+    rt, hashes = str(daemon.runtime_dir), ["img-a", "img-b", "img-c", "img-d"]
+    _produce(children, rt, hashes)
+    cons = Engine(rt, _settings(view_max_bytes=2 * ITEM), producer=False, consumer=True, ctx=children)
+    reqs = _requests("pd", hashes[:3])
+    cons.step(reqs)
+    cons.finish(reqs)
+    c = cons.counters[0]
+    assert c["in_pool"] == ["img-a", "img-b"] and c["cached"] == hashes[:3], c  # img-c is the rank's own copy
+    assert c["views_held"] == 2 and c["view_bytes_held"] == 2 * ITEM and c["views_over_bound"] == 1, c
+    daemon.wait_for(lambda s: s["holds"] == 2, timeout=15, what="the copy's ack of img-c's hold")
+    # An entry freed makes room: the next load is a view again.
+    cons.free(["img-a"])
+    reqs = _requests("pd2", ["img-d"])
+    cons.step(reqs)
+    cons.finish(reqs)
+    c = cons.counters[0]
+    assert c["in_pool"] == ["img-b", "img-d"] and c["views_over_bound"] == 1, c
+    cons.free(hashes)
+    daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="every hold ended by its entry's end")
+    assert cons.close() == 4
+    _books_balance(daemon, hashes)
+
+
+def test_an_item_under_view_min_bytes_is_copied_and_its_hold_ends_with_the_load(daemon, children) -> None:
+    rt = str(daemon.runtime_dir)
+    _produce(children, rt, ["img-a"])
+    cons = Engine(rt, _settings(view_min_bytes=ITEM + 1), producer=False, consumer=True, ctx=children)
+    reqs = _requests("pd", ["img-a"])
+    cons.step(reqs)
+    cons.finish(reqs)
+    c = cons.counters[0]
+    assert c["cached"] == ["img-a"] and c["in_pool"] == [] and c["views"] == 0 and c["views_held"] == 0, c
+    daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="the copy's ack")
+    assert cons.close() == 1
+    _books_balance(daemon, ["img-a"])

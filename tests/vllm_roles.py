@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from mmfeat.client import Client, Namespace
+from mmfeat.client.gpu.dlpack import live_capsules
 from mmfeat.integrations.vllm import ConnectorSettings, StepLoads, StepReport
 from mmfeat.integrations.vllm.scheduler_side import SchedulerSide
 from mmfeat.integrations.vllm.worker_side import WorkerSide
@@ -105,13 +106,15 @@ def _check(rank: int, cache: dict[str, torch.Tensor]) -> None:
 
 
 def _cache_state(client: Client, worker: WorkerSide, cache: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """What the rank's encoder cache holds: which entries lie in the pool's mapping (views), and the
-    views the connector counts as not yet freed, with their bytes."""
+    """What the rank's encoder cache holds: which entries lie in the pool's mapping (views), the views
+    the connector counts as not yet freed, with their bytes, the rank's open fds, and the tensors over
+    memory torch does not own that it has not freed (each view is one)."""
     pools = [m.tensor for (_, device), m in client.session.mappings.items() if device == -1]
     in_pool = sorted(h for h, t in cache.items()
                      if any(p.data_ptr() <= t.data_ptr() < p.data_ptr() + p.numel() for p in pools))
     held, held_bytes = worker.views_held()
-    return {"cached": sorted(cache), "in_pool": in_pool, "views_held": held, "view_bytes_held": held_bytes}
+    return {"cached": sorted(cache), "in_pool": in_pool, "views_held": held, "view_bytes_held": held_bytes,
+            "fds": len(os.listdir("/proc/self/fd")), "capsules": live_capsules()}
 
 
 class Engine:

@@ -20,7 +20,10 @@ class ConnectorSettings:
     passed and no load holds them (or the pool needs the space); ``counted`` features are freed after
     ``consumers`` loads, as a plain ``put`` is. ``view_ttl_s``: how long a CPU rank may keep a retained
     item as a view of the pool before it copies it out (at most, and by default, half the daemon's
-    ack_ttl, which ends the hold that protects the view)."""
+    ack_ttl, which ends the hold that protects the view); ``view_max_bytes``: the pool bytes a worker's
+    views may keep at most, past which its loads copy (None: a quarter of the pool; 0: no views);
+    ``view_min_bytes``: items smaller than this are copied, not viewed (torch gives a small copy memory
+    already faulted in, so the copy costs less than a view's bookkeeping)."""
 
     namespace: str = ""
     lifetime: str = "retained"
@@ -31,6 +34,8 @@ class ConnectorSettings:
     timeout_s: Optional[float] = None
     report_file: Optional[str] = None
     view_ttl_s: Optional[float] = None
+    view_max_bytes: Optional[int] = None
+    view_min_bytes: int = 512 << 10
 
     @classmethod
     def from_extra_config(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorSettings":
@@ -49,6 +54,8 @@ class ConnectorSettings:
             timeout_s=_seconds(extra, "timeout_s", None),
             report_file=_text(extra, "report_file", None),
             view_ttl_s=_seconds(extra, "view_ttl_s", None),
+            view_max_bytes=_bytes(extra, "view_max_bytes", None),
+            view_min_bytes=_bytes(extra, "view_min_bytes", 512 << 10),
         )
         if out.lifetime not in LIFETIMES:
             raise ValueError(f"mmfeat connector: lifetime is {out.lifetime!r}; use one of {list(LIFETIMES)}")
@@ -82,4 +89,13 @@ def _count(extra: Mapping[str, Any], name: str, default: int) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
         raise ValueError(f"mmfeat connector: {name} must be an int from 1 to 4096, not {value!r}")
+    return value
+
+
+def _bytes(extra: Mapping[str, Any], name: str, default: Any) -> Any:
+    value = extra.get(name, default)
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63):
+        raise ValueError(f"mmfeat connector: {name} must be a number of bytes from 0 up, not {value!r}")
     return value

@@ -16,6 +16,12 @@ reads anything, the copy takes the view's place in the encoder cache and the vie
 An engine that sits idle meanwhile keeps the copy ready until it steps again. A copy that finds the
 hold gone (this process did not run for half an ack_ttl) holds no proof of its bytes: the entry is
 dropped instead, and vLLM fails on it rather than reading other bytes.
+
+While a view lives, its item's bytes stay in the pool whatever the pool needs: eviction cannot take a
+held item. vLLM's encoder cache bounds what a rank keeps, but not in pool bytes, so a rank's views keep
+at most ``view_max_bytes`` of the pool (a quarter of it by default); a load past that is copied. So
+is an item under ``view_min_bytes``: torch gives a small copy memory already faulted in, and the copy
+costs less than a view's bookkeeping.
 """
 
 from __future__ import annotations
@@ -71,9 +77,12 @@ class _Ack:
 
 
 class Views:
-    def __init__(self, client: Any, view_ttl_s: Optional[float]) -> None:
+    def __init__(self, client: Any, view_ttl_s: Optional[float], view_max_bytes: Optional[int],
+                 view_min_bytes: int, counters: dict[str, int]) -> None:
         self._client = client
         self._ttl = view_ttl_s
+        self._max_bytes, self._min_bytes = view_max_bytes, view_min_bytes
+        self._counters = counters  # the worker's: views_over_bound counts loads copied for the bound
         self._live: list[_View] = []  # views handed over and not yet freed; under _cond
         self._ready: collections.deque[_View] = collections.deque()  # copied out (or lost), to be swapped
         self._cond = threading.Condition()
@@ -83,11 +92,18 @@ class Views:
 
     def load(self, mm_hash: str, desc: Descriptor) -> Optional[torch.Tensor]:
         """A view of the held item ``desc`` names, whose storage acks the hold when torch frees it; None
-        where the rank copies instead (another node's item, an inline one, a GPU pool, several tensors).
-        Raises what get raises for an item that is gone."""
+        where the rank copies instead (another node's item, an inline one, a GPU pool, several tensors,
+        one under ``view_min_bytes``, or views already keeping ``view_max_bytes`` of the pool). Raises
+        what get raises for an item that is gone."""
+        if desc.is_inline or desc.many or desc.nbytes < self._min_bytes:
+            return None
         session = self._client.session
         pool = session.pools.get(desc.pool)
-        if desc.is_inline or desc.many or desc.node != session.node or pool is None or pool.kind != "host":
+        if desc.node != session.node or pool is None or pool.kind != "host":
+            return None
+        bound = pool.size // 4 if self._max_bytes is None else self._max_bytes
+        if self.held()[1] + desc.nbytes > bound:
+            self._counters["views_over_bound"] = self._counters.get("views_over_bound", 0) + 1
             return None
         source = self._client.get(desc)
         ttl = session.ack_ttl / 2 if self._ttl is None else min(self._ttl, session.ack_ttl / 2)

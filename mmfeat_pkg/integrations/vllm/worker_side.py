@@ -1,14 +1,17 @@
 """The connector's worker half: each rank loads the items the scheduler held for it into vLLM's encoder
 cache, and the producer's first rank saves each encoder output into the pool under its key.
 
-On a CPU rank a retained item is loaded as a view of the pool (views.py): no copy, and the rank owes the
-scheduler's hold its ack until torch frees the view (vLLM dropped the entry), or until the view is
-copied out before the hold's ack_ttl. Any other load is a private copy into the encoder cache on the
-rank's device (``get(copy=True, device=...)``: device to device from a GPU pool), acked behind that copy
-on the rank's current stream. A failed load is reported, never filled in. Every load the metadata names
-is acked once, loaded or not, and the report counts the acks made or owed by a view, and of which step,
-so that the scheduler gives back exactly the rest (books.py). A save is one ``put`` by the producer's
-first rank: the other ranks hold the same output.
+On a CPU rank a retained item (not a small one) is loaded as a view of the pool (views.py): no copy,
+and the rank owes the scheduler's hold its ack until torch frees the view (vLLM dropped the entry), or
+until the view is copied out before the hold's ack_ttl. Any other load is a private copy into the
+encoder cache on the rank's device (``get(copy=True, device=...)``: device to device from a GPU pool),
+acked behind that copy on the rank's current stream. A GPU rank copies even from a GPU pool on its own
+device: the copy's memory comes from torch's caching allocator, already mapped, so a view would save
+no page faults, only a pass at the GPU's bandwidth, while it kept pool bytes and owed an ack that must
+wait for every stream that read it. A failed load is reported, never filled in. Every load the
+metadata names is acked once, loaded or not, and the report counts the acks made or owed by a view,
+and of which step, so that the scheduler gives back exactly the rest (books.py). A save is one
+``put`` by the producer's first rank: the other ranks hold the same output.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ class WorkerSide:
         self._producer, self._consumer = is_producer, is_consumer
         self._rank, self._device = rank, device
         self._report = StepReport()
-        self._views = Views(client, settings.view_ttl_s)
         self.counters: dict[str, int] = {"saves": 0, "saves_inline": 0, "save_failures": 0, "loads": 0,
                                          "load_failures": 0, "bytes_saved": 0, "bytes_loaded": 0, "views": 0,
-                                         "views_copied_out": 0, "views_lost": 0}
+                                         "views_over_bound": 0, "views_copied_out": 0, "views_lost": 0}
+        self._views = Views(client, settings.view_ttl_s, settings.view_max_bytes, settings.view_min_bytes,
+                            self.counters)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         if not self._producer or self._rank() != 0:
