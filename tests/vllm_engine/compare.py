@@ -2,6 +2,7 @@
 driven in vLLM's call order on the same items, each half in a process of its own:
 
     .venv-vllm/bin/python -m tests.vllm_engine.compare --sizes 1K,1M,9M,41M --rounds 5 [--json OUT]
+        [--mmfeat-extra '{"view_max_bytes": 0}']
 
 For each connector a producer instance (encode-only: its scheduler and its worker) saves each item, and a
 consumer instance (its scheduler and its worker) loads it into its encoder cache and copies it into the
@@ -161,7 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runtime, store = work / "run", work / "example-store"
     runtime.mkdir()
     store.mkdir()
-    pool_mb = args.pool_mb or max(64, 2 * sum(sizes) // (1 << 20) + 32)
+    # The daemon's own default at least: the connector's views may keep a quarter of the pool, as deployed.
+    pool_mb = args.pool_mb or max(1024, 2 * sum(sizes) // (1 << 20) + 32)
     daemon = None
     groups: list[Instances] = []
     try:
@@ -175,7 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["tests.vllm_engine.compare_roles"])
         t0 = time.monotonic()
-        extras = {"mmfeat": {"runtime_dir": str(runtime)}, "example": {"shared_storage_path": str(store)}}
+        extras = {"mmfeat": {**args.mmfeat_extra, "runtime_dir": str(runtime)},
+                  "example": {"shared_storage_path": str(store)}}
         groups = [Instances(ctx, name, extras[name], max(sizes), args.profile is not None) for name in extras]
         built = {g.name: g.ready() for g in groups}
         started_s = time.monotonic() - t0
@@ -211,9 +214,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sizes", default="1K,1M,9M,41M", help="item sizes, K/M in KiB/MiB (default 1K,1M,9M,41M)")
     ap.add_argument("--rounds", type=int, default=5, help="warm rounds counted, after one that is not (default 5)")
     ap.add_argument("--json", help="write the table's figures and every round's timings here")
-    ap.add_argument("--pool-mb", type=int, default=0, help="mmfeatd's pool (default: twice the items of a round)")
+    ap.add_argument("--pool-mb", type=int, default=0,
+                    help="mmfeatd's pool (default: 1024, or twice the items of a round)")
     ap.add_argument("--profile", metavar="DIR", help="write a cProfile of each process's connector calls here")
+    ap.add_argument("--mmfeat-extra", metavar="JSON", type=json.loads, default={},
+                    help="more of mmfeat's ec_connector_extra_config, as JSON (e.g. '{\"view_max_bytes\": 0}': "
+                         "every load a copy)")
     args = ap.parse_args(argv)
+    if not isinstance(args.mmfeat_extra, dict):
+        ap.error("--mmfeat-extra must be a JSON object")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     if args.profile:
