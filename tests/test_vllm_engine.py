@@ -86,7 +86,9 @@ def test_vllm_engines_move_encoder_outputs_through_mmfeat_by_configuration_alone
         assert h in saves and "mmfeat" not in item and item["metadata"]["image_grid_thw"] == [1, 4, 4]
     for instance in range(2):
         before = len(_events(report))
-        consumed = _engine(*common, "--role", "ec_consumer", env=env)
+        # The second instance's ranks hand vLLM views of the pool (these items are small: copied by default).
+        views = ["--view-min-bytes", "0"] if instance else []
+        consumed = _engine(*common, "--role", "ec_consumer", *views, env=env)
         assert consumed["tokens"] == plain["tokens"]
         loads = [e for e in _events(report)[before:] if e["op"] == "load"]
         assert sorted(e["mm_hash"] for e in loads) == sorted(saves), f"consumer {instance} loaded {loads}"

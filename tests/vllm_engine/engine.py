@@ -3,6 +3,7 @@
     python engine.py --model DIR --role ec_producer|ec_consumer|plain --connector mmfeat|example
                      [--runtime-dir RT] [--store DIR] [--images 0,1] [--report FILE]
                      [--lifetime retained|counted] [--consumers N] [--namespace NS] [--max-tokens N]
+                     [--view-min-bytes N]
 
 Prints one JSON line: the generated tokens of each prompt, each request's ec_transfer_params, and the
 engine's start time. Each image is a seeded random 56x56 picture (4 image tokens).
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--consumers", type=int, default=1)
     ap.add_argument("--namespace", default="")
     ap.add_argument("--max-tokens", type=int, default=8, help="1: each request ends in the step that loads it")
+    ap.add_argument("--view-min-bytes", type=int, help="the connector's view_min_bytes (0: view every item)")
     args = ap.parse_args()
 
     import numpy as np
@@ -48,6 +50,8 @@ def main() -> None:
                      "consumers": args.consumers, "namespace": args.namespace}
             if args.report:
                 extra["report_file"] = args.report
+            if args.view_min_bytes is not None:
+                extra["view_min_bytes"] = args.view_min_bytes
             name = "TimedMmfeatECConnector"
         else:
             extra, name = {"shared_storage_path": args.store}, "TimedECExampleConnector"
