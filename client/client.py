@@ -404,13 +404,20 @@ class Client:
         return self._consumer.get(desc if type(desc) is Descriptor else as_descriptor(desc), copy, verify, device,
                                   False, stream)
 
-    def prefetch(self, descs: Union[DescLike, Sequence[DescLike]]) -> None:
+    def prefetch(self, descs: Union[DescLike, Sequence[DescLike]], wait_s: Optional[float] = None) -> None:
         """Start making other nodes' features readable here without waiting: this node's daemon pulls
         each now, and a later get() of it finds it pulled or under way. A scheduler that received a batch
         calls this for the whole batch, then gets each. Does nothing for this node's features and inline
-        ones; a prefetch that fails is dropped (the get then says why)."""
+        ones; a prefetch that fails is dropped (the get then says why). ``wait_s``: how long each pull
+        may take (default: the client's timeout)."""
         for d in descs if isinstance(descs, (list, tuple)) else [descs]:
-            self._consumer.prefetch(as_descriptor(d))
+            self._consumer.prefetch(as_descriptor(d), wait_s)
+
+    def hold_remote(self, desc: DescLike, count: int = 1, wait_s: float = 5.0) -> Descriptor:
+        """Another node's feature pulled here (one pull per node, shared) and held for ``count`` readers,
+        who get() and ack() the descriptor returned as this node's; the copy stays while held. TIMED_OUT
+        if the pull has not landed within ``wait_s`` (it goes on: ask again); else get()'s errors."""
+        return self._consumer.hold_remote(as_descriptor(desc), count, wait_s)
 
     def ack(self, desc: DescLike, count: int = 1, after: Any = None, wait: bool = False) -> Optional[dict[str, Any]]:
         """Tell the daemon ``count`` consumers are done with this feature. Views from get() must not be

@@ -40,9 +40,10 @@ class Remote(Protocol):
     daemon without a mesh names it without importing any of the mesh's code."""
 
     def get(self, node: str, ref: LeaseRef, timeout: float, respond: Optional[Respond], now: float,
-            into_pool: Optional[int] = None, pull: bool = False) -> None:
+            into_pool: Optional[int] = None, pull: bool = False, hold: Optional[tuple[bytes, int]] = None) -> None:
         """Make node ``node``'s feature ``ref`` readable here; ``respond`` None: a prefetch; ``pull``: pull
-        it even where its FABRIC handle could be relayed (the client's import of that failed)."""
+        it even where its FABRIC handle could be relayed (the client's import of that failed); ``hold``:
+        (session, readers), answered with a hold over the pulled copy for that many readers."""
 
     def relay_ack(self, node: str, ref: LeaseRef, count: int, ack_id: Optional[bytes], respond: Optional[Respond],
                   now: float) -> None:

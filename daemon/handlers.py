@@ -370,8 +370,15 @@ def remote_get(core: DaemonCore, req: m.RemoteGetRequest, now: float) -> Deferre
     """A feature another node's daemon owns, made readable here: answered once it is (SPEC.md, section 11).
     A quiet one is a prefetch: the pull starts, and nobody waits for it."""
     remote = _remote(core)
-
-    return Deferred(lambda respond: remote.get(req.node, req.lease, req.wait_s, respond, now, req.into_pool, req.pull))
+    hold = None
+    if req.hold is not None or req.session is not None:
+        if req.hold is None or req.session is None:
+            raise MmfeatError(ErrorCode.BAD_REQUEST, "remote_get: hold and session go together (the session holds "
+                              "the copy for hold readers)")
+        _attached(core, req.session, "holding")
+        hold = (req.session, req.hold)
+    return Deferred(lambda respond: remote.get(req.node, req.lease, req.wait_s, respond, now, req.into_pool, req.pull,
+                                               hold))
 
 
 def fallback(core: DaemonCore, req: m.FallbackRequest, now: float) -> m.EmptyReply:

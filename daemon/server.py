@@ -280,6 +280,7 @@ class Server:
             wake_at = min(timers.wake_at(), ledger.next_deadline(),
                           time.monotonic() + SWEEP_MIN_S if self._stop_requests else math.inf,
                           self._remote.outbox.next_flush if self._remote is not None else math.inf,
+                          self._remote.next_due if self._remote is not None else math.inf,
                           self._puller.next_poll if self._puller is not None else math.inf)
             timeout_ms = max(0, math.ceil((wake_at - time.monotonic()) * 1000))
             events = dict(poller.poll(timeout_ms))  # pyzmq retries EINTR after running signal handlers
@@ -297,6 +298,8 @@ class Server:
                     self._remote.on_pulled(self._puller.poll(now), now)
                 if now >= self._remote.outbox.next_flush:
                     self._remote.outbox.flush(now)
+                if now >= self._remote.next_due:
+                    self._remote.answer_due(now)
             # No client (not even one handshaking or only on the control socket, whose memory the watch
             # guards) and nothing live.
             idle = len(self._fds) == 0 and self._control.connections == 0 and ledger.live == 0

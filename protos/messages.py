@@ -131,6 +131,10 @@ class RemoteGetRequest(_Message):
     into_pool: Optional[Annotated[int, Field(ge=0, le=1023)]] = None
     # The client could not import the owner's FABRIC handle that this daemon relayed: pull the bytes instead.
     pull: bool = False
+    # Answer with a hold over the pulled copy for this many readers, taken by ``session`` (both or neither):
+    # a scheduler's, for the ranks it loads for, who read and ack the hold as a feature of this node's.
+    session: Optional[Token] = None
+    hold: Optional[Consumers] = None
 
 
 class HoldRequest(_Message):

@@ -159,15 +159,27 @@ class Consumer:
         ref = reply.lease
         return dataclasses.replace(desc, lease=ref.lease, gen=ref.gen, token=ref.token)
 
-    def prefetch(self, desc: Descriptor) -> None:
+    def prefetch(self, desc: Descriptor, wait_s: Optional[float] = None) -> None:
         """Have this node's daemon start pulling another node's feature now, so that a later get() finds
-        it pulled or under way. Nothing for this node's features and inline ones; never waits."""
+        it pulled or under way; ``wait_s``: how long the pull may take (default: the call timeout).
+        Nothing for this node's features and inline ones; never waits."""
         if desc.is_inline:
             return
         session = self._connect()
         if desc.node != session.node:
-            self._channel.hint("remote_get", node=desc.node, lease=desc.lease_ref(), wait_s=self._channel.timeout,
-                               **_into_pool(session, None))
+            self._channel.hint("remote_get", node=desc.node, lease=desc.lease_ref(),
+                               wait_s=self._channel.timeout if wait_s is None else wait_s, **_into_pool(session, None))
+
+    def hold_remote(self, desc: Descriptor, count: int, wait_s: float) -> Descriptor:
+        """Another node's feature, pulled into this node's pool (or found there), held for ``count``
+        readers: the hold's descriptor, which they read and ack as a feature of this node's."""
+        session = self._connect()
+        reply = RemoteGetReply.from_wire(self._channel.call(
+            "remote_get", timeout=wait_s + self._channel.timeout, node=desc.node, lease=desc.lease_ref(),
+            wait_s=wait_s, session=session.token, hold=count))
+        ref = reply.lease
+        return dataclasses.replace(desc, node=session.node, pool=ref.pool, epoch=ref.epoch, lease=ref.lease,
+                                   gen=ref.gen, token=ref.token, offset=ref.offset)
 
     def _remote(self, session: Session, desc: Descriptor, copy: bool, verify: bool, device: Any) -> Tensors:
         """Another node's feature: this node's daemon pulls it into its own pool (and gives the copy's

@@ -89,6 +89,13 @@ class Retention:
         self.keys.count(base.key, "holds")
         return hold
 
+    def renew(self, lease: Lease, until: float) -> None:
+        """Move live ``lease``'s deadline to ``until`` where that is later (a pulled copy, handed out
+        again, lives on past its last handout as a feature does past its publish)."""
+        if until > lease.deadline:
+            lease.deadline = until
+            self._deadlines.push(lease)
+
     def _hold_ended(self, base: Lease, now: float) -> None:
         base.holds -= 1
         if base.holds or self._leases.get(base.lease_id) is not base:

@@ -5,10 +5,8 @@ As the consumer's node (a client here asks for a feature another node's daemon o
   owner's lease-table entry of the lease (a peer without a table is asked with a ``check`` message):
   only if it still shows the feature were the bytes read its bytes, and the copy is published here and
   handed to every client waiting for it. Concurrent and later gets of the same feature on this node
-  share the copy. It is freed when the owner says the feature ended (every consumer, local or remote,
-  acked it); where the owner cannot say so any more (down, restarted, not reachable when a consumer
-  here acks), as soon as consumers here acked it as often as gets here were handed the copy; else by
-  this daemon's ``ack_ttl``.
+  share the copy: one pull per feature per node. A get with ``hold`` is answered with a hold over the
+  copy for its readers instead. How long a copy lives: copies.py.
 - A FABRIC pool in the same NVLink domain (both nodes announce the same cluster UUID and clique id) is
   not pulled: the client gets the relayed handle and maps the owner's memory itself, after a ``check``.
   A client whose import of it fails anyway asks again with ``pull``, and the feature is pulled.
@@ -26,19 +24,23 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import secrets
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.mesh import MeshAck, MeshFabricDomain, MeshPool
-from mmfeat.protos.messages import FabricPool, LeaseRef, LeaseRefReply, RemoteGetReply
+from mmfeat.protos.messages import LeaseRef, RemoteGetReply
 
 from ..core import DaemonCore
 from ..leases.lease import EndReason, Lease, LeaseState
+from .copies import Check as _Check, Copy as _Copy, Waiter, copy_pool, fabric_reply, route
+from .copies import lease_ref_reply as _lease_ref
 from .outbox import MeshOutbox, PeerCounters, Respond, peer_error
 from .peers import Mesh, PeerState
 from .puller import Puller, ReadJob, Result, Verify
+
+__all__ = ["PULL_HOLD_S", "RemoteFeatures", "copy_pool", "fabric_reply", "route"]
 
 log = logging.getLogger("mmfeatd.remote")
 
@@ -47,58 +49,9 @@ log = logging.getLogger("mmfeatd.remote")
 PULL_HOLD_S = 3600.0
 # A check answer that takes longer than this (past the client's own deadline) means the owner is gone.
 CHECK_TIMEOUT_S = 30.0
-
-@dataclass
-class _Copy:
-    key: tuple
-    peer: str
-    node: str
-    ref: LeaseRef  # the owner's lease, as the descriptor names it
-    job: int  # the pull's
-    local: Lease
-    state: str = "pulling"  # pulling, checking, ready; failed while a pull it gave up on still runs
-    verified: bool = False  # the pull READs the owner's lease table too: no check message to wait for
-    waiters: list[tuple[Respond, float]] = field(default_factory=list)
-    deadline: float = 0.0
-    handed: int = 0  # gets here answered with this copy
-    acked: int = 0  # acks of the feature by consumers here
-
-
-@dataclass
-class _Check:
-    peer: str
-    copy: Optional[_Copy]  # None on the FABRIC route, where nothing is copied
-    waiters: list[tuple[Respond, float]]
-    pool: Optional[MeshPool]
-    ref: LeaseRef
-    deadline: float
-
-
-def route(pool: MeshPool, local: Optional[MeshFabricDomain], peer: Optional[MeshFabricDomain],
-          pull: bool = False) -> str:
-    """How a feature in a peer's ``pool`` reaches a client here: "fabric" (the client maps the owner's
-    memory through the relayed FABRIC handle) or "pull" (NIXL copies it into this node's pool).
-    ``local``/``peer``: the NVLink domains this node and the owner announce; a FABRIC handle imports only
-    within one cluster UUID and clique, so anything else is pulled. ``pull``: the client's import of the
-    handle failed (no IMEX channel in its container, say), so it asks for the bytes instead."""
-    if (not pull and pool.kind == "cuda" and pool.handle == "fabric" and pool.fabric is not None
-            and local is not None and peer == local):
-        return "fabric"
-    return "pull"
-
-
-def copy_pool(pullable: dict[int, Any], into_pool: Optional[int]) -> int:
-    """The pool of this daemon's that a pulled copy goes to: the client's choice (the pool on its GPU)
-    when that pool can take pulls, else the first that can. ``pullable``: pool id -> its registration."""
-    return into_pool if into_pool is not None and into_pool in pullable else next(iter(pullable))
-
-
-def fabric_reply(node: str, epoch: int, pool: MeshPool, ref: LeaseRef) -> RemoteGetReply:
-    """remote_get's answer on the FABRIC route: the owner's pool as a client maps a FABRIC pool of its own
-    daemon (client/gpu/cuda_import.py reads ``handle``, ``fabric``, ``size``, ``pool`` and ``epoch``), and the
-    owner's lease to read in it."""
-    return RemoteGetReply(_lease_ref(ref), FabricPool(node, epoch, pool.pool, pool.size, pool.device, "fabric",
-                                                      pool.fabric))
+# A get with a hold whose wait ran out while the pull goes on is told so: it may ask again.
+_STILL_PULLING = ("the pull of the feature from node {node!r} is still under way; the get's wait_s ran out before "
+                  "it landed, and the pull goes on: ask again")
 
 
 class RemoteFeatures:
@@ -121,6 +74,7 @@ class RemoteFeatures:
         self.outbox = MeshOutbox(mesh, core.epoch, self.peer_counters)
         # Set only where this node's FABRIC pools (its probe found an NVLink domain with IMEX) share one.
         self.fabric_domain = MeshFabricDomain(**fabric_domain) if fabric_domain else None
+        self.next_due = math.inf  # the earliest deadline of a client waiting for a pull (answer_due)
 
     def peer_counters(self, peer: str) -> PeerCounters:
         return self.counters.setdefault(peer, PeerCounters())
@@ -128,10 +82,11 @@ class RemoteFeatures:
     # --- a client here asks for another node's feature ----------------------------------------
 
     def get(self, node: str, ref: LeaseRef, timeout: float, respond: Optional[Respond], now: float,
-            into_pool: Optional[int] = None, pull: bool = False) -> None:
+            into_pool: Optional[int] = None, pull: bool = False, hold: Optional[tuple[bytes, int]] = None) -> None:
         """``respond`` None: a prefetch, which starts the pull (or finds it under way) and waits for nothing.
         ``into_pool``: where the client would like the copy (copy_pool). ``pull``: pulled even on the
-        FABRIC route, whose handle the client could not import."""
+        FABRIC route, whose handle the client could not import. ``hold``: (session, readers): answered
+        with a hold over the copy for that many readers, taken by ``session`` (pulled on every route)."""
         peer = self._peer(node)
         hello = peer.hello
         assert hello is not None
@@ -147,29 +102,29 @@ class RemoteFeatures:
         deadline = now + timeout * 0.9
         if pull and respond is not None:
             self.peer_counters(peer.config.public_key).fabric_fallbacks += 1
-        if route(pool, self.fabric_domain, hello.fabric_domain, pull) == "fabric":
-            if respond is not None:  # nothing to fetch ahead: the client maps the owner's memory itself
-                self._check(peer, ref, None, [(respond, deadline)], pool, now)
+        waiter = Waiter(respond, deadline, hold) if respond is not None else None
+        if route(pool, self.fabric_domain, hello.fabric_domain, pull or hold is not None) == "fabric":
+            if waiter is not None:  # nothing to fetch ahead: the client maps the owner's memory itself
+                self._check(peer, ref, None, [waiter], pool, now)
             return
         key = (peer.config.public_key, *ref.model_dump().values())
         copy = self._copies.get(key)
         if copy is not None:
             if copy.state == "ready":
                 if self.core.ledger.live_lease(copy.local.lease_id) is copy.local:
-                    if respond is not None:
+                    if waiter is not None:
                         self.peer_counters(copy.peer).shared_gets += 1
-                        copy.handed += 1
-                        respond(self._copy_reply(copy))
+                        self._hand(copy, waiter, now)
                     return
-                self._forget(copy)  # expired here; pull again
+                self._forget(copy)  # expired or evicted here; pull again
             elif copy.state != "failed":
-                if respond is not None:
+                if waiter is not None:
                     self.peer_counters(copy.peer).shared_gets += 1
-                    copy.waiters.append((respond, deadline))
+                    copy.waiters.append(waiter)
+                    self.next_due = min(self.next_due, deadline)
                 copy.deadline = max(copy.deadline, deadline)
                 return
-        self._pull(peer, node, ref, pool, key, [(respond, deadline)] if respond is not None else [], deadline, now,
-                   into_pool)
+        self._pull(peer, node, ref, pool, key, [waiter] if waiter is not None else [], deadline, now, into_pool)
 
     def _peer(self, node: str) -> PeerState:
         if not node or node == self.core.settings.node_id:
@@ -182,7 +137,7 @@ class RemoteFeatures:
         return peer
 
     def _pull(self, peer: PeerState, node: str, ref: LeaseRef, pool: MeshPool, key: tuple,
-              waiters: list[tuple[Respond, float]], deadline: float, now: float, into_pool: Optional[int]) -> None:
+              waiters: list[Waiter], deadline: float, now: float, into_pool: Optional[int]) -> None:
         if self.core.draining:
             raise MmfeatError(ErrorCode.DRAINING,
                               "this daemon is shutting down and pulls nothing more; retry on its successor")
@@ -202,7 +157,9 @@ class RemoteFeatures:
         region = self.puller.regions[local_pool]
         if not self.core.ledger.fits(local_pool, ref.nbytes):
             self.core.sweep(now)  # acks written since the last sweep may free the room this needs
-        lease = self.core.ledger.reserve(self.session, local_pool, ref.nbytes, 1, now, ttl=PULL_HOLD_S, quota=False)
+        # Retained, so that clients here may hold it; its retain_ttl is moved at every handout (_hand).
+        lease = self.core.ledger.reserve(self.session, local_pool, ref.nbytes, 1, now, ttl=PULL_HOLD_S, quota=False,
+                                         retain_ttl=self.core.ledger.ack_ttl)
         job = next(self._ids)
         copy = _Copy(key, peer.config.public_key, node, ref, job, lease, waiters=waiters, deadline=deadline,
                      verified=table is not None)
@@ -212,6 +169,7 @@ class RemoteFeatures:
         self._by_local[(lease.lease_id, lease.gen)] = copy
         self._by_owner.setdefault((copy.peer, ref.epoch, ref.lease, ref.gen), []).append(copy)
         self.peer_counters(copy.peer).pulls += 1
+        self.next_due = min(self.next_due, deadline)
         ended = self.puller.read(ReadJob(
             job, copy.peer, pool.addr + ref.offset, "DRAM" if pool.kind == "host" else "VRAM",
             0 if pool.kind == "host" else pool.device, region.addr + lease.offset, region.mem, region.device,
@@ -251,7 +209,7 @@ class RemoteFeatures:
                 self._fail(copy, MmfeatError(ErrorCode.PEER_UNAVAILABLE,
                                              f"node {copy.node!r} cannot be asked now"), now)
 
-    def _check(self, peer: PeerState, ref: LeaseRef, copy: Optional[_Copy], waiters: list[tuple[Respond, float]],
+    def _check(self, peer: PeerState, ref: LeaseRef, copy: Optional[_Copy], waiters: list[Waiter],
                pool: Optional[MeshPool], now: float) -> bool:
         req = next(self._ids)
         if not self.mesh.send(peer, "check", {"req": req, "lease": ref.model_dump()}):
@@ -259,7 +217,7 @@ class RemoteFeatures:
                 raise MmfeatError(ErrorCode.PEER_UNAVAILABLE,
                                   f"node {peer.hello.node if peer.hello else '?'!r} is not reading")
             return False
-        deadline = max((d for _, d in waiters), default=now + CHECK_TIMEOUT_S)
+        deadline = max((w.deadline for w in waiters), default=now + CHECK_TIMEOUT_S)
         self._checks[req] = _Check(peer.config.public_key, copy, waiters, pool, ref, deadline)
         return True
 
@@ -272,8 +230,8 @@ class RemoteFeatures:
         error = peer_error(code, message, peer) if code else None
         if copy is None:  # the FABRIC route: nothing was copied
             assert pool is not None and peer.hello is not None
-            for respond, _ in check.waiters:
-                respond(error or fabric_reply(peer.hello.node, peer.hello.epoch, pool, ref))
+            for w in check.waiters:
+                w.respond(error or fabric_reply(peer.hello.node, peer.hello.epoch, pool, ref))
             return
         if copy.state != "checking":
             return
@@ -287,18 +245,39 @@ class RemoteFeatures:
         self.core.pools[copy.local.pool_id].remote_writes_landed()  # before anyone reads them
         self.core.ledger.publish(_ref(self.core, copy.local), self.session, now)
         copy.state = "ready"
-        reply = self._copy_reply(copy)
-        copy.handed += len(copy.waiters)
-        for respond, _ in copy.waiters:
-            respond(reply)
-        copy.waiters = []
+        waiters, copy.waiters = copy.waiters, []
+        for w in waiters:
+            self._hand(copy, w, now)
 
-    def _copy_reply(self, copy: _Copy) -> RemoteGetReply:
-        return RemoteGetReply(_lease_ref(_ref(self.core, copy.local)))
+    def _hand(self, copy: _Copy, w: Waiter, now: float) -> None:
+        """Answer ``w`` with the ready copy, or with a hold over it for its readers. The copy then lives
+        at least an ack_ttl more, and a plain get's readers, who hold nothing, keep it from eviction."""
+        ledger = self.core.ledger
+        ledger.renew(copy.local, now + ledger.ack_ttl)
+        if w.hold is None:
+            copy.handed += 1
+            if not copy.plain:
+                copy.plain = True
+                ledger.keys.not_retained(copy.local)  # out of eviction's reach: nothing protects in-place reads
+            w.respond(RemoteGetReply(_lease_ref(_ref(self.core, copy.local))))
+            return
+        session, readers = w.hold
+        try:
+            if self.core.sessions.get(session) is None:
+                raise MmfeatError(ErrorCode.NOT_FOUND, "the session that asked for the hold has ended")
+            if not self.core.books.admits_holds(session, 1):
+                self.core.sweep_session(now, session)  # acks of its earlier holds give back its quota
+            if ledger.live >= ledger.max_leases or not ledger.space.has_single:
+                self.core.sweep(now)  # other sessions' acks may have freed a slot for the hold
+            held = ledger.hold(copy.local, session, readers, now)
+        except MmfeatError as exc:
+            w.respond(exc)
+            return
+        w.respond(RemoteGetReply(_lease_ref(_ref(self.core, held))))
 
     def _fail(self, copy: _Copy, error: MmfeatError, now: float) -> None:
-        for respond, _ in copy.waiters:
-            respond(error)
+        for w in copy.waiters:
+            w.respond(error)
         copy.waiters = []
         if self._by_job.get(copy.job) is copy:
             copy.state = "failed"  # NIXL may still write into the range: released when the pull reports
@@ -446,8 +425,8 @@ class RemoteFeatures:
         for req in [r for r, c in self._checks.items() if c.peer == key]:
             check = self._checks.pop(req)
             if check.copy is None:
-                for respond, _ in check.waiters:
-                    respond(gone)
+                for w in check.waiters:
+                    w.respond(gone)
         self.outbox.drop_peer(key, gone)
         for owned in self._pulled_by.values():
             owned.discard(key)
@@ -462,22 +441,32 @@ class RemoteFeatures:
         for node in [n for n, k in self._node_keys.items() if k == key]:
             del self._node_keys[node]
 
+    def answer_due(self, now: float) -> None:
+        """Answer the clients whose wait for a pull ran out (the pull goes on for any other): a get with a
+        hold hears that it may ask again, a plain get that the owner's node was too late. The server
+        calls this at ``next_due``, so that a short wait_s is kept to, not rounded up to a tick."""
+        late = MmfeatError(ErrorCode.PEER_UNAVAILABLE, "the owner's node did not complete the transfer in time")
+        self.next_due = math.inf
+        for copy in list(self._copies.values()):
+            if copy.state in ("pulling", "checking"):
+                due = [w for w in copy.waiters if w.deadline <= now]
+                if due:
+                    copy.waiters = [w for w in copy.waiters if w.deadline > now]
+                    for w in due:
+                        w.respond(late if w.hold is None else
+                                  MmfeatError(ErrorCode.TIMED_OUT, _STILL_PULLING.format(node=copy.node)))
+                self.next_due = min([self.next_due, *(w.deadline for w in copy.waiters)])
+
     def tick(self, now: float) -> None:
         """Answer waiters whose time ran out; give up on checks nobody answered."""
         late = MmfeatError(ErrorCode.PEER_UNAVAILABLE, "the owner's node did not complete the transfer in time")
-        for copy in list(self._copies.values()):
-            if copy.state in ("pulling", "checking"):
-                due = [w for w in copy.waiters if w[1] <= now]
-                if due:
-                    copy.waiters = [w for w in copy.waiters if w[1] > now]
-                    for respond, _ in due:
-                        respond(late)
+        self.answer_due(now)
         for req, check in list(self._checks.items()):
             if now > check.deadline:
                 del self._checks[req]
                 if check.copy is None:
-                    for respond, _ in check.waiters:
-                        respond(late)
+                    for w in check.waiters:
+                        w.respond(late)
                 elif check.copy.state == "checking":
                     self._fail(check.copy, late, now)
         self.outbox.tick(now, late)
@@ -487,10 +476,6 @@ class RemoteFeatures:
         return {"copies": len(ready), "copy_bytes": sum(c.local.size for c in ready),
                 "pulls_in_flight": len(self._by_job), "transport": "nixl" if self.puller else None,
                 "transport_error": None if self.puller else self._no_puller}
-
-
-def _lease_ref(ref: LeaseRef) -> LeaseRefReply:
-    return LeaseRefReply(ref.pool, ref.epoch, ref.lease, ref.gen, ref.token, ref.offset, ref.nbytes)
 
 
 def _ref(core: DaemonCore, lease: Lease) -> LeaseRef:
