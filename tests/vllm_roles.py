@@ -30,7 +30,10 @@ NS = dict(framework="vllm", version="test", model="tiny-qwen2-vl", dtype="bfloat
 
 
 def encoder_output(mm_hash: str, tokens: int = 64) -> torch.Tensor:
-    """What the encoder makes of an item: a (tokens, 256) bf16 tensor seeded by its hash (32 KiB)."""
+    """What the encoder makes of an item: a (tokens, 256) bf16 tensor seeded by its hash (32 KiB), or as
+    many tokens as a hash that ends in "@N" names (N x 512 bytes)."""
+    if "@" in mm_hash:
+        tokens = int(mm_hash.rsplit("@", 1)[1])
     seed = int.from_bytes(hashlib.sha256(mm_hash.encode()).digest()[:8], "little")
     return torch.randn(tokens, 256, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 

@@ -18,7 +18,8 @@ by request, answering each before it takes the next, so requests cannot share on
 request's later steps, and one per item that a request's later chunk first reaches. Holds of items
 vLLM did not allocate (its own encoder cache had them, or the request did not run this step) are given
 back at ``build_connector_meta``, as acks in the lease table: no round trip. A producer asks nothing
-per item unless its daemon is meshed (``request_finished``).
+per item unless its daemon is meshed (``request_finished``). An item another node saved is pulled here
+and held before the request is scheduled (pulls.py): one round trip per such item per step it waits.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from mmfeat.client import MAX_LOOKUP_KEYS, Descriptor, MmfeatError
 
 from .books import LoadBooks, Release
 from .metadata import StepLoads, StepReport
+from .pulls import PARAMS_KEY, Pulls
 from .settings import ConnectorSettings
 
 log = logging.getLogger("mmfeat.integrations.vllm")
 
-PARAMS_KEY = "mmfeat"  # the key of our entry in each item of ec_transfer_params
+__all__ = ["PARAMS_KEY", "SchedulerSide", "has_many"]
 RETRY_S = 5.0  # how often an absent daemon is asked again for its node and mesh
 
 
@@ -74,8 +76,8 @@ class SchedulerSide:
         self._answers: dict[str, Optional[tuple[bytes, bool]]] = {}
         self._asked: set[str] = set()  # requests whose items were asked; their later steps ask nothing
         self._asked_now: set[str] = set()  # of those, the ones asked this step
-        self._remote: dict[str, Descriptor] = {}  # another node's descriptors named by a request's params
-        self._prefetched: dict[str, float] = {}  # mm_hash -> when its pull was started
+        self._pulls = Pulls(client, settings, loading_ranks)  # items other nodes saved, pulled here
+        self._delivered: dict[str, set[str]] = {}  # request id -> pulled items its ranks were sent to load
         self._loads: dict[str, bytes] = {}  # this step's loads, mm_hash -> the descriptor bytes its ranks ack
         self._saves: list[str] = []
         # Not reset per step: reports may come a step late (vLLM's async scheduling builds the next step
@@ -126,33 +128,40 @@ class SchedulerSide:
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if not self._consumer:
             return True
-        self._note_remote(request)
         rid = request.request_id
+        if rid in self._unavailable:
+            return False  # it fails at this step's end
+        if request.ec_transfer_params:
+            self._pulls.note(request, self._node_id if self._daemon_known() else None)
+        wanted = dict.fromkeys(f.identifier for f in request.mm_features if _ahead(f, num_computed_tokens))
+        # Another node's items first: until they are here and held, the request is not scheduled, and
+        # nothing of this node's is held for it in vain.
+        delivered = self._delivered.get(rid, ())
+        pulls = [h for h in wanted if h in self._pulls.owners and h not in self._answers and h not in delivered]
+        if pulls:
+            held = self._pulls.wait(rid, pulls, self._answers)
+            if held is None:
+                self._unavailable.add(rid)
+            if not held:
+                return False
         if rid not in self._asked:
             self._asked.add(rid)
             self._asked_now.add(rid)
-            wanted = dict.fromkeys(f.identifier for f in request.mm_features if _ahead(f, num_computed_tokens))
-            ask = [h for h in wanted if h not in self._answers and h not in self._remote]
+            ask = [h for h in wanted if h not in self._answers and h not in self._pulls.owners
+                   and h not in self._pulls.inline]
             if ask:
                 self._ask(ask)
-        # A pull another node serves starts here, a step before the ranks read it: the request waits one
-        # step for it, then the ranks' gets find it under way or done (each waits up to load_wait_s).
-        now = time.monotonic()
-        started = [h for f in request.mm_features if (h := f.identifier) in self._remote and h not in self._prefetched]
-        for h in started:
-            self._prefetched[h] = now
-            try:
-                self._client.prefetch(self._remote[h])
-            except MmfeatError as e:
-                log.warning("mmfeat: the pull of %s could not start (%s); the ranks will try again", h, e)
-        return not started
+        return True
 
     def has_cache_item(self, identifier: str) -> bool:
         if not self._consumer:
             return False
-        if identifier in self._remote:
+        if identifier in self._pulls.inline:
             return True
         if identifier not in self._answers:
+            if identifier in self._pulls.owners:
+                # Reached by a later chunk, its hold of an earlier step unused: here since, or pulled again.
+                return bool(self._pulls.wait(None, [identifier], self._answers))
             self._ask([identifier])  # a running request's item that this step's chunk reaches first
         return self._answers[identifier] is not None
 
@@ -172,20 +181,6 @@ class SchedulerSide:
                 self._answers[h] = None if hit is None else (hit[0].to_bytes(), hit[1])
                 self.counters["hits" if hit else "misses"] += 1
 
-    def _note_remote(self, request: Request) -> None:
-        for h, item in (request.ec_transfer_params or {}).items():
-            ours = item.get(PARAMS_KEY) if isinstance(item, dict) else None
-            if not isinstance(ours, dict) or h in self._remote:
-                continue
-            try:
-                desc = Descriptor.from_bytes(base64.b64decode(ours["desc"], validate=True))
-            except (KeyError, TypeError, ValueError, MmfeatError) as e:
-                log.warning("mmfeat: request %s names item %s with an unreadable descriptor (%s); ignored",
-                            request.request_id, h, e)
-                continue
-            if desc.is_inline or (self._daemon_known() and desc.node != self._node_id):
-                self._remote[h] = desc
-
     # --- allocation and the step's metadata ------------------------------------------------------
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
@@ -194,8 +189,8 @@ class SchedulerSide:
             self._saves.append(h)
             self._note_save(request.request_id, h)
             return
-        if h in self._remote:
-            self._add_load(request, h, self._remote[h].to_bytes(), held=False)
+        if h in self._pulls.inline:
+            self._add_load(request, h, self._pulls.inline[h].to_bytes(), held=False)
             return
         answer = self._answers.get(h)
         if answer is None:
@@ -204,11 +199,20 @@ class SchedulerSide:
             return
         if h in self._loads:
             self._books.add(request.request_id, h, None)  # another request of this step loads it
+            if h in self._pulls.owners:
+                self._delivered.setdefault(request.request_id, set()).add(h)
             return
         # A hold (retained), or a counted item's own descriptor: each rank's ack is one of its consumers,
         # so the ranks read the item's descriptor and nothing else protects it.
         self.counters["holds"] += 1
         self._add_load(request, h, answer[0], held=True)
+        owner = self._pulls.owners.get(h)
+        if owner is not None:
+            self._delivered.setdefault(request.request_id, set()).add(h)
+            if self._settings.lifetime == "counted":
+                # The ranks read and ack the hold on this node's copy; the owner's count of this load is
+                # theirs, acked for them (relayed) now that the load is theirs.
+                self._release(h, owner.to_bytes(), self._ranks, "owner_acks")
 
     def _add_load(self, request: Request, h: str, blob: bytes, held: bool) -> None:
         self._loads[h] = blob
@@ -224,7 +228,11 @@ class SchedulerSide:
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
         if scheduled is not None:
             self._asked.difference_update(self._asked_now.difference(scheduled))
-        self._asked.difference_update(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        self._asked.difference_update(preempted)
+        for rid in preempted:
+            self._delivered.pop(rid, None)
+        self._pulls.end_step()
         self._loads.clear()
         self._saves.clear()
         self._answers.clear()
@@ -281,9 +289,9 @@ class SchedulerSide:
         # on the ranks: the books give back now only what a report already settled.
         self._give_back(self._books.finish(request.request_id))
         self._asked.discard(request.request_id)
-        for f in request.mm_features:
-            self._remote.pop(f.identifier, None)
-            self._prefetched.pop(f.identifier, None)
+        self._delivered.pop(request.request_id, None)
+        self._unavailable.discard(request.request_id)
+        self._pulls.finished(request)
         if not self._producer:
             return False, None
         items: dict[str, Any] = {}

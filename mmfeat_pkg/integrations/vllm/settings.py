@@ -29,7 +29,10 @@ class ConnectorSettings:
     lifetime: str = "retained"
     retain_ttl_s: float = 300.0
     consumers: int = 1
+    # A consumer's request whose item another node holds waits for its pull at most load_wait_s, from its
+    # first wait, then fails; a scheduling step waits for pulls at most pull_wait_s, its requests together.
     load_wait_s: float = 60.0
+    pull_wait_s: float = 0.05
     runtime_dir: Optional[str] = None
     timeout_s: Optional[float] = None
     report_file: Optional[str] = None
@@ -50,6 +53,7 @@ class ConnectorSettings:
             retain_ttl_s=_seconds(extra, "retain_ttl_s", 300.0),
             consumers=_count(extra, "consumers", 1),
             load_wait_s=_seconds(extra, "load_wait_s", 60.0),
+            pull_wait_s=_seconds(extra, "pull_wait_s", 0.05),
             runtime_dir=_text(extra, "runtime_dir", None),
             timeout_s=_seconds(extra, "timeout_s", None),
             report_file=_text(extra, "report_file", None),
