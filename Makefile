@@ -57,7 +57,8 @@ test: $(STAMP)
 VLLM_VENV ?= .venv-vllm
 test-vllm: $(STAMP)
 	bash tests/vllm_engine/setup_venv.sh $(VLLM_VENV) || true
-	MMFEAT_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m pytest -q -rsP -p no:cacheprovider tests/test_vllm_engine.py
+	MMFEAT_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/python -m pytest -q -rsP -p no:cacheprovider tests/test_vllm_engine.py \
+		tests/test_vllm_engine_mesh.py
 
 # pyflakes and pycodestyle at 120 columns ([tool.ruff] in pyproject.toml); make test runs it first.
 lint: $(STAMP)

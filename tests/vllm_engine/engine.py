@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--connector", default="mmfeat", choices=["mmfeat", "example"])
     ap.add_argument("--runtime-dir")
     ap.add_argument("--store")
+    ap.add_argument("--ec-params", help="a JSON list, per image, of the ec_transfer_params its request carries")
+    ap.add_argument("--load-wait", type=float, help="the connector's load_wait_s")
     ap.add_argument("--images", default="0,1")
     ap.add_argument("--report")
     ap.add_argument("--retain-ttl", type=float, default=300.0)
@@ -52,6 +54,8 @@ def main() -> None:
                 extra["report_file"] = args.report
             if args.view_min_bytes is not None:
                 extra["view_min_bytes"] = args.view_min_bytes
+            if args.load_wait:
+                extra["load_wait_s"] = args.load_wait
             name = "TimedMmfeatECConnector"
         else:
             extra, name = {"shared_storage_path": args.store}, "TimedECExampleConnector"
@@ -64,8 +68,14 @@ def main() -> None:
     images = [Image.fromarray((np.random.RandomState(s).rand(56, 56, 3) * 255).astype("uint8")) for s in seeds]
     prompt = "<|im_start|>user <|vision_start|><|image_pad|><|vision_end|>w1 w2<|im_end|><|im_start|>assistant "
     t1 = time.time()
-    outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": im}} for im in images],
-                        SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    if args.ec_params:
+        # As an orchestrator passes on what the producer's request_finished returned (vLLM reads
+        # extra_args["ec_transfer_params"] into the request).
+        with open(args.ec_params) as f:
+            sampling = [SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                       extra_args={"ec_transfer_params": p}) for p in json.load(f)]
+    outs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": im}} for im in images], sampling)
     print("ENGINE-RESULT " + json.dumps({
         "start_s": started, "generate_s": time.time() - t1,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
