@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections import Counter
 from typing import Any, Callable, Optional
 
 from mmfeat.client import Descriptor, MmfeatError
@@ -38,7 +39,7 @@ _RETRY = (ErrorCode.TIMED_OUT, ErrorCode.PEER_UNAVAILABLE, ErrorCode.POOL_FULL, 
 
 
 class Pulls:
-    def __init__(self, client: Any, settings: ConnectorSettings, ranks: int,
+    def __init__(self, client: Any, settings: ConnectorSettings, ranks: int, counters: Counter[str],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._client, self._settings, self._ranks, self._clock = client, settings, ranks, clock
         self.owners: dict[str, Descriptor] = {}  # mm_hash -> another node's descriptor a request names
@@ -46,7 +47,7 @@ class Pulls:
         self._started: dict[str, float] = {}  # mm_hash -> when its pull was asked for
         self._since: dict[str, float] = {}  # request id -> when it first waited for a pull
         self._step_ends: Optional[float] = None  # when this step's wait for pulls is spent
-        self.counters: dict[str, int] = {"pulls_held": 0, "pulls_waited": 0, "pulls_failed": 0}
+        self.counters = counters  # the scheduler's: pulls_held, pulls_waited, pulls_failed
 
     def note(self, request: Any, node: Optional[str]) -> None:
         """The other nodes' descriptors that ``request``'s params name (``node``: this one's, None while

@@ -76,7 +76,8 @@ class SchedulerSide:
         self._answers: dict[str, Optional[tuple[bytes, bool]]] = {}
         self._asked: set[str] = set()  # requests whose items were asked; their later steps ask nothing
         self._asked_now: set[str] = set()  # of those, the ones asked this step
-        self._pulls = Pulls(client, settings, loading_ranks)  # items other nodes saved, pulled here
+        self.counters: Counter[str] = Counter()
+        self._pulls = Pulls(client, settings, loading_ranks, self.counters)  # other nodes' items, pulled here
         self._delivered: dict[str, set[str]] = {}  # request id -> pulled items its ranks were sent to load
         self._loads: dict[str, bytes] = {}  # this step's loads, mm_hash -> the descriptor bytes its ranks ack
         self._saves: list[str] = []
@@ -92,7 +93,6 @@ class SchedulerSide:
         self._meshed = False
         self._retry_at = 0.0
         self._unavailable: set[str] = set()
-        self.counters: Counter[str] = Counter()
         self._start()
 
     def _start(self) -> None:
