@@ -3,7 +3,7 @@
     python engine.py --model DIR --role ec_producer|ec_consumer|plain --connector mmfeat|example
                      [--runtime-dir RT] [--store DIR] [--images 0,1] [--report FILE]
                      [--lifetime retained|counted] [--consumers N] [--namespace NS] [--max-tokens N]
-                     [--view-min-bytes N]
+                     [--view-min-bytes N] [--load-wait S] [--ec-params JSON] [--tp N]
 
 Prints one JSON line: the generated tokens of each prompt, each request's ec_transfer_params, and the
 engine's start time. Each image is a seeded random 56x56 picture (4 image tokens).
@@ -25,7 +25,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--role", required=True, choices=["ec_producer", "ec_consumer", "ec_both", "plain"])
-    ap.add_argument("--connector", default="mmfeat", choices=["mmfeat", "example"])
+    ap.add_argument("--connector", default="mmfeat", choices=["mmfeat", "example", "trap"],
+                    help="trap: mmfeat's with the test's trap after each lookup (trap_connector.py)")
     ap.add_argument("--runtime-dir")
     ap.add_argument("--store")
     ap.add_argument("--ec-params", help="a JSON list, per image, of the ec_transfer_params its request carries")
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--namespace", default="")
     ap.add_argument("--max-tokens", type=int, default=8, help="1: each request ends in the step that loads it")
     ap.add_argument("--view-min-bytes", type=int, help="the connector's view_min_bytes (0: view every item)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (the CPU backend's shm communicator)")
     args = ap.parse_args()
 
     import numpy as np
@@ -45,9 +47,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=256, enforce_eager=True,
-              seed=0)
+              seed=0, tensor_parallel_size=args.tp)
     if args.role != "plain":
-        if args.connector == "mmfeat":
+        if args.connector in ("mmfeat", "trap"):
             extra = {"runtime_dir": args.runtime_dir, "retain_ttl_s": args.retain_ttl, "lifetime": args.lifetime,
                      "consumers": args.consumers, "namespace": args.namespace}
             if args.report:
@@ -56,10 +58,11 @@ def main() -> None:
                 extra["view_min_bytes"] = args.view_min_bytes
             if args.load_wait:
                 extra["load_wait_s"] = args.load_wait
-            name = "TimedMmfeatECConnector"
+            name, module = ("TimedMmfeatECConnector", "timed_connectors") if args.connector == "mmfeat" else \
+                ("TrappedMmfeatECConnector", "trap_connector")
         else:
-            extra, name = {"shared_storage_path": args.store}, "TimedECExampleConnector"
-        kw["ec_transfer_config"] = {"ec_connector": name, "ec_connector_module_path": "timed_connectors",
+            extra, name, module = {"shared_storage_path": args.store}, "TimedECExampleConnector", "timed_connectors"
+        kw["ec_transfer_config"] = {"ec_connector": name, "ec_connector_module_path": module,
                                     "ec_role": args.role, "ec_connector_extra_config": extra}
     t0 = time.time()
     llm = LLM(**kw)

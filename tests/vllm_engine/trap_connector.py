@@ -1,0 +1,65 @@
+"""mmfeat's connector with a trap between the scheduler's lookup and the ranks' load, for the real-engine
+tests of an item that goes away in that window.
+
+``TrappedMmfeatECConnector`` is ``MmfeatECConnector`` itself, loaded by vLLM from this module. Once the
+scheduler half has built a step's metadata (its lookup and hold are done; the metadata has not gone to
+the ranks) it springs the trap the test armed, if any, on the items the step loads, through a client
+of its own (another session, as another instance's would be), and writes what it did to the
+connector's report_file:
+
+- ``evict``: ``Client.evict`` of the item's key, as an operator or another instance may do.
+- ``take``: the key evicted, then what protects the ranks' read is taken away by acks of the
+  descriptor the ranks were given: a retained item's hold ended early (as its ``ack_ttl`` would end
+  it), a counted item's remaining count used up (as a reader beyond its ``consumers`` would), so the
+  bytes are freed before the ranks read them.
+
+The test arms the trap by writing ``{"action": "evict"|"take", "items": N}`` to the file named by
+``$MMFEAT_VLLM_TRAP``; the trap acts on the next N items loaded and then removes the file.
+"""
+
+import json
+import os
+import time
+
+from mmfeat.client import Client, MmfeatError
+from mmfeat.integrations.vllm.connector import MmfeatECConnector
+
+MAX_ACKS = 4096  # a hold's or a counted item's largest count
+
+
+class TrappedMmfeatECConnector(MmfeatECConnector):
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        path = os.environ.get("MMFEAT_VLLM_TRAP")
+        if path and meta.loads and os.path.exists(path):
+            with open(path) as f:
+                trap = json.load(f)
+            hit = list(meta.loads)[:trap["items"]]
+            for h in hit:
+                self._spring(trap["action"], h, meta.loads[h])
+            if trap["items"] > len(hit):
+                with open(path, "w") as f:
+                    json.dump({**trap, "items": trap["items"] - len(hit)}, f)
+            else:
+                os.unlink(path)
+        return meta
+
+    def _spring(self, action: str, mm_hash: str, blob: bytes) -> None:
+        if action not in ("evict", "take"):
+            raise ValueError(f"unknown trap action {action!r}")
+        with Client(self._settings.runtime_dir, name="vllm-ec-trap") as other:
+            done = {"evicted": other.evict(self._ns.key(mm_hash))}
+            if action == "take":
+                acks = 0
+                while acks < MAX_ACKS:
+                    acks += 1
+                    if other.ack(blob, wait=True).get("remaining", 0) == 0:
+                        break
+                try:
+                    other.get(blob, copy=True)
+                    done.update(acks=acks, gone=False)
+                except MmfeatError as e:
+                    done.update(acks=acks, gone=True, why=getattr(e, "code", str(e)))
+        line = {"op": "trap", "action": action, "mm_hash": mm_hash, "t": time.time(), **done}
+        with open(self._settings.report_file, "a") as f:
+            f.write(json.dumps(line) + "\n")
