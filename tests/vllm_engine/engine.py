@@ -1,6 +1,6 @@
 """One vLLM engine with the tiny Qwen2-VL, run by tests/test_vllm_engine.py in the vLLM venv.
 
-    python engine.py --model DIR --role ec_producer|ec_consumer|plain --connector mmfeat|example
+    python engine.py --model DIR --role ec_producer|ec_consumer|plain --connector mmfeat|example|trap
                      [--runtime-dir RT] [--store DIR] [--images 0,1] [--report FILE]
                      [--lifetime retained|counted] [--consumers N] [--namespace NS] [--max-tokens N]
                      [--view-min-bytes N] [--load-wait S] [--ec-params JSON] [--tp N]
