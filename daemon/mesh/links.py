@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -112,7 +113,7 @@ class Inbound:
     def __init__(self, port: int, is_ours: Callable[[int], bool]) -> None:
         self._port = port  # the listener's: a connection to another port is not one of its own
         self._is_ours = is_ours
-        self._by_key: dict[str, dict[int, tuple[str, int]]] = {}
+        self._by_key: dict[str, OrderedDict[int, tuple[str, int]]] = {}
         self.ended = 0  # connections shut down because their key was taken away
 
     def seen(self, key: str, frame: zmq.Frame) -> None:
@@ -122,11 +123,11 @@ class Inbound:
         peer = None if fd is None else self._peer_of(fd)
         if fd is None or peer is None:
             return
-        fds = self._by_key.setdefault(key, {})
+        fds = self._by_key.setdefault(key, OrderedDict())
         if fds.get(fd) != peer:
             fds.pop(fd, None)
             if len(fds) >= _FDS_PER_KEY:  # the oldest is long closed, most likely
-                del fds[next(iter(fds))]
+                fds.popitem(last=False)
             fds[fd] = peer
 
     def end(self, key: str) -> int:
