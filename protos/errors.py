@@ -76,3 +76,9 @@ class PeerUnavailableError(DaemonUnavailableError):
 class FdLimitError(DaemonUnavailableError):
     """This process has too few free file descriptors to reach the daemon (RLIMIT_NOFILE or the system's
     file table). The daemon may be fine: client side only, and ``put`` sends inline (reason ``fd_limit``)."""
+
+
+def lost_read(lease: int, gen: int) -> MmfeatError:
+    """The error of a get, verify or ack of a feature that ended before its producer's GPU wrote it."""
+    return MmfeatError(ErrorCode.LOST, f"lease {lease} generation {gen} ended before its producer's GPU wrote it: "
+                       "whatever was read of it is incomplete; drop that read and have the feature sent again")

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from mmfeat.protos.descriptor import Descriptor
-from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.errors import ErrorCode, MmfeatError, lost_read
 from mmfeat.protos.messages import HoldReply, PoolInfo, RemoteGetReply
 
 from .. import tensors as tz
@@ -21,7 +21,7 @@ from ..gpu.stream_wait import DEFAULT_WAIT_S, wait_for_current_stream
 from ..link.mapping import HostMapping
 from .pinned import PendingCopies, pending_key, pinned_view
 from ..policy import feature_staging
-from ..link.lease_table import STATE_FREE, STATE_MISMATCH, lost_read
+from ..link.lease_table import STATE_FREE, STATE_MISMATCH
 
 log = logging.getLogger("mmfeat.client")
 

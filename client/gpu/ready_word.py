@@ -28,10 +28,9 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from mmfeat import cuda_driver as drv
-from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.errors import ErrorCode, MmfeatError, lost_read
 from mmfeat.protos.lease_table import GEN_MASK
 
-from ..link.lease_table import lost_read
 
 from . import gpu_order, stream_wait, teardown
 

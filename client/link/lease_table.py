@@ -34,12 +34,6 @@ _ENTRY_HEAD = struct.Struct("<4Q")  # POOL, OFFSET, NBYTES, CONSUMERS
 _ENTRY = struct.Struct("<4Q16s")  # POOL .. CONSUMERS, then TOKEN and TOKEN + 1 as the token's 16 bytes
 
 
-def lost_read(lease: int, gen: int) -> MmfeatError:
-    """The error of a get, verify or ack of a feature that ended before its producer's GPU wrote it."""
-    return MmfeatError(ErrorCode.LOST, f"lease {lease} generation {gen} ended before its producer's GPU wrote it: "
-                       "whatever was read of it is incomplete; drop that read and have the feature sent again")
-
-
 def _read_word(mm: mmap.mmap, offset: int) -> int:
     return _U64.unpack_from(mm, offset)[0]
 
