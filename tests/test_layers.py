@@ -209,7 +209,7 @@ CLIENT_WINGS = {
     "produce": {"link", "gpu", "fork_locks", "neutral", "policy", "tensors"},
     "consume": {"link", "gpu", "fork_locks", "neutral", "policy", "tensors"},
 }
-CLIENT_TOP = {"client", "parcel"}
+CLIENT_TOP = {"arguments", "client", "parcel"}
 SHARED = {"fork_locks", "neutral", "policy", "tensors"}
 LEAVES = {"fork_locks", "neutral"}  # shared modules the other shared ones may import: they import nothing of ours
 
