@@ -25,4 +25,5 @@ READ_OUTSIDE_SETTINGS: frozenset[str] = frozenset({
     "MMFEAT_VLLM_VENV",         # tests/test_vllm_engine.py: the vLLM venv `make test-vllm` built
     "MMFEAT_VLLM_TIMINGS",      # tests/vllm_engine: where the timed connectors write their timings
     "MMFEAT_VLLM_SUMMARY",      # tests/test_vllm_engine.py: where to write the connectors' comparison
+    "MMFEAT_VLLM_TRAP",         # tests/vllm_engine/trap_connector.py: the trap a test armed between lookup and load
 })
