@@ -190,14 +190,18 @@ def _cpu_ticks(pid: int) -> int:
         return sum(int(x) for x in f.read().split(")")[1].split()[11:13])
 
 
-def _ping_cpu(d, dealer, n: int = 3000) -> int:
-    """The daemon's CPU ticks (1/100 s) for ``n`` pings, one at a time."""
+def _ping_cpu(d, dealer, n: int = 3000, tries: int = 3) -> int:
+    """The daemon's CPU ticks (1/100 s) for ``n`` pings, one at a time: the least of ``tries`` runs, since
+    other processes on a busy machine add to a run's CPU time (cache misses) and never take from it."""
     ping = msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1})
-    before = _cpu_ticks(d.pid)
-    for _ in range(n):
-        dealer.send(ping)
-        dealer.recv()
-    return _cpu_ticks(d.pid) - before
+    runs = []
+    for _ in range(tries):
+        before = _cpu_ticks(d.pid)
+        for _ in range(n):
+            dealer.send(ping)
+            dealer.recv()
+        runs.append(_cpu_ticks(d.pid) - before)
+    return min(runs)
 
 
 def test_idle_attached_clients_cost_requests_and_the_loop_nothing(daemon_factory) -> None:
