@@ -204,3 +204,28 @@ def test_an_item_under_view_min_bytes_is_copied_and_its_hold_ends_with_the_load(
     daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="the copy's ack")
     assert cons.close() == 1
     _books_balance(daemon, ["img-a"])
+
+
+def test_a_forked_child_that_drops_the_views_it_inherited_does_not_end_the_ranks_hold(daemon, children) -> None:
+    """A child forked from a rank (a compile or data worker) has the rank's encoder cache, views
+    included: its copies are not vLLM's entries, and dropping them must not ack the hold the rank's
+    views still need, or the rank would read bytes the pool may give to another item."""
+    rt = str(daemon.runtime_dir)
+    _produce(children, rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ctx=children)
+    reqs = _requests("pd", ["img-a"])
+    cons.step(reqs)
+    cons.finish(reqs)
+    assert cons.counters[0]["in_pool"] == ["img-a"] and cons.counters[0]["views_held"] == 1
+    cons.inboxes[0].put(("fork",))
+    assert cons.outbox.get(timeout=60) == ("forked", 0, 0)
+    with Client(rt, map_pools=False) as c:
+        c.flush()
+    s = daemon.stats()
+    assert s["holds"] == 1 and _acks(s) == 0, ("the child acked the rank's hold", s["counters"])
+    cons.run(StepLoads(), [])  # the rank's view still reads its item
+    cons.free(["img-a"])
+    daemon.wait_for(lambda s: s["holds"] == 0, timeout=15, what="the hold ended by the rank's own ack")
+    assert cons.close() == 1
+    _books_balance(daemon, ["img-a"])
+

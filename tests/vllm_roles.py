@@ -11,6 +11,7 @@ the item's own bytes.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import multiprocessing
 import os
@@ -72,6 +73,38 @@ def _rank_main(runtime_dir: str, settings: ConnectorSettings, role: tuple[bool, 
                 outbox.close()
                 outbox.join_thread()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if msg[0] == "fork":
+                # A child forked with the encoder cache (a compile or data worker, say) drops its copy of
+                # every entry and flushes: the views it inherited are not its to ack.
+                child = os.fork()
+                if child == 0:
+                    code = 1
+                    try:
+                        cache.clear()
+                        gc.collect()
+                        client.flush()
+                        code = 0
+                    finally:
+                        os._exit(code)
+                _, status = os.waitpid(child, 0)
+                outbox.put(("forked", rank, os.waitstatus_to_exitcode(status)))
+                continue
+            if msg[0] == "lock_copy_out":
+                # The copy-out thread does not run (a stopped process resumed: which of its threads runs
+                # first is the kernel's choice): this thread takes the lock it needs, until "locked_step".
+                worker._views._cond.acquire()
+                outbox.put(("locked", rank))
+                continue
+            if msg[0] == "locked_step":
+                # A step while the copy-out thread still cannot run: the entries whose bytes are not their
+                # item's are reported, not asserted (the rank lives on to report).
+                try:
+                    worker.start_load_caches(cache, msg[1])
+                    wrong = sorted(h for h, t in cache.items() if not torch.equal(t, encoder_output(h)))
+                finally:
+                    worker._views._cond.release()
+                outbox.put(("stepped", rank, wrong, {**worker.counters, **_cache_state(client, worker, cache)}))
+                continue
             if msg[0] == "free":
                 # The scheduler freed these entries (free_encoder_mm_hashes): the runner pops them, and a
                 # view's ack goes with its last reference.

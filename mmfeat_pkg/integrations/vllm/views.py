@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -69,11 +70,14 @@ class _Ack:
 
     def __init__(self, views: "Views", record: _View) -> None:
         self._views, self._record = views, record
+        self._pid = os.getpid()
 
     def __del__(self) -> None:
         # Runs wherever torch frees the storage (any thread, inside a garbage collection too): a flag
-        # and the client's finaliser ack, which takes no lock.
-        self._views._released(self._record)
+        # and the client's finaliser ack, which takes no lock. A fork copies the view, not the duty to
+        # ack (as a Parcel's): a child dropping its copy would end the hold the rank's view still needs.
+        if self._pid == os.getpid():
+            self._views._released(self._record)
 
 
 class Views:
