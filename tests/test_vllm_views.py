@@ -229,3 +229,32 @@ def test_a_forked_child_that_drops_the_views_it_inherited_does_not_end_the_ranks
     assert cons.close() == 1
     _books_balance(daemon, ["img-a"])
 
+
+def test_a_view_whose_hold_ended_is_dropped_at_the_next_step_even_before_the_copy_out_thread_runs(
+        daemon_factory, children) -> None:
+    """A rank that did not run for longer than the ack_ttl wakes with two threads ready: the runner may
+    step before the copy-out thread finds the hold gone. The step itself checks: an entry whose hold
+    ended is dropped before the model reads it, whatever the pool did with its bytes meanwhile."""
+    daemon = daemon_factory("--pool-mb", "4", "--arena-mb", "0", "--ack-ttl", "8")
+    rt = str(daemon.runtime_dir)
+    _produce(children, rt, ["img-a"])
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ctx=children)
+    reqs = _requests("pd", ["img-a"])
+    cons.step(reqs)
+    cons.finish(reqs)
+    assert cons.counters[0]["in_pool"] == ["img-a"]
+    cons.inboxes[0].put(("lock_copy_out",))
+    assert cons.outbox.get(timeout=60) == ("locked", 0)
+    daemon.wait_for(lambda s: s["counters"]["holds_expired"] == 1, timeout=60, what="the hold's ack_ttl")
+    # The item goes and its bytes are given to others.
+    with Client(rt, map_pools=False) as c:
+        assert c.evict(Namespace(**NS).key("img-a"))
+    _produce(children, rt, [f"img-{i}" for i in range(200)])
+    assert daemon.stats()["namespaces"][Namespace(**NS).id]["evictions"] > 0
+    cons.inboxes[0].put(("locked_step", StepLoads()))
+    _, _, wrong, c = cons.outbox.get(timeout=60)
+    assert wrong == [], f"the rank's step read other bytes than its items': {wrong}"
+    assert c["cached"] == [] and c["views_lost"] == 1 and c["views_held"] == 0, c
+    cons.close()
+    s = _books_balance(daemon, ["img-a"] + [f"img-{i}" for i in range(200)])
+    assert s["counters"]["holds_expired"] == 1

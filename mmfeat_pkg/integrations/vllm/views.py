@@ -15,7 +15,9 @@ the pool while the hold still protects it, and at the start of the rank's next s
 reads anything, the copy takes the view's place in the encoder cache and the view dies, which acks.
 An engine that sits idle meanwhile keeps the copy ready until it steps again. A copy that finds the
 hold gone (this process did not run for half an ack_ttl) holds no proof of its bytes: the entry is
-dropped instead, and vLLM fails on it rather than reading other bytes.
+dropped instead, and vLLM fails on it rather than reading other bytes. Each step checks every view's
+hold too, before the model reads, since a process resumed after a stop may run its step before the
+copy-out thread.
 
 While a view lives, its item's bytes stay in the pool whatever the pool needs: eviction cannot take a
 held item. vLLM's encoder cache bounds what a rank keeps, but not in pool bytes, so a rank's views keep
@@ -143,6 +145,23 @@ class Views:
                     del encoder_cache[record.mm_hash]
                     lost += 1
             del view  # may be the last reference: its storage's owner acks the hold now
+        # A view whose hold ended before the copy-out thread got to it: a process that did not run for
+        # an ack_ttl wakes with both threads ready, and the kernel may run this one first. The model
+        # must not read it (the pool may have given its bytes to another item): its entry goes now.
+        with self._cond:
+            pending = [r for r in self._live if not r.gone and r.copy is None and not r.lost]
+        for record in pending:
+            if record.live():
+                continue
+            record.lost = True
+            view = record.ref() if record.ref is not None else None
+            if view is not None and encoder_cache.get(record.mm_hash) is view:
+                del encoder_cache[record.mm_hash]
+                lost += 1
+                log.error("mmfeat: the hold on %s ended while its view was in the encoder cache (this process did "
+                          "not run for the daemon's ack_ttl); its entry is dropped, and a request that needs it "
+                          "fails", record.mm_hash)
+            del view
         return copied, lost
 
     def held(self) -> tuple[int, int]:
@@ -191,8 +210,8 @@ class Views:
                 self._copy_out(r)
 
     def _copy_out(self, record: _View) -> None:
-        if record.gone:
-            return
+        if record.gone or record.lost:
+            return  # freed, or its entry already dropped by a step (swap)
         copy = record.source.clone()  # while the hold protects the bytes
         if record.gone:
             return  # vLLM let the view go meanwhile: the copy is not needed
