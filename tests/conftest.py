@@ -233,6 +233,12 @@ def daemon(daemon_factory) -> Daemon:
 
 
 @pytest.fixture
+def host_daemon(daemon_factory) -> Daemon:
+    """A small host pool (16 MiB) for the fake-driver runs, which put GPU features staged through it."""
+    return daemon_factory("--pool-mb", "16")
+
+
+@pytest.fixture
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     """Nodes for mesh tests (tests/cluster.py); every daemon still running is stopped afterwards. Made
     indirect with the parameter "netns", each node is a network namespace of its own (tests/netns.py),

@@ -18,15 +18,6 @@ from .ttls import ttls
 
 
 @pytest.fixture
-def host_daemon(runtime_dir: Path) -> Iterator[Daemon]:
-    d = start_daemon(runtime_dir, "--pool-mb", "16")
-    yield d
-    rc = d.stop()
-    _, err = d.proc.communicate()
-    assert rc == 0, err
-
-
-@pytest.fixture
 def gpu_daemon(fake_libcuda: Path, runtime_dir: Path, tmp_path: Path) -> Iterator[Daemon]:
     env = {"LD_LIBRARY_PATH": str(fake_libcuda), "STUB_LOG": str(tmp_path / "daemon.log")}
     d = start_daemon(runtime_dir, "--devices", "0", "--pool-mb", "16", backend="cuda_vmm", env=env)

@@ -7,21 +7,10 @@ the kernel before it is released, against a real mmfeatd."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
-import pytest
 
 from . import fake_cuda
-from .conftest import Daemon, start_daemon
-
-
-@pytest.fixture
-def host_daemon(runtime_dir: Path) -> Iterator[Daemon]:
-    d = start_daemon(runtime_dir, "--pool-mb", "16")
-    yield d
-    rc = d.stop()
-    _, err = d.proc.communicate()
-    assert rc == 0, err
+from .conftest import Daemon
 
 
 def _run(fake_libcuda: Path, tmp_path: Path, d: Daemon, **env: str) -> str:
