@@ -202,19 +202,7 @@ def get_on_the_legacy_stream_while_another_captures() -> None:
         side = torch.cuda.Stream(0)
         ft.launch(side, "fill")
         desc = c.publish(t, after=side)
-        captured = torch.cuda.Stream(0)  # blocking, as the fake's streams are
-        began, end = threading.Event(), threading.Event()
-        ended: list[str] = []
-
-        def capture() -> None:
-            ft.begin_capture(captured, 0)
-            began.set()
-            end.wait(30)
-            ended.append(ft.end_capture(captured))
-
-        th = threading.Thread(target=capture)
-        th.start()
-        began.wait(30)
+        end, th, ended = _capture_in_another_thread()
         legacy = type("Legacy", (), {"cuda_stream": 0, "device_index": 0})()
         said: list[str] = []
         getter = threading.Thread(target=lambda: said.append(_outcome(lambda: c.get(desc, stream=legacy))))
@@ -254,19 +242,7 @@ def first_gpu_use_while_another_thread_captures() -> None:
     _setup()
     with Client(timeout=20) as c:
         t = c.reserve((1 << 16,), torch.uint8, device="cuda:0")
-        captured = torch.cuda.Stream(0)
-        began, end = threading.Event(), threading.Event()
-        ended: list[str] = []
-
-        def capture() -> None:
-            ft.begin_capture(captured, 0)
-            began.set()
-            end.wait(30)
-            ended.append(ft.end_capture(captured))
-
-        th = threading.Thread(target=capture)
-        th.start()
-        began.wait(30)
+        end, th, ended = _capture_in_another_thread()
         side = torch.cuda.Stream(0)
         desc = c.publish(t, after=side)
         end.set()
@@ -276,6 +252,26 @@ def first_gpu_use_while_another_thread_captures() -> None:
         locked = next(line.split()[1] for line in status.splitlines() if line.startswith("VmLck:"))
         mark(f"the table locked in memory: {int(locked) > 0}")
         c.ack(desc)
+
+
+def _capture_in_another_thread() -> tuple[threading.Event, threading.Thread, list[str]]:
+    """A thread that begins a global-mode capture on a blocking stream of its own (as the fake's streams
+    are) and ends it once the event is set; returns when the capture has begun. ``ended`` gets what
+    ending it said."""
+    captured = torch.cuda.Stream(0)
+    began, end = threading.Event(), threading.Event()
+    ended: list[str] = []
+
+    def capture() -> None:
+        ft.begin_capture(captured, 0)
+        began.set()
+        end.wait(30)
+        ended.append(ft.end_capture(captured))
+
+    th = threading.Thread(target=capture)
+    th.start()
+    began.wait(30)
+    return end, th, ended
 
 
 BOUNDED = {f.__name__: f for f in (staged_copies_past_the_bound, publish_and_hold, a_feature_its_gpu_never_writes,
