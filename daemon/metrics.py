@@ -55,6 +55,8 @@ _COUNTERS = {
     "holds": "Holds granted on retained features",
     "holds_expired": "Holds that ended by ack_ttl, their readers' acks missing",
     "holds_reclaimed": "Holds that ended because their holder's session ended",
+    "table_pins": "Reads pinned on retained features in the lease table, as sweeps found them",
+    "pins_forgiven": "Pinned reads not acked when ack_ttl had passed and their retained feature ended",
     "retained_expired": "Retained features freed once their retain_ttl passed with no hold",
     "evictions": "Retained features nothing held, freed because a reserve or hold needed their space",
     "evicted_by_key": "Features evicted by key",

@@ -21,6 +21,16 @@ Words of a slot:
   next feature in the slot. The daemon sweeps this column and applies what it finds. A GPU feature
   that ended before its producer's GPU wrote it has ``acks`` = ``LOST_ACKS`` (all ones) with its FREE
   STATE, until the slot is reused: a read of it was a lost read, and every client can tell.
+  A *retained* feature (``CONSUMERS`` = ``ACK_COUNT_MASK``: no count of acks ends it) uses the low half
+  for its *pins* instead: ``taken`` in bits 0-14, ``released`` in bits 16-30, ``PIN_CLOSED`` (bit 31).
+  A pin protects the feature for a number of reads without a message: a holder adds them to ``taken``
+  with compare-and-swap (only while the word names the generation, is not closed and ``taken`` stays
+  within ``PIN_MAX``), and each reader's ack adds one to ``released`` (only while ``released`` stays
+  at or below ``taken``). The daemon ends a retained feature only after it closed the word with a
+  compare-and-swap from a value with no pin outstanding (``taken == released``), or from any value
+  once ``ack_ttl`` has passed since it first saw the current ``taken``; both sides swap the same word,
+  so a pin either lands before the close (and the daemon waits for it) or fails (and its holder asks
+  the daemon). The daemon folds a settled word back to zero pins.
 - ``POOL``, ``OFFSET``, ``NBYTES``, ``CONSUMERS``: the live feature's range and consumer count,
   written before ``STATE`` names its generation.
 - ``TOKEN``, ``TOKEN + 1``: the feature's 16-byte token, which ack, release and lookup messages
@@ -57,6 +67,15 @@ GEN_MASK = (1 << 62) - 1
 ACK_GEN_MASK = 0xFFFF_FFFF
 ACK_COUNT_MASK = 0xFFFF_FFFF
 LOST_ACKS = ACK_COUNT_MASK  # the ACKS count of a freed generation whose GPU never wrote it (a lost read)
+# A retained feature's ACKS count: pins taken (bits 0-14) and released (bits 16-30), and the daemon's close.
+PIN_MAX = 0x7FFF
+PIN_RELEASED_SHIFT = 16
+PIN_CLOSED = 1 << 31
+
+
+def pins(acks: int) -> tuple[int, int, bool]:
+    """A retained feature's ACKS count as (taken, released, closed)."""
+    return acks & PIN_MAX, acks >> PIN_RELEASED_SHIFT & PIN_MAX, bool(acks & PIN_CLOSED)
 
 
 COLUMN_BYTES = 24  # STATE, ACKS and READY: 8 bytes each per slot

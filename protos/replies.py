@@ -298,11 +298,14 @@ class HelloReply(_Reply):
     # that predates it, whose producers reserve such features.
     bind: bool = False
     ready_ttl: Optional[float] = None  # absent from a daemon of an earlier release: its ack_ttl bounds the waits
+    # The daemon honours pins of retained features in the lease table; False from an earlier release,
+    # which would free a pinned feature: clients hold by message there.
+    pins: bool = False
     _WIRE = {"session": bytes, "epoch": int, "node": str, "endpoint": str, "pools": list, "reserve_ttl": _NUM,
              "ack_ttl": _NUM, "max_request_bytes": int, "table_slots": int, "arenas": bool, "gpu_publish": str,
-             "clock": _NUM, "bind": bool, "ready_ttl": _NUM}
+             "clock": _NUM, "bind": bool, "ready_ttl": _NUM, "pins": bool}
     _ITEMS = {"pools": PoolInfo}
-    _OPTIONAL = frozenset({"bind", "ready_ttl"})
+    _OPTIONAL = frozenset({"bind", "ready_ttl", "pins"})
 
 
 @dataclass(slots=True)

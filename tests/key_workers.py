@@ -135,3 +135,13 @@ def late_holder(runtime_dir: str, key: str, ready_q: Any, go_q: Any, out_q: Any)
         ready_q.put("sending")
         answer = c.hold_many([key])[0]
         out_q.put(answer is not None)
+
+
+def pinner(runtime_dir: str, key: str, count: int, out_q: Any, go: Any) -> None:
+    """A scheduler that found ``key``'s descriptor itself: pin it for ``count`` reads in the lease table
+    (no message), report ``(descriptor, pinned)``, then wait for ``go`` (or to be killed) and exit."""
+    c = Client(runtime_dir, map_pools=False)
+    desc = c.lookup(key)
+    table = c._connect().table
+    out_q.put((desc.to_bytes(), table.pin(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, count)))
+    go.get(timeout=600)

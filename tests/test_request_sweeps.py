@@ -147,16 +147,16 @@ def test_a_hold_sweeps_its_sessions_slots_and_its_features_in_one_sweep(core) ->
     before = (counters.sweeps, counters.sweeps_skipped)
     h2 = hold()
     assert (counters.sweeps, counters.sweeps_skipped) == (before[0], before[1] + 1), "not one skipped sweep"
-    # The first hold's reader acks it (and marks it DONE), and a reader acks the retained feature's own
-    # descriptor: words in the session's slots and in the feature's.
+    # The first hold's reader acks it (and marks it DONE), and a reader pins the retained feature in
+    # its own ACKS word: words in the session's slots and in the feature's.
     core.write(h.lease, ACKS, ack_word(h.gen, 1))
     core.write(h.lease, STATE, state_word(h.gen, DONE))
     core.write(base.lease, ACKS, ack_word(base.gen, 1))
-    ended, retained = counters.holds_ended, counters.retained_acks
+    ended, pinned = counters.holds_ended, counters.table_pins
     before = (counters.sweeps, counters.sweeps_skipped)
     hold()
     assert (counters.sweeps, counters.sweeps_skipped) == (before[0] + 1, before[1])
-    assert counters.holds_ended == ended + 1 and counters.retained_acks == retained + 1
+    assert counters.holds_ended == ended + 1 and counters.table_pins == pinned + 1
     assert core.core.ledger.live_lease(h2.lease) is not None
 
 

@@ -19,7 +19,8 @@ from mmfeat.atomics import FENCE_NEEDED, Words, fence_acquire
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
     ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, DONE, ENTRY_BYTES, FLAG_DRAINING, FREE, GEN_MASK, HEADER_FLAGS_WORD,
-    LIVE_STATES, LOST_ACKS, POOL, PUBLISHED, READY, STATE, ack_word, is_ready, state_word, table_bytes, word_offset,
+    LIVE_STATES, LOST_ACKS, PIN_MAX, PIN_RELEASED_SHIFT, POOL, PUBLISHED, READY, STATE, ack_word,
+    is_ready, pins, state_word, table_bytes, word_offset,
 )
 
 STATE_FREE = FREE
@@ -103,13 +104,39 @@ class LeaseTableView:
             return None
         return word, pool, offset, nbytes, consumers
 
+    def pin(self, lease: int, gen: int, pool: int, offset: int, nbytes: int, count: int) -> bool:
+        """Pin retained feature ``gen`` of slot ``lease`` (with exactly this range) for ``count`` reads: the
+        daemon frees it only once each has been acked (as any ack of it: ``add_acks``) or ``ack_ttl`` has
+        passed since it saw the pin. False, having pinned nothing, where the feature is not live and
+        retained with this range, the daemon closed its word (it is ending it), or the word would pass
+        PIN_MAX: the caller asks the daemon instead. The compare-and-swap is the decision: the daemon
+        closes the word with one, so a pin that lands is one it sees before it frees the feature."""
+        words = self._words
+        if words is None or not 0 <= lease < self.slots or not 1 <= count <= PIN_MAX:
+            return False
+        at, want = self._acks + 8 * lease, gen & ACK_GEN_MASK
+        seen = self._ack_word(lease)
+        for _ in range(_CAS_TRIES):
+            taken, _released, closed = pins(seen & ACK_COUNT_MASK)
+            if seen >> 32 != want or closed or taken + count > PIN_MAX:
+                return False
+            live = self._live_entry(lease, gen)
+            if (live is None or live[0] & 3 != PUBLISHED or live[1:4] != (pool, offset, nbytes)
+                    or live[4] != ACK_COUNT_MASK):
+                return False
+            ok, seen = words.cas_at(at, seen, seen + count)
+            if ok:
+                return True
+        return False
+
     def add_acks(self, lease: int, gen: int, pool: int, offset: int, nbytes: int, count: int) -> bool:
         """Add ``count`` acks to the lease's ack word if its slot still holds generation ``gen`` live with
         exactly this range; False if not (the feature ended, the slot holds another one) or the word
         would overflow. The ack that completes the consumer count also turns STATE from PUBLISHED to
         DONE, which lets the producer reuse the space before the daemon's next sweep. The caller checks
         the daemon's epoch: slots and generations start again after a restart. Both compare-and-swaps
-        are sequentially consistent: ordered after this thread's reads of the feature, on aarch64 too."""
+        are sequentially consistent: ordered after this thread's reads of the feature, on aarch64 too.
+        For a retained feature an ack releases one of its pins (``pin``); False where none is taken."""
         words = self._words
         if words is None or not 0 <= lease < self.slots:
             return False
@@ -132,7 +159,15 @@ class LeaseTableView:
                 return False
             if pool_ != pool or offset_ != offset or nbytes_ != nbytes:
                 return False  # another range: the daemon says why
-            ok, seen = words.cas_at(at, seen, seen + count)
+            add = count
+            if consumers == ACK_COUNT_MASK:
+                # A retained feature: an ack releases one of its pins, never more than were taken (a
+                # stray release would cancel a later pin that still protects a read).
+                taken, released, closed = pins(seen & ACK_COUNT_MASK)
+                if closed or released + count > taken:
+                    return False
+                add = count << PIN_RELEASED_SHIFT
+            ok, seen = words.cas_at(at, seen, seen + add)
             if ok:
                 if (seen & ACK_COUNT_MASK) + count >= consumers and word & 3 == PUBLISHED:
                     # The last ack: a failed swap means the daemon ended it meanwhile, which is as good.

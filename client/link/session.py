@@ -53,6 +53,8 @@ class Session:
         self.gpu_publish = hello.gpu_publish
         # Keyed and retained features may go into arenas, their key and lifetime bound by a message (bind).
         self.binds = hello.bind
+        # Retained features may be pinned in the lease table (SPEC.md, section 5): the daemon honours it.
+        self.pins = hello.pins
         # (device, stream) pairs whose streams hold READY writes of this session's features: close waits
         # for the latest on each (client/gpu/ready_word.py keeps an event behind it).
         self.ready_streams: set[tuple[int, int]] = set()

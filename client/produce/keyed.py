@@ -20,14 +20,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from mmfeat.protos.descriptor import Descriptor
+from mmfeat.protos.descriptor import Descriptor, DescriptorError
 from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.keys import check_key, check_keys
-from mmfeat.protos.lease_table import ACK_COUNT_MASK, GEN_MASK
+from mmfeat.protos.lease_table import ACK_COUNT_MASK, GEN_MASK, PUBLISHED
 from mmfeat.protos.messages import MAX_CONSUMERS, MAX_KEPT_DESCRIPTOR_BYTES, MAX_RETAIN_TTL_S, TOKEN_BYTES, \
     FallbackReason, HoldKeysReply, HoldReply, LookupKeyReply, PoolInfo
 
@@ -214,8 +214,12 @@ class KeyLookups:
     def evict(self, key: str) -> bool:
         return bool(self._channel.call("evict", key=check_key(key))["evicted"])
 
-    def hold_keys(self, keys: list[str], count: int,
-                  timeout: Optional[float]) -> list[Optional[tuple[Descriptor, bool]]]:
+    def hold_keys(self, keys: list[str], count: int, timeout: Optional[float],
+                  find: Optional[Callable[[str], Optional[bytes]]] = None) -> list[Optional[tuple[Descriptor, bool]]]:
+        """Per key, None or ``(descriptor, held)``. ``find``: the key feed's hint of a key's descriptor,
+        checked here in the lease table: a retained feature found there is pinned for ``count`` reads
+        (held), a counted one live there answered as it is, each without a message; the other keys go in
+        one ``hold_keys`` round trip."""
         keys = check_keys(keys)
         _check_count(count)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
@@ -224,15 +228,56 @@ class KeyLookups:
         if not keys:
             return []
         session: Session = self._connect()
+        out: list[Optional[tuple[Descriptor, bool]]] = [None] * len(keys)
+        ask = list(range(len(keys)))
+        if find is not None and session.pins and session.table.writable:
+            ask = []
+            for i, key in enumerate(keys):
+                out[i] = _pinned(session, find(key), count)
+                if out[i] is None:
+                    ask.append(i)
+            if not ask:
+                return out
         try:
             reply = HoldKeysReply.from_wire(self._channel.call("hold_keys", timeout=timeout, session=session.token,
-                                                               keys=keys, count=count))
+                                                               keys=[keys[i] for i in ask], count=count))
         except MmfeatError as exc:
             if exc.code is ErrorCode.NOT_FOUND:
-                return [None] * len(keys)  # a session from before a daemon restart, which forgot every key
+                return out  # a session from before a daemon restart, which forgot every key
+            for i in range(len(keys)):
+                if i not in ask and out[i] is not None and out[i][1]:
+                    _unpin(session, out[i][0], count)  # all or none, as the daemon's answer
             raise
-        return [None if d is None else (Descriptor.from_bytes(d), held)
-                for d, held in zip(reply.descriptors, reply.held)]
+        for i, d, held in zip(ask, reply.descriptors, reply.held):
+            out[i] = None if d is None else (Descriptor.from_bytes(d), held)
+        return out
+
+
+def _pinned(session: Session, blob: Optional[bytes], count: int) -> Optional[tuple[Descriptor, bool]]:
+    """The feed's descriptor ``blob`` if the lease table shows it live on this node in this epoch: a
+    retained feature pinned for ``count`` reads (held), a counted one as it is; None otherwise (stale,
+    another node's, not pinnable), and the caller asks the daemon."""
+    if not blob:
+        return None
+    try:
+        desc = Descriptor.from_bytes(blob)
+    except DescriptorError:
+        return None
+    if desc.is_inline or desc.epoch != session.epoch or desc.node != session.node:
+        return None
+    table = session.table
+    if table.retained(desc.lease, desc.gen):
+        if table.pin(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, count):
+            return desc, True
+        return None
+    if table.state(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes) == PUBLISHED:
+        return desc, False
+    return None
+
+
+def _unpin(session: Session, desc: Descriptor, count: int) -> None:
+    """Release the ``count`` reads of a pin taken for a request the daemon then refused."""
+    session.table.add_acks(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, count)
 
 
 def _check_count(count: int) -> None:

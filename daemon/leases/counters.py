@@ -60,6 +60,8 @@ class Counters:
     holds_ended: int = 0  # holds over: by their acks, their ack_ttl, their holder's end
     holds_expired: int = 0  # of those, by ack_ttl
     holds_reclaimed: int = 0  # of those, because their holder's session ended
+    table_pins: int = 0  # reads pinned on retained features in the lease table (seen by sweeps)
+    pins_forgiven: int = 0  # of those, the ones whose acks had not come when ack_ttl passed and the feature ended
     retained_acks: int = 0  # acks of a retained feature's own descriptor: it counts none, so they change nothing
     retained_expired: int = 0  # retained features freed once their retain_ttl passed with no hold
     evictions: int = 0  # retained features freed because a reserve or hold needed their space

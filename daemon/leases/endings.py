@@ -45,9 +45,11 @@ class Endings:
             if lease.retain_ttl is not None and lease.state is LeaseState.PUBLISHED:
                 if lease.holds:
                     continue  # the last of its holds to end frees it (_hold_ended)
-                self.counters.retained_expired += 1
-                self.keys.count(lease.key, "expired")
-                self._free(lease, EndReason.RETAIN_EXPIRED, now)
+                if lease.doomed is None:
+                    self.counters.retained_expired += 1
+                    self.keys.count(lease.key, "expired")
+                # Doomed: it waited for its pins, and this is ack_ttl after they were seen.
+                self._free(lease, lease.doomed or EndReason.RETAIN_EXPIRED, now)
             elif lease.hold_of is not None:
                 self.counters.holds_expired += 1
                 self._free(lease, EndReason.EXPIRED_PUBLISHED, now)

@@ -66,14 +66,15 @@ class KeyIndex:
             del self._retained[lease.lease_id]
 
     def evictable(self) -> Iterator[Lease]:
-        """Retained features nothing holds, oldest publish first (a snapshot: the caller may free each)."""
+        """Retained features nothing holds or pins (as last swept), oldest publish first (a snapshot: the
+        caller may free each)."""
         for lease in list(self._retained.values()):
-            if not lease.holds and lease.doomed is None:
+            if not lease.holds and not lease.pins and lease.doomed is None:
                 yield lease
 
     def unheld_retained(self) -> int:
         """Retained features live that nothing holds (a drain does not wait for them)."""
-        return sum(1 for lease in self._retained.values() if not lease.holds)
+        return sum(1 for lease in self._retained.values() if not lease.holds and not lease.pins)
 
     def count(self, key: Optional[str], field: str, n: int = 1) -> None:
         if key is not None:

@@ -63,7 +63,13 @@ class Lease:
     # has passed and nothing holds it (``deadline`` then says when). None: counted, as ever.
     retain_ttl: Optional[float] = None
     holds: int = 0  # live holds on this retained feature: while any is, nothing frees it
-    # Why it ended while holds protected it: it is freed, for that reason, when the last hold ends.
+    # Its pins (the ACKS word of a retained feature, protos/lease_table.py) as the daemon last read them:
+    # reads outstanding, the ``taken`` count, and when that count was first seen (a pin it never saw
+    # released is waited for until ack_ttl after that).
+    pins: int = 0
+    pins_taken: int = 0
+    pinned_at: float = 0.0
+    # Why it ended while holds or pins protected it: it is freed, for that reason, when the last ends.
     doomed: Optional[EndReason] = None
     # Set for a hold: the retained feature whose bytes it protects (a hold owns no bytes of its own).
     hold_of: Optional["Lease"] = None

@@ -8,6 +8,12 @@ in the lease table, or a message); its end (their acks, its ack_ttl, its holder'
 ledger's usual free, which here gives back only the slot and then looks whether the feature it held
 may go now. While any hold lives, nothing frees the feature: an eviction by key or a release only
 unbinds its key (``doomed``), and its retain_ttl waits.
+
+A pin is a hold without a message: reads added to the retained feature's own ACKS word by whoever
+found its descriptor (the key feed), released there by the readers' acks (protos/lease_table.py). The
+daemon learns of pins by sweeping, and closes the word before it frees the feature: pins outstanding
+make the free wait as a hold does, for at most ``ack_ttl`` after the daemon saw them (pins name no
+session, so a dead pinner's are waited for that long).
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import secrets
 from typing import Any, Optional
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
-from mmfeat.protos.lease_table import PUBLISHED
+from mmfeat.protos.lease_table import (
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, PIN_CLOSED, PUBLISHED, ack_word, pins,
+)
 from mmfeat.protos.messages import TOKEN_BYTES
 
 from .allocator import align_up
@@ -96,6 +104,68 @@ class Retention:
             lease.deadline = until
             self._deadlines.push(lease)
 
+    def pins_seen(self, lease: Lease, word: int, now: float) -> None:
+        """A sweep read retained feature ``lease``'s ACKS word changed to ``word``: note its pins, fold a
+        settled word back to zero, and free it if it was only waiting for its pins."""
+        if word >> 32 != lease.gen & ACK_GEN_MASK:
+            return  # not this generation's word (a peer of the group rewrote it): nothing to apply
+        taken, released, closed = pins(word & ACK_COUNT_MASK)
+        if closed:
+            return
+        self._note_pins(lease, taken, released, now)
+        if lease.pins:
+            return
+        if taken and self._table is not None:
+            # Room for the next pins; a pin or release that lands first fails this swap, and the next
+            # sweep reads it.
+            if self._table.cas(lease.lease_id, ACKS, word, ack_word(lease.gen))[0]:
+                self._table.seen_acks[lease.lease_id] = ack_word(lease.gen)
+                lease.pins_taken = 0
+        if lease.doomed is not None and not lease.holds:
+            self._free(lease, lease.doomed, now)
+
+    def _note_pins(self, lease: Lease, taken: int, released: int, now: float) -> None:
+        if taken != lease.pins_taken:
+            if taken > lease.pins_taken:
+                self.counters.table_pins += taken - lease.pins_taken
+            lease.pins_taken, lease.pinned_at = taken, now
+        lease.pins = max(0, taken - released)
+
+    def close_pins(self, lease: Lease, now: float) -> bool:
+        """Close retained feature ``lease``'s ACKS word to new pins, so that it may be freed: True once
+        closed, False (the word left open) while pins are outstanding and ``ack_ttl`` has not passed
+        since the daemon first saw their count. The swap decides against a pin landing at the same time."""
+        table = self._table
+        if table is None or lease.retain_ttl is None:
+            return True
+        slot, gen = lease.lease_id, lease.gen
+        closed_word = ack_word(gen, PIN_CLOSED)
+        word = table.load(slot, ACKS)
+        for _ in range(8):  # bounded: a peer rewriting the word without end does not hold the daemon
+            if word >> 32 == gen & ACK_GEN_MASK:
+                taken, released, closed = pins(word & ACK_COUNT_MASK)
+                if closed:
+                    return True
+                self._note_pins(lease, taken, released, now)
+                if lease.pins and now < lease.pinned_at + self.ack_ttl:
+                    return False
+            ok, word = table.cas(slot, ACKS, word, closed_word)
+            if ok:
+                self.counters.pins_forgiven += lease.pins  # their readers' acks never came within ack_ttl
+                lease.pins = 0
+                break
+        table.seen_acks[slot] = closed_word
+        return True
+
+    def wait_for_pins(self, lease: Lease, reason: EndReason) -> None:
+        """``lease`` was to end for ``reason`` but pins are outstanding: no key finds it from now on, and
+        it is freed once they are released (the sweep) or at ``ack_ttl`` after they were seen (expiry)."""
+        lease.doomed = reason
+        self.keys.unbind(lease)
+        self.keys.not_retained(lease)
+        lease.deadline = lease.pinned_at + self.ack_ttl
+        self._deadlines.push(lease)
+
     def _hold_ended(self, base: Lease, now: float) -> None:
         base.holds -= 1
         if base.holds or self._leases.get(base.lease_id) is not base:
@@ -128,9 +198,8 @@ class Retention:
         if lease.retain_ttl is None:
             self.keys.unbind(lease)
             return True, True
-        held = lease.holds > 0
         self._free(lease, EndReason.EVICTED_BY_KEY, now)
-        return True, held
+        return True, lease.doomed is not None  # held or pinned: its bytes stay for their readers
 
     def evict_for(self, pool_id: Optional[int], nbytes: int, now: float, keep: Optional[Lease] = None) -> int:
         """Free retained features nothing holds, oldest first, until a reserve of ``nbytes`` in pool

@@ -28,8 +28,8 @@ import numpy as np
 from mmfeat.atomics import fence_acquire
 from mmfeat.protos.descriptor import LEASE_ALIGNMENT
 from mmfeat.protos.lease_table import (
-    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, POOL, PUBLISHED, STATE, ack_word,
-    state_word,
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, CONSUMERS, DONE, FREE, NBYTES, OFFSET, PIN_CLOSED, POOL, PUBLISHED, STATE,
+    ack_word, state_word,
 )
 from mmfeat.protos.messages import MAX_CONSUMERS
 
@@ -45,7 +45,8 @@ _WARN_EVERY_S = 10.0
 # consumer reading a burst that its producer put ahead of it acks within seconds, a busy machine's too.
 DEFER_MAX_S = 60.0
 _CAS_TRIES = 8
-_BEHIND = np.uint64(1 << 63)  # a READY word this far or more below a generation has not reached it (is_ready)
+_BEHIND = np.uint64(1 << 63)
+_PIN_CLOSED = np.uint64(PIN_CLOSED)  # a READY word this far or more below a generation has not reached it (is_ready)
 
 
 def _distinct(slots: np.ndarray) -> np.ndarray:
@@ -242,7 +243,8 @@ class Sweeper:
         if not len(slots):
             return
         seen = self.table.seen_acks[slots]
-        up = ((words >> 32) == (seen >> 32)) & (words > seen)
+        # A word the daemon closed (a retained feature's pins) is its own store, not an ack.
+        up = ((words >> 32) == (seen >> 32)) & (words > seen) & (words & _PIN_CLOSED == 0)
         self.ledger.counters.stray_table_acks += int(((words[up] & ACK_COUNT_MASK) - (seen[up] & ACK_COUNT_MASK)).sum())
         self.table.seen_acks[slots] = words
 
@@ -397,8 +399,11 @@ class Sweeper:
         if gen is None or word >> 32 != gen:
             # An over-ack after the feature ended, or the old generation's word read before its producer
             # reset it for the next one: nothing live to apply it to.
-            if lease is None and word >> 32 == seen >> 32 and word > seen:
+            if lease is None and word >> 32 == seen >> 32 and word > seen and not word & PIN_CLOSED:
                 self.ledger.counters.stray_table_acks += (word & ACK_COUNT_MASK) - (seen & ACK_COUNT_MASK)
+            return
+        if lease.retain_ttl is not None and lease.state is LeaseState.PUBLISHED and not lease.awaiting_bind:
+            self.ledger.pins_seen(lease, word, now)  # a retained feature's word counts pins, not acks
             return
         before = seen & ACK_COUNT_MASK if seen >> 32 == gen else 0
         count = (word & ACK_COUNT_MASK) - before
