@@ -298,11 +298,14 @@ class HelloReply(_Reply):
     # that predates it, whose producers reserve such features.
     bind: bool = False
     ready_ttl: Optional[float] = None  # absent from a daemon of an earlier release: its ack_ttl bounds the waits
+    # The key feed's endpoint (SPEC.md, section 12); empty where the daemon has none, absent from one that
+    # predates it.
+    feed: str = ""
     _WIRE = {"session": bytes, "epoch": int, "node": str, "endpoint": str, "pools": list, "reserve_ttl": _NUM,
              "ack_ttl": _NUM, "max_request_bytes": int, "table_slots": int, "arenas": bool, "gpu_publish": str,
-             "clock": _NUM, "bind": bool, "ready_ttl": _NUM}
+             "clock": _NUM, "bind": bool, "ready_ttl": _NUM, "feed": str}
     _ITEMS = {"pools": PoolInfo}
-    _OPTIONAL = frozenset({"bind", "ready_ttl"})
+    _OPTIONAL = frozenset({"bind", "ready_ttl", "feed"})
 
 
 @dataclass(slots=True)
