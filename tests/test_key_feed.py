@@ -144,15 +144,9 @@ def test_a_connection_flood_on_the_feed_is_capped_and_leaves_no_fds(daemon_facto
     try:
         for _ in range(flood):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(5)
-            try:
-                s.connect(path)
-            except OSError:
-                s.close()  # a full backlog: the daemon sheds faster than this connects
-                continue
             conns.append(s)
+            s.connect(path)  # blocking: a full backlog waits for the daemon's accept instead of failing
             assert d.proc.poll() is None, "the daemon died under the feed's connection flood"
-        assert len(conns) > limits["max_feed_connections"]
         wait_until(lambda: d.stats()["limits"]["connections_refused"] > 0, "the feed to refuse connections")
         assert fd_count(d.pid) < nofile
         with d.client() as c:
