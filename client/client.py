@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from mmfeat.protos.descriptor import Descriptor
-from mmfeat.protos.errors import ErrorCode, MmfeatError
+from mmfeat.protos.errors import DaemonUnavailableError, ErrorCode, MmfeatError
 from mmfeat.protos.paths import control_endpoint, default_runtime_dir
 
 from .arguments import DescLike, as_descriptor, check_device, check_stream, check_wait
@@ -33,6 +33,7 @@ from .produce.producer import Producer
 from .produce.reservations import Reservations, ShapeLike, TensorOrList
 from .gpu import ready_word
 from .link.daemon_lock import gone_daemon
+from .link.key_feed import check_prefix
 from .link.session import Session, open_session
 
 log = logging.getLogger("mmfeat.client")
@@ -71,12 +72,15 @@ class Client:
         readonly: bool = False,
         inline_max: int = DEFAULT_INLINE_MAX,
         map_pools: bool = True,
+        key_feed: Optional[str] = None,
     ) -> None:
         """``readonly=True`` is for processes that only consume: the pool is mapped read-only, so an
         in-place write into a tensor from ``get`` kills this process (SIGSEGV) instead of changing what
         other consumers read, and ``put`` raises FORBIDDEN. ``map_pools=False`` is for processes that
         only look features up and hold them (a scheduler): no pool is mapped, not even received, and
-        put, reserve and get raise FORBIDDEN; has, lookup, hold, ack, evict and stats work."""
+        put, reserve and get raise FORBIDDEN; has, lookup, hold, ack, evict and stats work. ``key_feed``
+        (a key prefix, such as ``Namespace(...).id + "/"``): follow the daemon's key feed for those keys
+        from the session's start, for ``feed_find``."""
         if fallback not in ("inline", "error"):
             raise ValueError("fallback must be 'inline' or 'error'")
         if not isinstance(readonly, bool):
@@ -85,6 +89,7 @@ class Client:
             raise TypeError(f"map_pools must be True or False, not {map_pools!r}")
         self.readonly = readonly
         self.map_pools = map_pools
+        self.key_feed = check_prefix(key_feed)
         for setting, value in (("inline_threshold", inline_threshold), ("inline_max", inline_max)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{setting} must be an int of bytes >= 0, not {value!r}")
@@ -219,7 +224,7 @@ class Client:
                 self._session = None
             try:
                 self._session = open_session(self._channel, self.runtime_dir, self.name, self.timeout,
-                                             self.readonly, self.map_pools)
+                                             self.readonly, self.map_pools, self.key_feed)
             finally:
                 if old is not None:
                     self._let_go(old, self._session)
@@ -484,8 +489,27 @@ class Client:
         ``count`` readers as ``hold`` does (``held`` True: acks of the descriptor end the hold); a counted
         one is answered with its own descriptor (``held`` False: its consumer count protects its
         readers, and each ack takes one of it). All of the holds or none: OVER_QUOTA or POOL_FULL as
-        ``hold`` raises them. ``timeout``: seconds to wait for the answer (default: the client's)."""
-        return self._keys.hold_keys(keys if isinstance(keys, list) else list(keys), count, timeout)
+        ``hold`` raises them. ``timeout``: seconds to wait for the answer (default: the client's).
+
+        With ``key_feed``, a key the feed names is answered with no round trip where the lease table
+        shows its feature live: a retained one *pinned* for ``count`` reads in its own ACKS word (the
+        descriptor is the feature's own; each reader's ack releases one, and an unread pin is given back
+        by acking it as often; the daemon waits at most ack_ttl for them), a counted one as it is. Only
+        the keys left go to the daemon, in one round trip."""
+        return self._keys.hold_keys(keys if isinstance(keys, list) else list(keys), count, timeout,
+                                    self.feed_find if self.key_feed is not None else None)
+
+    def feed_find(self, key: str) -> Optional[bytes]:
+        """The descriptor bytes the daemon's key feed last gave for ``key`` (Client(key_feed=) a prefix of
+        it), with no round trip; None without a feed or an entry. A hint, never a promise: the feed is
+        lossy, so None means "ask the daemon" (lookup, hold_many), and an entry may be stale (the feature
+        ended, or the daemon restarted), so validate it before use: a get checks the lease table, and a
+        hold of it refuses a feature that ended."""
+        try:
+            feed = self._connect().feed if self.key_feed is not None else None
+        except DaemonUnavailableError:
+            return None  # the lookup a miss leads to says why
+        return feed.find(key) if feed is not None else None
 
     def evict(self, key: str) -> bool:
         """No key finds the feature any more; a retained one is freed once nothing holds it. False when

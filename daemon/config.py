@@ -53,7 +53,7 @@ HELP: dict[str, str] = {
                          "session (ends its leases, takes its arenas back, closes its fd channel)",
     "allowed_uids": "uids that may receive pool handles; empty means the daemon's own uid and root",
     "allowed_gids": "gids whose members may receive pool handles; empty means the daemon's own primary group",
-    "socket_mode": "file mode of both socket files (octal in TOML as a string, e.g. \"0660\")",
+    "socket_mode": "file mode of the socket files (octal in TOML as a string, e.g. \"0660\")",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "metrics_port": "port of the Prometheus endpoint; 0 turns it off",
     "metrics_host": "address the Prometheus endpoint binds to",

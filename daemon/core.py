@@ -66,6 +66,7 @@ class DaemonCore:
         self.draining = False
         self.sessions_dropped_logged_at = float("-inf")  # a hello flood is logged at most every 10 s
         self.endpoint = ""
+        self.feed_endpoint = ""  # set by the server once its key feed listens (hello's feed)
         # Set when metrics are on: called with the seconds each reserve took inside the daemon.
         self.observe_reserve: Optional[Callable[[float], None]] = None
         # Set by the server: its connection counts and limits, for stats.

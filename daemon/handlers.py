@@ -98,6 +98,7 @@ def hello(core: DaemonCore, req: m.HelloRequest, now: float) -> m.HelloReply:
         bind=core.arenas_enabled,  # keyed and retained features in arenas, bound by a message (SPEC.md, bind)
         ready_ttl=core.ledger.unwritten.ready_ttl,
         pins=core.arenas_enabled,  # retained features pinned in their ACKS word (SPEC.md, section 5); swept
+        feed=core.feed_endpoint,  # "" when the feed could not listen: clients then ask for every key
         # CLOCK_MONOTONIC here: a client on the same kernel sees the same clock and may then send
         # request deadlines (SPEC.md, section 2).
         clock=now,

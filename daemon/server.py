@@ -13,6 +13,7 @@ import math
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import zmq
@@ -30,6 +31,7 @@ from .sd_notify import Notifier
 from .sockets.budgets import FD_RESERVE, MemoryGuard, client_budget, malloc_trim, raise_fd_limit
 from .sockets.control_socket import ControlSocket
 from .sockets.fd_channel import FdChannel
+from .sockets.key_feed import KeyFeed, open_key_feed
 from .sockets.memory_watch import MemoryWatch
 from .timers import Timers
 
@@ -76,6 +78,7 @@ class Server:
         self._drain_deadline: Optional[float] = None
         self._ctx: Optional[zmq.Context] = None
         self._control: Optional[ControlSocket] = None
+        self._feed: Optional[KeyFeed] = None  # None where it could not listen: the daemon serves without it
         self._fds: Optional[FdChannel] = None
         self._guard: Optional[MemoryGuard] = None
         self._wake: tuple[socket.socket, ...] = ()  # the signal wake-up pair, while serve() runs
@@ -110,10 +113,15 @@ class Server:
             fd_socket_path(runtime), self.settings.socket_mode, self.core.authorize_fds, self._on_fd_close,
             lambda session, frame: dispatch(self.core, frame, session=session), clients,
         ), FdChannel.close)
+        # Connections share half the fds the clients leave (the other half lets a burst outrun the caps'
+        # threads): a quarter of that share for the key feed, whose subscribers are a node's schedulers.
+        connections = max(1, (fd_limit - FD_RESERVE) // 2 - clients)
+        feed_connections = max(1, connections // 4)
         self._control = self._hold("_control", ControlSocket(
             self._ctx, runtime / CONTROL_SOCKET, control_endpoint(runtime), self.settings.socket_mode,
-            max(1, (fd_limit - FD_RESERVE) // 2 - clients), self._owns, self._peer_arrived,
+            max(1, connections - feed_connections), self._owns, self._peer_arrived,
         ), ControlSocket.close)
+        self._open_feed(runtime, feed_connections)
         self.core.endpoint = self._control.endpoint
         self.core.close_channel = self._fds.drop_session
         self.core.read_waiting = self._fds.read_waiting
@@ -139,15 +147,32 @@ class Server:
         log.info("fd limit %d: up to %d clients and %d control connections",
                  fd_limit, clients, self._control.max_connections)
 
+    def _open_feed(self, runtime: Path, max_connections: int) -> None:
+        feed = open_key_feed(self._ctx, runtime, self.settings.socket_mode, max_connections, self._owns)
+        if feed is None:
+            return
+        keys = self.core.ledger.keys
+
+        def close(f: KeyFeed) -> None:
+            # Detached first: leases cut or freed after the loop ends unbind their keys into no closed socket.
+            keys.feed, self.core.feed_endpoint = None, ""
+            f.close()
+
+        self._feed = self._hold("_feed", feed, close)
+        keys.feed, self.core.feed_endpoint = feed.publish, feed.endpoint
+
     def _resource_stats(self) -> dict:
         assert self._control is not None and self._fds is not None
+        feed = self._feed
         return {
             "fd_limit": self._fd_limit,
             "max_clients": self._fds.max_clients,
             "max_connections": self._control.max_connections,
             "connections": self._control.connections,
-            "connections_refused": self._control.refused + self._fds.refused,
+            "connections_refused": self._control.refused + self._fds.refused + (feed.refused if feed else 0),
             "control_resets": self._control.resets,
+            "max_feed_connections": feed.max_connections if feed is not None else 0,
+            "feed_connections": feed.connections if feed is not None else 0,
         }
 
     def _start_puller(self) -> str:
@@ -288,6 +313,8 @@ class Server:
                 self._serve_requests()
             if self._fds.fileno() in events:
                 self._fds.on_events()
+            if self._feed is not None and self._feed.sock in events:
+                self._feed.on_events()
             if self._wake[0].fileno() in events:
                 _drain(self._wake[0])
             now = time.monotonic()
@@ -356,6 +383,8 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._control.router, zmq.POLLIN)
         poller.register(self._fds.fileno(), zmq.POLLIN)
+        if self._feed is not None and self._feed.sock is not None:
+            poller.register(self._feed.sock, zmq.POLLIN)
         if self._wake:
             poller.register(self._wake[0].fileno(), zmq.POLLIN)
         for sock in self._mesh.sockets() if self._mesh is not None else ():
@@ -365,7 +394,9 @@ class Server:
     def _memory_load(self) -> tuple[int, int]:
         """What the memory guard's budget grows with: connections and live leases (read by its thread)."""
         assert self._control is not None
-        return self._control.connections + len(self._fds or ()), self.core.ledger.live
+        feed = self._feed  # read once: this runs on the watch's thread
+        return (self._control.connections + len(self._fds or ()) + (feed.connections if feed is not None else 0),
+                self.core.ledger.live)
 
     def _peer_arrived(self) -> None:
         watch = self._watch  # read once: the connection thread calls this while serve() may be ending
@@ -379,13 +410,16 @@ class Server:
             pass  # full: the loop has a wake-up pending already
 
     def _check_memory(self, now: float) -> bool:
-        """Reset the control socket if peers made the daemon outgrow its budget; True if it did."""
+        """Reset the control socket (and the key feed) if peers made the daemon outgrow its budget; True if it did."""
         assert self._control is not None and self._guard is not None
         over = self._guard.over(*self._memory_load())
         if over is None:
             return False
         self._control.reset(f"the daemon holds {over >> 20} MiB more than control_memory_mb and its connections allow "
                             "(a peer queued a message that never ends, or requests it never reads the replies to)")
+        if self._feed is not None:
+            # What a subscriber that never reads left queued for it (up to SEND_HWM messages) goes too.
+            self._feed.reset()
         self._guard.reset_at(now)
         return True
 

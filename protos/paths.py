@@ -7,6 +7,8 @@ from pathlib import Path
 
 CONTROL_SOCKET = "mmfeatd.sock"
 FD_SOCKET = "mmfeatd.fds.sock"
+# The key feed (SPEC.md, section 12): keys as they are bound and unbound, published to whoever subscribes.
+KEY_FEED_SOCKET = "mmfeatd.feed.sock"
 # The serving daemon holds an exclusive flock on it for its whole life and writes its pid in it, so a
 # client can tell at once that socket files are a dead daemon's leftovers instead of waiting out a timeout.
 LOCK_FILE = "mmfeatd.lock"
@@ -29,6 +31,10 @@ def default_runtime_dir() -> Path:
 
 def control_endpoint(runtime_dir: Path) -> str:
     return f"ipc://{runtime_dir / CONTROL_SOCKET}"
+
+
+def key_feed_endpoint(runtime_dir: Path) -> str:
+    return f"ipc://{runtime_dir / KEY_FEED_SOCKET}"
 
 
 def fd_socket_path(runtime_dir: Path) -> Path:

@@ -301,11 +301,14 @@ class HelloReply(_Reply):
     # The daemon honours pins of retained features in the lease table; False from an earlier release,
     # which would free a pinned feature: clients hold by message there.
     pins: bool = False
+    # The key feed's endpoint (SPEC.md, section 12); empty where the daemon has none, absent from one that
+    # predates it.
+    feed: str = ""
     _WIRE = {"session": bytes, "epoch": int, "node": str, "endpoint": str, "pools": list, "reserve_ttl": _NUM,
              "ack_ttl": _NUM, "max_request_bytes": int, "table_slots": int, "arenas": bool, "gpu_publish": str,
-             "clock": _NUM, "bind": bool, "ready_ttl": _NUM, "pins": bool}
+             "clock": _NUM, "bind": bool, "ready_ttl": _NUM, "pins": bool, "feed": str}
     _ITEMS = {"pools": PoolInfo}
-    _OPTIONAL = frozenset({"bind", "ready_ttl", "pins"})
+    _OPTIONAL = frozenset({"bind", "ready_ttl", "pins", "feed"})
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from .arenas import ArenaSet
 from .channel import ControlChannel
 from .fd_channel import open_fd_channel
 from .fd_transport import FdTransport
+from .key_feed import KeyFeed
 from .lease_table import LeaseTableView, map_lease_table
 
 log = logging.getLogger("mmfeat.client")
@@ -55,6 +56,7 @@ class Session:
         self.binds = hello.bind
         # Retained features may be pinned in the lease table (SPEC.md, section 5): the daemon honours it.
         self.pins = hello.pins
+        self.feed_endpoint = hello.feed  # "" where the daemon has no key feed
         # (device, stream) pairs whose streams hold READY writes of this session's features: close waits
         # for the latest on each (client/gpu/ready_word.py keeps an event behind it).
         self.ready_streams: set[tuple[int, int]] = set()
@@ -84,6 +86,7 @@ class Session:
         self._retiring = False
         self._teardown_lock = threading.Lock()
         self._teardown: Optional[Callable[[], None]] = None
+        self.feed: Optional[KeyFeed] = None  # the daemon's key feed, where the Client follows one (open_feed)
 
     def begin_write(self) -> bool:
         """Count a put that places a feature in this session's space, until its ``end_write``; False
@@ -236,6 +239,25 @@ class Session:
         except Exception:
             pass
 
+    def open_feed(self, endpoint: str, prefix: str) -> None:
+        """Follow the key feed at ``endpoint`` (hello's) for keys under ``prefix``, its subscription in
+        place before this returns unless the daemon is slow to take it (then keys bound meanwhile are
+        missed, and asked for). A feed that cannot open is logged: lookups go to the daemon instead."""
+        import zmq
+
+        # An endpoint the daemon names could be anywhere: a feed is a file beside its control socket.
+        if not endpoint.startswith("ipc://"):
+            log.warning("mmfeatd names key feed %r, not an ipc:// endpoint: not followed", endpoint)
+            return
+        try:
+            feed = KeyFeed(zmq.Context.instance(), endpoint, prefix)
+        except (zmq.ZMQError, OSError, MmfeatError) as exc:  # MmfeatError: FdLimitError
+            log.warning("cannot follow mmfeatd's key feed at %s (%s): keys are asked for instead", endpoint, exc)
+            return
+        if not feed.wait_ready(min(self.timeout, 2.0)):
+            log.info("mmfeatd's key feed at %s has not confirmed its subscription yet", endpoint)
+        self.feed = feed
+
     def close(self) -> None:
         """End the session here. Its READY writes are not waited for: a closing Client does that first
         (settle_quietly), and a session whose daemon closed its channel has nobody left to end them."""
@@ -243,6 +265,9 @@ class Session:
             # Only here: a forked child's copy has no reaper thread to stop, and the parent's may have held
             # the stop event's lock at the fork.
             self.arenas.close()
+        if self.feed is not None:
+            self.feed.close()  # in a forked child, without touching the parent's socket
+            self.feed = None
         self.fd.close()
         # The callback is the only reference back to this session: without it a closed session is freed
         # by its last user, not by a garbage collection, and its pool mappings go with it.
@@ -254,16 +279,23 @@ class Session:
 
 
 def open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float,
-                 readonly: bool = False, map_pools: bool = True) -> Session:
+                 readonly: bool = False, map_pools: bool = True, key_feed: Optional[str] = None) -> Session:
     """hello, the fd channel handshake (which checks who serves it), the lease table and the host pools
-    (read-only with ``readonly``). FdLimitError, before anything is half open, when this process cannot
-    spare the fds that takes."""
+    (read-only with ``readonly``), and with ``key_feed`` (a key prefix) the daemon's key feed where hello
+    names one. FdLimitError, before anything is half open, when this process cannot spare the fds that takes."""
     try:
-        return _open_session(channel, runtime_dir, name, timeout, readonly, map_pools)
+        session = _open_session(channel, runtime_dir, name, timeout, readonly, map_pools)
     except OSError as exc:
         if fd_budget.is_exhaustion(exc):
             raise fd_budget.exhausted(exc, "opening a session with mmfeatd") from None
         raise
+    if key_feed is not None and session.feed_endpoint:
+        try:
+            session.open_feed(session.feed_endpoint, key_feed)
+        except BaseException:
+            session.close()
+            raise
+    return session
 
 
 def _open_session(channel: ControlChannel, runtime_dir: Path, name: str, timeout: float,

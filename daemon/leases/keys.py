@@ -9,7 +9,7 @@ starts with none. There is at most one key per live lease, so keys are bounded b
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from mmfeat.protos.descriptor import POOL_KINDS, Descriptor, DescriptorError
 from mmfeat.protos.errors import ErrorCode, MmfeatError
@@ -20,6 +20,8 @@ from .lease import Lease
 # Namespaces stats keeps entries for; past it, those with no live key go first (lookups of keys in
 # namespaces nobody puts to could otherwise grow it without bound).
 MAX_NAMESPACES = 1024
+# Told of each key bound, with its descriptor, and unbound, with b"" (the key feed, daemon/sockets/key_feed.py).
+KeyObserver = Callable[[str, bytes], None]
 _FIELDS = ("hits", "misses", "holds", "evictions", "expired", "dedups", "keys", "bytes_retained")
 
 
@@ -30,6 +32,9 @@ class KeyIndex:
         # first entries are the oldest (eviction's order).
         self._retained: dict[int, Lease] = {}
         self._ns: dict[str, dict[str, int]] = {}
+        # Set by the server while its key feed listens: here rather than in each caller that binds or
+        # unbinds, so that no path (publish, bind, evict, expiry, a session's end) can skip it.
+        self.feed: Optional[KeyObserver] = None
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -44,6 +49,8 @@ class KeyIndex:
         ns["keys"] += 1
         if lease.retain_ttl is not None:
             ns["bytes_retained"] += lease.size
+        if self.feed is not None:
+            self.feed(key, descriptor)
 
     def unbind(self, lease: Lease) -> None:
         """The lease's key finds it no more (it ended, or it was evicted while held)."""
@@ -57,6 +64,8 @@ class KeyIndex:
             ns["keys"] -= 1
             if lease.retain_ttl is not None:
                 ns["bytes_retained"] -= lease.size
+            if self.feed is not None:
+                self.feed(key, b"")
 
     def retained(self, lease: Lease) -> None:
         self._retained[lease.lease_id] = lease

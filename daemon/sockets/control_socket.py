@@ -11,7 +11,6 @@ fresh one, every connection and whatever it queued is dropped, and clients recon
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,8 +18,8 @@ import zmq
 
 from mmfeat.protos.codec import MAX_IN_FLIGHT
 
+from .capped_listener import CappedListener
 from .connection_cap import ConnectionCap, IsOurs
-from .runtime_dir import SocketFile
 
 log = logging.getLogger("mmfeatd")
 
@@ -37,65 +36,30 @@ RECV_HWM = 1024
 REPLY_LINGER_MS = 500
 
 
-class ControlSocket:
+class ControlSocket(CappedListener):
     def __init__(self, ctx: zmq.Context, path: Path, endpoint: str, mode: int, max_connections: int, is_ours: IsOurs,
                  on_accept: Optional[Callable[[], None]] = None) -> None:
-        self._ctx = ctx
-        self._path = path
-        self.endpoint = endpoint
-        self._mode = mode
-        self.router: Optional[zmq.Socket] = None
-        self._file: Optional[SocketFile] = None
         self.resets = 0
-        self._cap = ConnectionCap(ctx, "control socket", max_connections, is_ours,
-                                  "Raise LimitNOFILE and max_connections, or find the process that opens them",
-                                  on_accept=on_accept)
-        self._bind(SocketFile(self._path, socket.SOCK_STREAM, self._mode))
+        cap = ConnectionCap(ctx, "control socket", max_connections, is_ours,
+                            "Raise LimitNOFILE and max_connections, or find the process that opens them",
+                            on_accept=on_accept)
+        super().__init__(ctx, zmq.ROUTER, path, endpoint, mode, cap)
 
     @property
-    def connections(self) -> int:
-        return self._cap.connections
+    def router(self) -> Optional[zmq.Socket]:
+        return self.sock
 
-    @property
-    def refused(self) -> int:
-        return self._cap.refused
-
-    @property
-    def max_connections(self) -> int:
-        return self._cap.max_connections
-
-    def _bind(self, file: SocketFile) -> None:
-        router = self._ctx.socket(zmq.ROUTER)
-        router.linger = 0
+    def _configure(self, router: zmq.Socket) -> None:
         router.maxmsgsize = HARD_FRAME_LIMIT
         router.sndhwm, router.rcvhwm = SEND_HWM, RECV_HWM
         # A reply past the mark raises zmq.Again instead of vanishing, so that the loop counts it.
         router.router_mandatory = 1
-        # Our own listening socket, handed to ZeroMQ: made with the right mode, and libzmq will not
-        # unlink the file at close (we do, only if it is still ours).
-        self._file = file
-        router.setsockopt(zmq.USE_FD, self._file.sock.detach())
-        self._cap.watch(router)
-        router.bind(self.endpoint)
-        self.router = router
 
     def reset(self, why: str) -> None:
         """Drop every connection and what it queued, and listen again on a fresh socket."""
         self.resets += 1
         log.warning("control socket reset: %s; every client reconnects and repeats the request in flight", why)
-        fresh = SocketFile(self._path, socket.SOCK_STREAM, self._mode)  # takes the path over at once
-        self._close(linger=0)  # the old file is no longer at the path: nothing is unlinked
-        self._bind(fresh)
+        self._replace()
 
-    def _close(self, linger: int) -> None:
-        if self.router is not None:
-            self._cap.unwatch(self.router)
-            self.router.close(linger=linger)
-            self.router = None
-        if self._file is not None:
-            self._file.unlink()
-            self._file = None
-
-    def close(self) -> None:
-        self._close(linger=REPLY_LINGER_MS)
-        self._cap.close()
+    def close(self, linger: int = REPLY_LINGER_MS) -> None:
+        super().close(linger)

@@ -58,7 +58,10 @@ class MmfeatECConnector(ECConnectorBase):
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Any = None
         if role == ECConnectorRole.SCHEDULER:
-            client = Client(self._settings.runtime_dir, map_pools=False, name="vllm-ec-scheduler", **timeout)
+            # A consumer follows the key feed of its namespace: the items it looks up are found, and pinned
+            # for its ranks, in the lease table, without a round trip per request (SPEC.md, section 12).
+            client = Client(self._settings.runtime_dir, map_pools=False, name="vllm-ec-scheduler",
+                            key_feed=self._ns.id + "/" if self.is_consumer else None, **timeout)
             parallel = vllm_config.parallel_config
             ranks = parallel.tensor_parallel_size * getattr(parallel, "prefill_context_parallel_size", 1)
             self._scheduler = SchedulerSide(client, self._ns, self._settings, self.is_producer, self.is_consumer,
