@@ -482,8 +482,8 @@ class Client:
         dies gives its holds back). None when nothing is live under the key."""
         return self._keys.hold(target if isinstance(target, str) else as_descriptor(target), count)
 
-    def hold_many(self, keys: Sequence[str], count: int = 1,
-                  timeout: Optional[float] = None) -> list[Optional[tuple[Descriptor, bool]]]:
+    def hold_many(self, keys: Sequence[str], count: int = 1, timeout: Optional[float] = None,
+                  feed_wait: float = 0.0) -> list[Optional[tuple[Descriptor, bool]]]:
         """``lookup`` and ``hold`` of each key in one round trip (at most MAX_LOOKUP_KEYS keys): per key,
         None when nothing is live under it, else ``(descriptor, held)``. A retained feature is held for
         ``count`` readers as ``hold`` does (``held`` True: acks of the descriptor end the hold); a counted
@@ -495,9 +495,11 @@ class Client:
         shows its feature live: a retained one *pinned* for ``count`` reads in its own ACKS word (the
         descriptor is the feature's own; each reader's ack releases one, and an unread pin is given back
         by acking it as often; the daemon waits at most ack_ttl for them), a counted one as it is. Only
-        the keys left go to the daemon, in one round trip."""
+        the keys left go to the daemon, in one round trip. ``feed_wait``: seconds to wait for the feed
+        to bring keys it has not yet, before those are asked for (for keys known to be saved: their bind
+        is on its way through the daemon, and the round trip would wait for it too)."""
         return self._keys.hold_keys(keys if isinstance(keys, list) else list(keys), count, timeout,
-                                    self.feed_find if self.key_feed is not None else None)
+                                    self.key_feed is not None, feed_wait)
 
     def feed_find(self, key: str) -> Optional[bytes]:
         """The descriptor bytes the daemon's key feed last gave for ``key`` (Client(key_feed=) a prefix of

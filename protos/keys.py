@@ -8,6 +8,7 @@ of the user's), so that two models served through one daemon never read each oth
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -81,8 +82,8 @@ class Namespace:
                 # The id hashes the fields joined by NUL: a NUL inside one would let two namespaces share it.
                 raise ValueError(f"Namespace.{name} must not contain a NUL character")
 
-    @property
-    def id(self) -> str:
+    @functools.cached_property
+    def id(self) -> str:  # cached: a scheduler asks for a key per item, and a SHA-256 each time costs
         # NUL-separated, and no field holds a NUL (__post_init__): two namespaces never join alike.
         fields = "\0".join((self.framework, self.version, self.model, self.dtype, self.prefix))
         return hashlib.sha256(fields.encode("utf-8", "surrogatepass")).hexdigest()[:NAMESPACE_CHARS]

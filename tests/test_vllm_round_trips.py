@@ -122,12 +122,16 @@ def _encode_only(prod: Engine, hashes: list[str], prefix: str) -> list:
 
 def test_a_producer_asks_nothing_per_item_on_a_daemon_without_a_mesh(daemon, children) -> None:
     """A consumer on this node looks the key up itself, and no other node can reach this one: the
-    descriptor goes into the params only where the scheduler already has it, and nothing that comes
-    after a request ended is kept."""
+    descriptor goes into the params only where the scheduler already has it (else that the item was
+    saved here), and nothing that comes after a request ended is kept."""
     rt = str(daemon.runtime_dir)
     prod = Engine(rt, _settings(), producer=True, consumer=False, ctx=children)
     before = _asks(daemon)
-    assert _encode_only(prod, ["img-a", "img-b"], "early") == [None, None]
+    node = daemon.stats()["node"]
+    # No descriptor yet (its report comes after the request ended): only that it was saved on this node,
+    # so that a consumer here waits for the key feed to bring it rather than ask the daemon.
+    assert _encode_only(prod, ["img-a", "img-b"], "early") == [{h: {"mmfeat": {"node": node}}}
+                                                              for h in ("img-a", "img-b")]
     assert _asks(daemon) == before, "request_finished asked the daemon"
     assert prod.side.kept_descriptors() == 0, "descriptors reported after their requests ended are kept"
     # A request still running when its step's report comes back: the report names the descriptor.
@@ -169,3 +173,43 @@ def test_the_scheduler_opens_its_session_at_start_not_in_its_first_step(daemon, 
     side.request_finished(req)
     client.close()  # no rank ran the step: the hold ends with the scheduler's session
     _balanced(daemon, ["img-a"])
+
+
+def test_a_consumer_on_the_key_feed_asks_nothing_and_its_pins_balance(daemon, children) -> None:
+    """A consumer that follows the key feed finds the items its producer saved, and pins them for its
+    ranks in the lease table: no round trip, not even for a new request. The pins of items vLLM did not
+    allocate go back at the step's end; the ranks' acks release the rest; an item never saved is asked
+    for (one round trip) and encoded."""
+    rt = str(daemon.runtime_dir)
+    cons = Engine(rt, _settings(), producer=False, consumer=True, ranks=2, ctx=children, feed=True)
+    cons.client.connect()  # following the feed before anything is saved (the connector connects at start)
+    prod = Engine(rt, _settings(), producer=True, consumer=False, ctx=children)
+    hashes = ["img-a", "img-b", "img-c"]
+    params = _encode_only(prod, hashes, "e")
+    prod.close()
+    side = cons.side
+    running = Request("pd-0", [Feature("img-a"), Feature("img-b")], {**params[0], **params[1]})
+    later = Request("pd-1", [Feature("img-c"), Feature("img-never-saved")], params[2])
+    before, pins = _asks(daemon), daemon.stats()["counters"]["table_pins"]
+    assert side.ensure_cache_available(running, 0)
+    assert _asks(daemon) == before, "a consumer on the key feed asked the daemon for saved items"
+    assert side.has_cache_item("img-a")  # vLLM's encoder cache has img-b: it asks for img-a alone
+    side.update_state_after_alloc(running, 0)
+    first = side.build_connector_meta(_ran(running))
+    assert list(first.loads) == ["img-a"] and side.counters["holds_unused"] == 1
+    assert daemon.stats()["counters"]["table_pins"] - pins == 4  # two items, two ranks each
+    assert side.ensure_cache_available(later, 0)
+    assert _asks(daemon) == before + 1  # the item never saved, once
+    assert side.has_cache_item("img-c") and not side.has_cache_item("img-never-saved")
+    side.update_state_after_alloc(later, 0)
+    side.update_state_after_alloc(later, 1)
+    second = side.build_connector_meta(_ran(later))
+    assert list(second.loads) == ["img-c"]
+    assert cons.run(first, []).loaded == {"img-a": 2}
+    assert cons.run(second, ["img-never-saved"]).loaded == {"img-c": 2}
+    cons.finish([running, later])
+    assert side.unsettled_loads() == 0
+    assert cons.close() == 4
+    s = daemon.stats()
+    assert s["counters"]["holds"] == 0 and s["counters"]["pins_forgiven"] == 0
+    _balanced(daemon, hashes)

@@ -157,9 +157,11 @@ class Engine:
     """One vLLM instance: the scheduler half here, ``ranks`` worker processes beside it."""
 
     def __init__(self, runtime_dir: str, settings: ConnectorSettings, producer: bool, consumer: bool,
-                 ranks: int = 1, ctx: Any = None) -> None:
+                 ranks: int = 1, ctx: Any = None, feed: bool = False) -> None:
         ctx = ctx or multiprocessing.get_context("spawn")
-        self.client = Client(runtime_dir, map_pools=False)
+        # ``feed``: the scheduler follows the key feed of its namespace, as the connector's consumer does.
+        prefix = Namespace(**NS, prefix=settings.namespace).id + "/" if feed else None
+        self.client = Client(runtime_dir, map_pools=False, key_feed=prefix)
         self.side = SchedulerSide(self.client, Namespace(**NS, prefix=settings.namespace), settings, producer,
                                   consumer, ranks)
         self.outbox = ctx.Queue()

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections import OrderedDict
 from typing import Optional
 
 import zmq
+
+from mmfeat.protos.descriptor import Descriptor, DescriptorError
 
 from . import fd_budget
 
@@ -29,6 +32,8 @@ _MAX_MESSAGE_BYTES = 4096
 # Messages one find() reads at most before it answers: a feed faster than this reader must not keep it
 # in the loop for good (what is left waits for the next find).
 _MAX_DRAIN = 1 << 17
+_FOLLOW_POLL_MS = 100  # the feed's thread asks the socket at least this often
+_JOIN_S = 2.0
 
 
 def check_prefix(prefix: object) -> Optional[str]:
@@ -70,6 +75,13 @@ class KeyFeed:
             sock.close(linger=0)
             raise
         self._sock: Optional[zmq.Socket] = sock
+        # A thread reads the feed as it comes, so that a find usually has nothing left to read (a find
+        # reads what it has not, under the same lock: a ZeroMQ socket is one thread's at a time). It
+        # waits on the socket's fd, which any thread may poll, not on the socket.
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = threading.Thread(
+            target=self._follow, args=(sock.getsockopt(zmq.FD),), name="mmfeat-key-feed", daemon=True)
+        self._thread.start()
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait, ``timeout`` seconds at most, until the daemon has this socket's subscription in place, so
@@ -95,8 +107,31 @@ class KeyFeed:
         with self._lock:
             if self._sock is None:
                 return None
-            self._drain()
-            return self._entries.get(key)
+            # What the feed's thread took in first; the socket only for a key not there yet (a bind
+            # just published): a key there that a newer message rebinds is validated by its caller.
+            entry = self._entries.get(key)
+            if entry is None:
+                self._drain()
+                entry = self._entries.get(key)
+            return entry
+
+    def wait_for(self, keys: list[str], timeout: float) -> bool:
+        """Wait, ``timeout`` seconds at most, until the feed has brought every one of ``keys``; whether it
+        has. For keys known to be on their way (their producer said it saved them)."""
+        if self._pid != os.getpid():
+            return False
+        deadline = time.monotonic() + timeout
+        with self._lock:  # the feed's thread waits meanwhile: this thread reads the socket
+            while True:
+                if self._sock is None:
+                    return False
+                self._drain()
+                if all(k in self._entries for k in keys):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._sock.poll(max(1, int(left * 1000)))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -105,7 +140,11 @@ class KeyFeed:
         # Called with the lock held.
         sock, entries = self._sock, self._entries
         assert sock is not None
+        events = sock.getsockopt
         for _ in range(_MAX_DRAIN):
+            # Asked first: the usual find has nothing waiting, and a recv that raises Again costs more.
+            if not events(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -123,16 +162,42 @@ class KeyFeed:
             except UnicodeDecodeError:
                 continue
             entries.pop(key, None)  # a key bound again goes last: it is the newest
+            if descriptor and threading.current_thread() is self._thread:
+                # Parsed here, off the scheduler's path: its hold_many finds the parse in from_bytes' cache.
+                try:
+                    Descriptor.from_bytes(descriptor)
+                except DescriptorError:
+                    pass  # refused where it is used
             if descriptor:
                 entries[key] = descriptor
                 if len(entries) > self.max_entries:
                     entries.popitem(last=False)
 
+    def _follow(self, fd: int) -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            # The fd signals edges only: a find that read the socket meanwhile may leave no edge for the
+            # next message, so the wait is bounded and the socket asked each time.
+            poller.poll(_FOLLOW_POLL_MS)
+            with self._lock:
+                if self._sock is None or self._stop.is_set():
+                    return
+                try:
+                    self._drain()
+                except zmq.ZMQError:
+                    return  # closed under it: finds read nothing more either
+
     def close(self) -> None:
         if self._pid != os.getpid():
-            self._sock = None  # the parent's: dropped here, closed there
+            self._sock = None  # the parent's: dropped here, closed there (its thread is not in this process)
+            self._thread = None
             self._entries = OrderedDict()
             return
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_JOIN_S)  # within one poll of the fd: it looks at the flag after each
         with self._lock:
             if self._sock is not None:
                 self._sock.close(linger=0)

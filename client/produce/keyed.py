@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -214,10 +214,11 @@ class KeyLookups:
     def evict(self, key: str) -> bool:
         return bool(self._channel.call("evict", key=check_key(key))["evicted"])
 
-    def hold_keys(self, keys: list[str], count: int, timeout: Optional[float],
-                  find: Optional[Callable[[str], Optional[bytes]]] = None) -> list[Optional[tuple[Descriptor, bool]]]:
-        """Per key, None or ``(descriptor, held)``. ``find``: the key feed's hint of a key's descriptor,
-        checked here in the lease table: a retained feature found there is pinned for ``count`` reads
+    def hold_keys(self, keys: list[str], count: int, timeout: Optional[float], feed: bool = False,
+                  feed_wait: float = 0.0) -> list[Optional[tuple[Descriptor, bool]]]:
+        """Per key, None or ``(descriptor, held)``. ``feed``: the session's key feed hints at each key's
+        descriptor (waited for ``feed_wait`` seconds where it has not brought one yet), checked here in
+        the lease table: a retained feature found there is pinned for ``count`` reads
         (held), a counted one live there answered as it is, each without a message; the other keys go in
         one ``hold_keys`` round trip."""
         keys = check_keys(keys)
@@ -225,17 +226,25 @@ class KeyLookups:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < math.inf):
             raise ValueError(f"timeout must be None or a finite number of seconds > 0, not {timeout!r}")
+        if isinstance(feed_wait, bool) or not isinstance(feed_wait, (int, float)) or not 0 <= feed_wait < math.inf:
+            raise ValueError(f"feed_wait must be a finite number of seconds >= 0, not {feed_wait!r}")
         if not keys:
             return []
         session: Session = self._connect()
         out: list[Optional[tuple[Descriptor, bool]]] = [None] * len(keys)
         ask = list(range(len(keys)))
+        find = session.feed.find if feed and session.feed is not None else None
         if find is not None and session.pins and session.table.writable:
             ask = []
             for i, key in enumerate(keys):
                 out[i] = _pinned(session, find(key), count)
                 if out[i] is None:
                     ask.append(i)
+            if ask and feed_wait > 0 and session.feed.wait_for([keys[i] for i in ask], feed_wait):
+                for i in list(ask):
+                    out[i] = _pinned(session, find(keys[i]), count)
+                    if out[i] is not None:
+                        ask.remove(i)
             if not ask:
                 return out
         try:
@@ -266,11 +275,11 @@ def _pinned(session: Session, blob: Optional[bytes], count: int) -> Optional[tup
     if desc.is_inline or desc.epoch != session.epoch or desc.node != session.node:
         return None
     table = session.table
-    if table.retained(desc.lease, desc.gen):
-        if table.pin(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, count):
-            return desc, True
-        return None
-    if table.state(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes) == PUBLISHED:
+    if table.pin(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes, count):
+        return desc, True
+    # Not pinned: a counted feature (its consumer count protects its readers), or one to ask about.
+    if (not table.retained(desc.lease, desc.gen)
+            and table.state(desc.lease, desc.gen, desc.pool, desc.offset, desc.nbytes) == PUBLISHED):
         return desc, False
     return None
 

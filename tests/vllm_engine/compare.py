@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rounds.append({"round": r, "connector": g.name, "size": size, **rec})
         command = " ".join(["python -m tests.vllm_engine.compare", *sys.argv[1:]])
         return {"machine": machine(), "command": command, "sizes": sizes, "rounds": args.rounds,
-                "start_s": started_s, "built_s": built, "records": rounds}
+                "start_s": started_s, "built_s": built, "records": rounds, "daemon": _daemon_counts(runtime, rounds)}
     finally:
         for g in groups:
             g.stop(args.profile)
@@ -207,6 +207,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 daemon.kill()
                 daemon.wait(10)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _daemon_counts(runtime: Path, rounds: list[dict[str, Any]]) -> dict[str, int]:
+    """What mmfeatd saw of mmfeat's consumer lookups, every round: the items, the ``hold_keys`` round trips
+    (a key the feed had not brought yet, or one the lease table could not pin), and the reads pinned in
+    the lease table without one."""
+    from mmfeat.client import Client
+
+    with Client(runtime, map_pools=False) as c:
+        counters = c.stats()["counters"]
+    return {"items": sum(1 for r in rounds if r["connector"] == "mmfeat"),
+            "hold_keys": int(counters["requests_by_op"].get("hold_keys", 0)), "table_pins": int(counters["table_pins"])}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -94,7 +94,13 @@ def render(result: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     d = summary["digests"]
     lines += ["", f"digests: {d['matched']} of {d['checked']} loads had their save's bytes"
-              + (f"; mismatched: {d['mismatched']}" if d["mismatched"] else ""), ""]
+              + (f"; mismatched: {d['mismatched']}" if d["mismatched"] else "")]
+    counts = result.get("daemon")
+    if counts:
+        lines.append(f"mmfeat's consumer lookups, every round: {counts['items']} items, "
+                     f"{counts['hold_keys']} hold_keys "
+                     f"round trips, {counts['table_pins']} reads pinned in the lease table (the key feed's hits)")
+    lines.append("")
     saves, loads, halves = [], [], []
     for row in summary["rows"]:
         limit = SAVE_TARGET if row["size"] >= MiB else SAVE_TARGET_SMALL

@@ -44,6 +44,8 @@ class Pulls:
         self._client, self._settings, self._ranks, self._clock = client, settings, ranks, clock
         self.owners: dict[str, Descriptor] = {}  # mm_hash -> another node's descriptor a request names
         self.inline: dict[str, Descriptor] = {}  # mm_hash -> a descriptor that carries the bytes itself
+        # mm_hashes their producer saved on this node (it said so, with no descriptor): the key feed brings them
+        self.saved_here: set[str] = set()
         self._started: dict[str, float] = {}  # mm_hash -> when its pull was asked for
         self._since: dict[str, float] = {}  # request id -> when it first waited for a pull
         self._step_ends: Optional[float] = None  # when this step's wait for pulls is spent
@@ -55,6 +57,10 @@ class Pulls:
         for h, item in (request.ec_transfer_params or {}).items():
             ours = item.get(PARAMS_KEY) if isinstance(item, dict) else None
             if not isinstance(ours, dict) or h in self.owners or h in self.inline:
+                continue
+            if "desc" not in ours:
+                if node is not None and ours.get("node") == node:
+                    self.saved_here.add(h)
                 continue
             try:
                 desc = Descriptor.from_bytes(base64.b64decode(ours["desc"], validate=True))
@@ -113,6 +119,7 @@ class Pulls:
         for f in request.mm_features:
             for known in (self.owners, self.inline, self._started):
                 known.pop(f.identifier, None)
+            self.saved_here.discard(f.identifier)
 
     def _prefetch(self, h: str, wait_s: float) -> None:
         try:

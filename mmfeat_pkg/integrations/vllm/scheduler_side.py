@@ -170,8 +170,10 @@ class SchedulerSide:
         MAX_LOOKUP_KEYS of them."""
         for i in range(0, len(hashes), MAX_LOOKUP_KEYS):
             part = hashes[i:i + MAX_LOOKUP_KEYS]
+            # Saved here by its producer (its params said so): the key feed is about to bring it.
+            wait = self._settings.feed_wait_s if any(h in self._pulls.saved_here for h in part) else 0.0
             try:
-                found = self._client.hold_many([self._ns.key(h) for h in part], count=self._ranks)
+                found = self._client.hold_many([self._ns.key(h) for h in part], count=self._ranks, feed_wait=wait)
             except MmfeatError as e:
                 # The daemon is away, or refused the holds (OVER_QUOTA, POOL_FULL): none was taken, and
                 # the model encodes these items itself.
@@ -295,6 +297,7 @@ class SchedulerSide:
         if not self._producer:
             return False, None
         items: dict[str, Any] = {}
+        encoded = self._saving.get(request.request_id, ())
         for h in dict.fromkeys(f.identifier for f in request.mm_features):
             blob = self._saved.get(h)
             if blob is None and self._daemon_known() and self._meshed:
@@ -302,6 +305,10 @@ class SchedulerSide:
             if blob is not None:
                 items[h] = {PARAMS_KEY: {"desc": base64.b64encode(blob).decode("ascii"),
                                          "node": Descriptor.from_bytes(blob).node}}
+            elif h in encoded and self._node_id is not None:
+                # Saved here by a step whose report has not come back: a consumer on this node finds it by
+                # its key (the key feed), and knows to wait for the feed rather than ask the daemon.
+                items[h] = {PARAMS_KEY: {"node": self._node_id}}
         for h in self._saving.pop(request.request_id, ()):
             self._wanted[h] -= 1
             if not self._wanted[h]:

@@ -33,6 +33,9 @@ class ConnectorSettings:
     # first wait, then fails; a scheduling step waits for pulls at most pull_wait_s, its requests together.
     load_wait_s: float = 60.0
     pull_wait_s: float = 0.05
+    # An item its producer says it saved on this node, which the key feed has not brought yet (its bind is
+    # on the way through the daemon), is waited for on the feed this long before the daemon is asked.
+    feed_wait_s: float = 0.005
     runtime_dir: Optional[str] = None
     timeout_s: Optional[float] = None
     report_file: Optional[str] = None
@@ -54,6 +57,7 @@ class ConnectorSettings:
             consumers=_count(extra, "consumers", 1),
             load_wait_s=_seconds(extra, "load_wait_s", 60.0),
             pull_wait_s=_seconds(extra, "pull_wait_s", 0.05),
+            feed_wait_s=_seconds(extra, "feed_wait_s", 0.005),
             runtime_dir=_text(extra, "runtime_dir", None),
             timeout_s=_seconds(extra, "timeout_s", None),
             report_file=_text(extra, "report_file", None),
