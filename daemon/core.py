@@ -295,5 +295,6 @@ class DaemonCore:
             "mesh": self.mesh_stats(),
             "namespaces": self.ledger.keys.stats(),
             "holds": self.ledger.holds_live,
+            "pins": sum(lease.pins for lease in self.ledger.pinned.values()),
             "expired_reserved": self.ledger.overdue,
         }

@@ -158,6 +158,8 @@ _PEER_COUNTERS = (
 def _namespace_metrics(s: dict[str, Any]) -> Iterator[Any]:
     namespaces = s.get("namespaces") or {}
     yield GaugeMetricFamily("mmfeat_holds_live", "Holds on retained features live now", value=s.get("holds") or 0)
+    yield GaugeMetricFamily("mmfeat_pinned_reads", "Reads pinned on retained features in the lease table, not yet "
+                            "released", value=s.get("pins") or 0)
     for field, name, doc, counter in _NAMESPACE_METRICS:
         family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["namespace"])
         for ns, entry in sorted(namespaces.items()):

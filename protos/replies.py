@@ -392,11 +392,13 @@ class StatsReply(_Reply):
     holds: Optional[int] = None
     # Reservations past their reserve_ttl whose ranges are kept for their live producers (SPEC.md, reserve).
     expired_reserved: Optional[int] = None
+    pins: Optional[int] = None  # reads pinned in the lease table and not yet released, as last swept
     _WIRE = {"node": str, "pid": int, "epoch": int, "uptime_s": _NUM, "draining": bool, "gpu_publish": str,
              "unwritten": int, "clients": int,
              "sessions": int, "leases": dict, "timers": int, "swept_slots": int, "pools": list, "counters": dict,
-             "limits": dict, "mesh": (dict, type(None)), "namespaces": dict, "holds": int, "expired_reserved": int}
-    _OPTIONAL = frozenset({"namespaces", "holds", "expired_reserved"})
+             "limits": dict, "mesh": (dict, type(None)), "namespaces": dict, "holds": int, "expired_reserved": int,
+             "pins": int}
+    _OPTIONAL = frozenset({"namespaces", "holds", "expired_reserved", "pins"})
 
 
 Reply = _Reply  # any op's reply type

@@ -57,6 +57,7 @@ def test_a_pinned_feature_outlives_its_eviction_until_its_reads_are_acked(daemon
     assert pin.pinned
     with daemon.client() as c:
         s = daemon.wait_for(lambda s: s["counters"]["table_pins"] == 2, what="the sweep to see the pin")
+        assert s["pins"] == 2
         evicted_before = s["counters"]["evicted_by_key"]
         assert c.evict(key)  # evicted, but its bytes stay for the two pinned reads
         assert not c.has(key)
@@ -66,7 +67,7 @@ def test_a_pinned_feature_outlives_its_eviction_until_its_reads_are_acked(daemon
             assert torch.equal(c.get(pin.desc, copy=True), torch.zeros(4096))
             c.ack(pin.desc)
         s = books_balance(daemon)
-        assert s["counters"]["pins_forgiven"] == 0
+        assert s["counters"]["pins_forgiven"] == 0 and s["pins"] == 0
     pin.done()
 
 

@@ -328,8 +328,9 @@ def test_online_encoder_disaggregation_with_a_tensor_parallel_consumer(online) -
     """A chat completion with two base64 images, routed as vLLM's disagg_encoder proxy routes it: each
     image alone to the encode-only producer (max_tokens 1), then the request to the consumer with
     tensor parallelism 2. Tokens equal the plain server's; both ranks load each item with its saved
-    bytes through one hold (one lookup and one hold per item for the node, in one round trip; an ack
-    from each rank ends it), and once the request is done no hold is left and no ack went astray."""
+    bytes through one pin of two reads per item for the node (found on the key feed: no round trip; an
+    ack from each rank releases a read), and once the request is done no pin is left and no ack went
+    astray."""
     deployment, model, daemon, report, _ = online
     body = chat_body(model, [10, 11])
     want = _plain(deployment, body, "plain-tp2")
@@ -343,15 +344,17 @@ def test_online_encoder_disaggregation_with_a_tensor_parallel_consumer(online) -
     assert {h: sorted(e["sha256"] for e in loads if e["mm_hash"] == h) for h in saves} == \
         {h: [d, d] for h, d in saves.items()}, f"each item read by both ranks with its saved bytes: {loads}"
     assert all(len({e["pid"] for e in loads if e["mm_hash"] == h}) == 2 for h in saves), loads
-    after = daemon.wait_for(lambda s: s["holds"] == 0 and s["counters"]["holds_ended"] - before["counters"]
-                            ["holds_ended"] == 2, timeout=60, what="both ranks' acks ending the two holds")
-    assert _grew(before, after, ("key_hits", "key_misses", "holds", "holds_ended", "acks", "over_acks",
-                                 "holds_expired", "holds_reclaimed", "stale")) == \
-        {"key_hits": 2, "key_misses": 0, "holds": 2, "holds_ended": 2, "acks": 4, "over_acks": 0,
-         "holds_expired": 0, "holds_reclaimed": 0, "stale": 0}
+    # The consumer's scheduler follows the key feed: it found both items there and pinned each for its
+    # two ranks in the lease table, with no round trip; each rank's ack released one read.
+    after = daemon.wait_for(lambda s: s["pins"] == 0 and s["counters"]["table_pins"] - before["counters"]
+                            ["table_pins"] == 4, timeout=60, what="both ranks' acks releasing the two items' pins")
+    assert _grew(before, after, ("key_hits", "key_misses", "holds", "acks", "over_acks", "holds_expired",
+                                 "pins_forgiven", "stale")) == \
+        {"key_hits": 0, "key_misses": 0, "holds": 0, "acks": 0, "over_acks": 0, "holds_expired": 0,
+         "pins_forgiven": 0, "stale": 0}
     ops = ("hold_keys", "lookup_key", "hold")
     assert {op: after["counters"]["requests_by_op"].get(op, 0) - before["counters"]["requests_by_op"].get(op, 0)
-            for op in ops} == {"hold_keys": 1, "lookup_key": 0, "hold": 0}
+            for op in ops} == {"hold_keys": 0, "lookup_key": 0, "hold": 0}
     assert after["pools"][0]["leases"]["RESERVED"] == 0
 
 
@@ -369,17 +372,17 @@ def test_a_second_instance_loads_the_same_retained_items(online) -> None:
     assert not [e for e in events if e["op"] == "save"], "the producer was asked again"
     loads = [e for e in events if e["op"] == "load"]
     assert len(loads) == 2 and all(e["sha256"] == saved[e["mm_hash"]] for e in loads), loads
-    after = daemon.wait_for(lambda s: s["holds"] == 0 and s["counters"]["holds_ended"] - before["counters"]
-                            ["holds_ended"] == 2, timeout=60, what="the rank's acks ending the two holds")
-    assert _grew(before, after, ("key_hits", "holds", "acks", "over_acks", "holds_expired")) == \
-        {"key_hits": 2, "holds": 2, "acks": 2, "over_acks": 0, "holds_expired": 0}
+    after = daemon.wait_for(lambda s: s["pins"] == 0 and s["counters"]["table_pins"] - before["counters"]
+                            ["table_pins"] == 2, timeout=60, what="the rank's acks releasing the two pins")
+    assert _grew(before, after, ("holds", "over_acks", "holds_expired", "pins_forgiven")) == \
+        {"holds": 0, "over_acks": 0, "holds_expired": 0, "pins_forgiven": 0}
 
 
 def test_an_item_evicted_between_lookup_and_load_is_read_through_its_hold(online) -> None:
-    """The trap evicts the item's key after the consumer's scheduler looked it up and held it, before
-    its rank reads: the hold keeps the bytes, so the rank loads the saved bytes and the request gets the
-    plain server's tokens; no key finds the item afterwards, and its bytes are freed once the hold
-    ended."""
+    """The trap evicts the item's key after the consumer's scheduler looked it up and pinned it, before
+    its rank reads: the pin keeps the bytes, so the rank loads the saved bytes and the request gets the
+    plain server's tokens; no key finds the item afterwards, and its bytes are freed once the rank's
+    ack released the pin."""
     deployment, model, daemon, report, trap = online
     body = chat_body(model, [12])
     want = _plain(deployment, body)
@@ -392,18 +395,18 @@ def test_an_item_evicted_between_lookup_and_load_is_read_through_its_hold(online
     assert [(e["mm_hash"], e["evicted"]) for e in events if e["op"] == "trap"] == [(h, True)], events
     assert [(e["mm_hash"], e["sha256"]) for e in events if e["op"] == "load"] == [(h, digest)], events
     ns = _namespace(model, "").id
-    after = daemon.wait_for(lambda s: s["holds"] == 0 and s["namespaces"][ns]["bytes_retained"]
+    after = daemon.wait_for(lambda s: s["pins"] == 0 and s["namespaces"][ns]["bytes_retained"]
                             == before["namespaces"][ns]["bytes_retained"], timeout=60,
-                            what="the evicted item freed once its hold ended")
-    assert _grew(before, after, ("evicted_by_key", "holds", "holds_ended", "acks", "over_acks")) == \
-        {"evicted_by_key": 1, "holds": 1, "holds_ended": 1, "acks": 1, "over_acks": 0}
+                            what="the evicted item freed once its pin was released")
+    assert _grew(before, after, ("evicted_by_key", "holds", "table_pins", "pins_forgiven", "over_acks")) == \
+        {"evicted_by_key": 1, "holds": 0, "table_pins": 1, "pins_forgiven": 0, "over_acks": 0}
     with daemon.client() as c:
         assert not c.has(_namespace(model, "").key(h))
 
 
 def test_an_item_freed_between_lookup_and_load_is_not_fed_to_the_model(online) -> None:
-    """The trap evicts the item's key and then ends its hold early (as the hold's ack_ttl would), so the
-    bytes are freed before the rank reads: the rank's load fails and is reported, and the request
+    """The trap evicts the item's key and then releases its pin early (as the daemon's ack_ttl would end
+    it), so the bytes are freed before the rank reads: the rank's load fails and is reported, and the request
     fails; no load of other bytes is ever made."""
     deployment, model, daemon, report, trap = online
     body = chat_body(model, [13])

@@ -99,6 +99,7 @@ class Ledger(Retention, Endings, ArenaFeatures):
         self.live = 0
         self.keys = KeyIndex()
         self.holds_live = 0
+        self.pinned: dict[int, Lease] = {}  # retained features with pins outstanding, as last swept (retention.py)
         self.overdue = 0  # reservations past their reserve_ttl whose ranges are kept (endings.py)
 
     # --- the lifecycle -------------------------------------------------------------------------
@@ -409,6 +410,7 @@ class Ledger(Retention, Endings, ArenaFeatures):
         self.keys.unbind(lease)
         if lease.retain_ttl is not None:
             self.keys.not_retained(lease)
+            self.pinned.pop(slot, None)
         if lease.state is LeaseState.RESERVED:
             self.books.not_reserved(lease.session, slot)
             self.overdue -= lease.overdue

@@ -43,6 +43,7 @@ class Retention:
     live: int
     max_leases: int
     holds_live: int
+    pinned: dict[int, Lease]
     ack_ttl: float
     _leases: dict[int, Lease]
     _table: Any
@@ -130,6 +131,10 @@ class Retention:
                 self.counters.table_pins += taken - lease.pins_taken
             lease.pins_taken, lease.pinned_at = taken, now
         lease.pins = max(0, taken - released)
+        if lease.pins:
+            self.pinned[lease.lease_id] = lease
+        else:
+            self.pinned.pop(lease.lease_id, None)
 
     def close_pins(self, lease: Lease, now: float) -> bool:
         """Close retained feature ``lease``'s ACKS word to new pins, so that it may be freed: True once
@@ -153,6 +158,7 @@ class Retention:
             if ok:
                 self.counters.pins_forgiven += lease.pins  # their readers' acks never came within ack_ttl
                 lease.pins = 0
+                self.pinned.pop(slot, None)
                 break
         table.seen_acks[slot] = closed_word
         return True
