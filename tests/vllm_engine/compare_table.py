@@ -107,13 +107,13 @@ def render(result: dict[str, Any]) -> str:
         label = size_label(row["size"])
         saves.append(f"{label} {row['save_ratio']:.2f}x {_verdict(row['save_ratio'] <= limit)}")
         loads.append(f"{label} {row['load_ratio']:.2f}x {_verdict(row['load_ratio'] <= LOAD_TARGET)}")
-        worst = max(row["mmfeat_producer_scheduler_s"], row["mmfeat_consumer_scheduler_s"])
-        halves.append(f"{label} {_ms(worst)} ms {_verdict(worst <= SCHEDULER_TARGET_S)}")
+        both = row["mmfeat_producer_scheduler_s"] + row["mmfeat_consumer_scheduler_s"]
+        halves.append(f"{label} {_ms(both)} ms {_verdict(both <= SCHEDULER_TARGET_S)}")
     lines += ["targets (printed, not asserted):",
               f"  save <= {SAVE_TARGET:g}x the example from 1 MiB, <= {SAVE_TARGET_SMALL:g}x below: "
               + "; ".join(saves),
               f"  load + first use <= {LOAD_TARGET:g}x the example: " + "; ".join(loads),
-              f"  mmfeat's scheduler halves <= {SCHEDULER_TARGET_S * 1e3:g} ms per item (the larger half): "
+              f"  mmfeat's scheduler halves <= {SCHEDULER_TARGET_S * 1e3:g} ms per item (both together): "
               + "; ".join(halves), ""]
     lines.append("the other calls, µs per item, median over the warm items of every size (later_: the request's "
                  "next step):")
