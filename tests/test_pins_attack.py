@@ -9,6 +9,8 @@ import torch
 from mmfeat.client import Namespace
 
 from . import pin_attack_workers
+from .test_keys import books_balance
+from .test_pins import Pinner, _produce
 
 NS = Namespace(framework="vllm", version="0.32.0", model="pins-attack", dtype="float32")
 
@@ -17,8 +19,6 @@ def _published(s: dict) -> int:
     return s["leases"]["PUBLISHED"]
 
 
-@pytest.mark.xfail(strict=True, reason="close_pins/_note_pins restart the ack_ttl wait each time the word's taken "
-                   "changes, so a word rewritten faster than ack_ttl keeps a doomed feature for ever")
 def test_a_hostile_word_that_keeps_changing_pins_a_feature_no_longer_than_ack_ttl(daemon_factory, children) -> None:
     """A member of the group rewrites a retained feature's ACKS word between 1 and 2 pins taken, every
     50 ms. Its retain_ttl (1 s) passes: the daemon may wait for those pins ack_ttl (1 s) after it saw them,
@@ -41,3 +41,29 @@ def test_a_hostile_word_that_keeps_changing_pins_a_feature_no_longer_than_ack_tt
             p.join(30)
         assert p.exitcode == 0
         assert not c.has(key)
+
+
+def test_no_pin_lands_once_the_free_waits_and_the_waited_pins_still_release(daemon, children) -> None:
+    """A feature evicted while pinned waits for its pins, and takes no new one from then on (a late pin
+    fails, took nothing, and its holder asks the daemon, which no longer finds the key); the reads it
+    waits for still release it, and it is freed at the last, with no pin forgiven."""
+    key = NS.key("frozen")
+    _produce(daemon, children, [key])
+    pin = Pinner(daemon, children, key, 2)
+    assert pin.pinned
+    try:
+        with daemon.client() as c:
+            daemon.wait_for(lambda s: s["counters"]["table_pins"] == 2, what="the sweep to see the pin")
+            assert c.evict(key)
+            table = c._connect().table
+            d = pin.desc
+            args = (d.lease, d.gen, d.pool, d.offset, d.nbytes)
+            assert not table.pin(*args, 1)  # the free began: no pin lands
+            assert c.hold(key, count=1) is None  # the daemon finds no key either
+            for _ in range(2):
+                assert torch.equal(c.get(d, copy=True), torch.zeros(4096))
+                c.ack(d)
+            s = books_balance(daemon)
+            assert s["counters"]["pins_forgiven"] == 0 and s["counters"]["table_pins"] == 2
+    finally:
+        pin.done()
