@@ -30,7 +30,9 @@ Words of a slot:
   compare-and-swap from a value with no pin outstanding (``taken == released``), or from any value
   once ``ack_ttl`` has passed since it first saw the current ``taken``; both sides swap the same word,
   so a pin either lands before the close (and the daemon waits for it) or fails (and its holder asks
-  the daemon). The daemon folds a settled word back to zero pins.
+  the daemon). A feature whose free waits for its pins has its word filled first (``taken`` to
+  ``PIN_MAX``, ``released`` raised by as much): no pin lands after that, and a rewrite of the word no
+  longer moves the end of the wait. The daemon folds a settled word back to zero pins.
 - ``POOL``, ``OFFSET``, ``NBYTES``, ``CONSUMERS``: the live feature's range and consumer count,
   written before ``STATE`` names its generation.
 - ``TOKEN``, ``TOKEN + 1``: the feature's 16-byte token, which ack, release and lookup messages

@@ -69,6 +69,9 @@ class Lease:
     pins: int = 0
     pins_taken: int = 0
     pinned_at: float = 0.0
+    # Its free waits for its pins and the daemon filled its word (``taken`` at PIN_MAX, ``released``
+    # raised by as much): no pin lands any more, and ``pinned_at`` no longer moves, whatever the word says.
+    pins_frozen: bool = False
     # Why it ended while holds or pins protected it: it is freed, for that reason, when the last ends.
     doomed: Optional[EndReason] = None
     # Set for a hold: the retained feature whose bytes it protects (a hold owns no bytes of its own).

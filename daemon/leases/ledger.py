@@ -405,7 +405,7 @@ class Ledger(Retention, Endings, ArenaFeatures):
             self.keys.not_retained(lease)
             return
         if lease.retain_ttl is not None and reason is not EndReason.SHUTDOWN and not self.close_pins(lease, now):
-            self.wait_for_pins(lease, reason)
+            self.wait_for_pins(lease, reason, now)
             return
         self.keys.unbind(lease)
         if lease.retain_ttl is not None:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from mmfeat.protos.errors import ErrorCode, MmfeatError
 from mmfeat.protos.lease_table import (
-    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, PIN_CLOSED, PUBLISHED, ack_word, pins,
+    ACK_COUNT_MASK, ACK_GEN_MASK, ACKS, PIN_CLOSED, PIN_MAX, PIN_RELEASED_SHIFT, PUBLISHED, ack_word, pins,
 )
 from mmfeat.protos.messages import TOKEN_BYTES
 
@@ -116,7 +116,7 @@ class Retention:
         self._note_pins(lease, taken, released, now)
         if lease.pins:
             return
-        if taken and self._table is not None:
+        if taken and self._table is not None and not lease.pins_frozen:
             # Room for the next pins; a pin or release that lands first fails this swap, and the next
             # sweep reads it.
             if self._table.cas(lease.lease_id, ACKS, word, ack_word(lease.gen))[0]:
@@ -126,6 +126,11 @@ class Retention:
             self._free(lease, lease.doomed, now)
 
     def _note_pins(self, lease: Lease, taken: int, released: int, now: float) -> None:
+        if lease.pins_frozen:
+            # No pin lands on a filled word: a changed ``taken`` is a peer's rewrite, which must not move
+            # the end of the wait (SPEC.md, section 9: client bytes pin a feature ack_ttl at most).
+            lease.pins = max(0, taken - released)
+            return
         if taken != lease.pins_taken:
             if taken > lease.pins_taken:
                 self.counters.table_pins += taken - lease.pins_taken
@@ -163,14 +168,44 @@ class Retention:
         table.seen_acks[slot] = closed_word
         return True
 
-    def wait_for_pins(self, lease: Lease, reason: EndReason) -> None:
+    def wait_for_pins(self, lease: Lease, reason: EndReason, now: float) -> None:
         """``lease`` was to end for ``reason`` but pins are outstanding: no key finds it from now on, and
         it is freed once they are released (the sweep) or at ``ack_ttl`` after they were seen (expiry)."""
         lease.doomed = reason
         self.keys.unbind(lease)
         self.keys.not_retained(lease)
+        self._freeze_pins(lease, now)
         lease.deadline = lease.pinned_at + self.ack_ttl
         self._deadlines.push(lease)
+
+    def _freeze_pins(self, lease: Lease, now: float) -> None:
+        """Fill waiting ``lease``'s word: ``taken`` to PIN_MAX and ``released`` raised by as much, so that
+        the pins outstanding stay what they were, their releases still land, and no new pin does (it
+        would pass PIN_MAX): the wait ends ack_ttl after the pins the daemon saw up to here, and a word
+        a peer keeps rewriting no longer moves that (``_note_pins``)."""
+        table = self._table
+        if table is None or lease.pins_frozen:
+            return
+        slot, gen = lease.lease_id, lease.gen
+        word = table.load(slot, ACKS)
+        for _ in range(8):  # bounded: a peer rewriting the word without end does not hold the daemon
+            if word >> 32 != gen & ACK_GEN_MASK:
+                break
+            taken, released, closed = pins(word & ACK_COUNT_MASK)
+            if closed:
+                break
+            self._note_pins(lease, taken, released, now)
+            up = PIN_MAX - taken
+            if released > taken:
+                break  # a peer's word: nothing outstanding (the next close swaps it)
+            filled = ack_word(gen, PIN_MAX | (released + up) << PIN_RELEASED_SHIFT)
+            ok, word = table.cas(slot, ACKS, word, filled)
+            if ok:
+                table.seen_acks[slot] = filled
+                lease.pins_taken = PIN_MAX
+                break
+        # Frozen even where a peer's rewrites kept the swap from landing: only such a peer pins it now.
+        lease.pins_frozen = True
 
     def _hold_ended(self, base: Lease, now: float) -> None:
         base.holds -= 1
