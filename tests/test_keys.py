@@ -39,14 +39,20 @@ def test_namespace_ids_and_keys() -> None:
     assert NS.key("abc") == f"{NS.id}/abc"
 
 
-def test_keyed_put_lookup_has_many_get_by_key(daemon, children) -> None:
-    keys = [NS.key(f"img{i}") for i in range(3)]
+def produced(daemon, children, keys: list[str]) -> list[bytes]:
+    """key_workers.keyed_producer's descriptors of ``keys`` (retained, 300 s), put by a process that exited."""
     q = children.Queue()
     p = children.Process(target=key_workers.keyed_producer, args=(str(daemon.runtime_dir), keys, 300.0, q))
     p.start()
     descs = q.get(timeout=60)
     p.join(30)
     assert p.exitcode == 0
+    return descs
+
+
+def test_keyed_put_lookup_has_many_get_by_key(daemon, children) -> None:
+    keys = [NS.key(f"img{i}") for i in range(3)]
+    descs = produced(daemon, children, keys)
     with daemon.client() as c:
         missing = NS.key("never")
         assert c.has_many([*keys, missing]) == [True, True, True, False]

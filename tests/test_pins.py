@@ -13,20 +13,10 @@ from mmfeat.client import Descriptor, Namespace
 from mmfeat.protos.lease_table import ACKS, PIN_MAX, ack_word, word_offset
 
 from . import key_workers
-from .test_keys import books_balance
+from .test_keys import books_balance, produced
 
 NS = Namespace(framework="vllm", version="0.32.0", model="pins", dtype="float32")
 MIB = 1 << 20
-
-
-def _produce(daemon, children, keys: list[str]) -> list[bytes]:
-    q = children.Queue()
-    p = children.Process(target=key_workers.keyed_producer, args=(str(daemon.runtime_dir), keys, 300.0, q))
-    p.start()
-    descs = q.get(timeout=60)
-    p.join(30)
-    assert p.exitcode == 0
-    return descs
 
 
 class Pinner:
@@ -52,7 +42,7 @@ class Pinner:
 
 def test_a_pinned_feature_outlives_its_eviction_until_its_reads_are_acked(daemon, children) -> None:
     key = NS.key("evicted")
-    _produce(daemon, children, [key])
+    produced(daemon, children, [key])
     pin = Pinner(daemon, children, key, 2)
     assert pin.pinned
     with daemon.client() as c:
@@ -99,7 +89,7 @@ def test_pressure_passes_over_a_pinned_feature_seen_or_not(daemon_factory, child
 def test_a_dead_pinners_pins_are_waited_for_ack_ttl_then_forgiven(daemon_factory, children) -> None:
     d = daemon_factory("--ack-ttl", "1")
     key = NS.key("dead")
-    _produce(d, children, [key])
+    produced(d, children, [key])
     pin = Pinner(d, children, key, 3)
     assert pin.pinned
     pin.kill()
@@ -112,7 +102,7 @@ def test_a_dead_pinners_pins_are_waited_for_ack_ttl_then_forgiven(daemon_factory
 
 def test_pins_fail_where_they_would_protect_nothing(daemon, children) -> None:
     retained, counted = NS.key("r"), NS.key("c")
-    _produce(daemon, children, [retained])
+    produced(daemon, children, [retained])
     with daemon.client() as c:
         c.put(torch.ones(4096), key=counted, consumers=1)
         table = c._connect().table
@@ -141,7 +131,7 @@ def test_pins_fail_where_they_would_protect_nothing(daemon, children) -> None:
 def test_a_hostile_pins_word_is_bounded_by_ack_ttl(daemon_factory, children) -> None:
     d = daemon_factory("--ack-ttl", "1")
     keys = [NS.key("h0"), NS.key("h1")]
-    descs = [Descriptor.from_bytes(b) for b in _produce(d, children, keys)]
+    descs = [Descriptor.from_bytes(b) for b in produced(d, children, keys)]
     with d.client() as c:
         table = c._connect().table
         slots = table.slots

@@ -3,14 +3,14 @@ of their own: hostile members of the group rewriting ACKS words, racing pinners,
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from mmfeat.client import Namespace
 
 from . import pin_attack_workers
 from .test_keys import books_balance
-from .test_pins import Pinner, _produce
+from .test_keys import produced
+from .test_pins import Pinner
 
 NS = Namespace(framework="vllm", version="0.32.0", model="pins-attack", dtype="float32")
 
@@ -48,7 +48,7 @@ def test_no_pin_lands_once_the_free_waits_and_the_waited_pins_still_release(daem
     fails, took nothing, and its holder asks the daemon, which no longer finds the key); the reads it
     waits for still release it, and it is freed at the last, with no pin forgiven."""
     key = NS.key("frozen")
-    _produce(daemon, children, [key])
+    produced(daemon, children, [key])
     pin = Pinner(daemon, children, key, 2)
     assert pin.pinned
     try:
